@@ -1,0 +1,67 @@
+"""hierps: a hierarchical (device / RAM / SSD) parameter store for huge sparse embedding tables.
+
+The whole public API at a glance::
+
+    store = hierps.Store(path, memory_budget="8GiB", device_budget="2GiB", optimizer="adagrad")
+    bag = hierps.EmbeddingBag.from_module(model.user, store=store, name="user")
+    with store.run_pass([{"user": ids} for ids in pass_batches]):
+        ...  # forward, backward, dense optimizer step, store.step()
+    store.checkpoint()
+
+``hierps.deepspeed.initialize`` swaps a model's embeddings in from a DeepSpeed config section.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from hierps.config import InitializerConfig, OptimizerConfig, parse_size
+from hierps.errors import (
+    ConfigError,
+    CorruptStoreError,
+    DeviceBudgetError,
+    HierpsError,
+    InvalidIdsError,
+    NonFiniteGradientError,
+    OffsetsError,
+    StoreClosedError,
+    StoreFormatError,
+    StoreLockedError,
+    TableMismatchError,
+)
+from hierps.modules import Embedding, EmbeddingBag, get_default_store, set_default_store
+from hierps.store import Store
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ConfigError",
+    "CorruptStoreError",
+    "DeviceBudgetError",
+    "Embedding",
+    "EmbeddingBag",
+    "HierpsError",
+    "InitializerConfig",
+    "InvalidIdsError",
+    "NonFiniteGradientError",
+    "OffsetsError",
+    "OptimizerConfig",
+    "Store",
+    "StoreClosedError",
+    "StoreFormatError",
+    "StoreLockedError",
+    "TableMismatchError",
+    "get_default_store",
+    "parse_size",
+    "set_default_store",
+]
+
+_LAZY = {"deepspeed": "hierps.integrations.deepspeed", "serving": "hierps.serving"}
+
+
+def __getattr__(name: str) -> Any:
+    # Integrations import heavy frameworks; load them only when asked for.
+    if name in _LAZY:
+        return importlib.import_module(_LAZY[name])
+    raise AttributeError(f"module 'hierps' has no attribute {name!r}")

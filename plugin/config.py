@@ -1,0 +1,191 @@
+"""Parsing of settings, done once at the edge: sizes, optimizer and initializer specs."""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from hierps.errors import ConfigError
+
+__all__ = [
+    "EVICTION_POLICIES",
+    "InitializerConfig",
+    "OptimizerConfig",
+    "parse_size",
+]
+
+_UNITS = {
+    "": 1,
+    "B": 1,
+    "K": 1000,
+    "KB": 1000,
+    "M": 1000**2,
+    "MB": 1000**2,
+    "G": 1000**3,
+    "GB": 1000**3,
+    "T": 1000**4,
+    "TB": 1000**4,
+    "KIB": 1024,
+    "MIB": 1024**2,
+    "GIB": 1024**3,
+    "TIB": 1024**4,
+}
+_SIZE_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]*)?)\s*([A-Za-z]*)\s*$")
+
+EVICTION_POLICIES = ("lru", "lfu")
+
+
+def parse_size(value: Any, name: str = "size") -> int:
+    """Bytes from an int or a string like ``"512MiB"``, ``"8GiB"``, ``"1.5GB"``, ``"4096"``.
+
+    >>> parse_size("2KiB")
+    2048
+    """
+    if isinstance(value, bool):
+        raise ConfigError(f"{name}: expected a size in bytes or a string like '512MiB'. Got {value!r} instead.")
+    if isinstance(value, int):
+        n = value
+    elif isinstance(value, float) and math.isfinite(value) and value.is_integer():
+        n = int(value)
+    elif isinstance(value, str):
+        m = _SIZE_RE.match(value)
+        unit = m.group(2).upper() if m else ""
+        if not m or unit not in _UNITS:
+            raise ConfigError(
+                f"{name}: cannot read {value!r} as a size; write an int of bytes or a number with "
+                "a unit among B, KB, MB, GB, TB, KiB, MiB, GiB, TiB (e.g. '512MiB')."
+            )
+        n = int(float(m.group(1)) * _UNITS[unit])
+    else:
+        raise ConfigError(f"{name}: expected a size in bytes or a string like '512MiB'. Got {value!r} instead.")
+    if n < 0:
+        raise ConfigError(f"{name}: a size must not be negative. Got {value!r} instead.")
+    return n
+
+
+def _check_number(name: str, value: Any, *, low: float | None = None, high: float | None = None,
+                  low_open: bool = False) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ConfigError(f"{name}: expected a finite number. Got {value!r} instead.")
+    if low is not None and (value < low or (low_open and value == low)):
+        bound = f"> {low}" if low_open else f">= {low}"
+        raise ConfigError(f"{name}: expected a number {bound}. Got {value!r} instead.")
+    if high is not None and value > high:
+        raise ConfigError(f"{name}: expected a number <= {high}. Got {value!r} instead.")
+    return float(value)
+
+
+# Hyper-parameters each sparse optimizer takes, with torch's defaults (sgd has no default lr
+# in torch either). Names and meaning follow torch.optim.SGD / Adagrad / SparseAdam.
+_OPTIMIZER_PARAMS: dict[str, dict[str, Any]] = {
+    "sgd": {"lr": None},
+    "adagrad": {"lr": 0.01, "lr_decay": 0.0, "eps": 1e-10, "initial_accumulator_value": 0.0},
+    "rowwise_adagrad": {"lr": 0.01, "eps": 1e-10, "initial_accumulator_value": 0.0},
+    "adam": {"lr": 0.001, "betas": (0.9, 0.999), "eps": 1e-08},
+}
+
+
+@dataclass(frozen=True)
+class OptimizerConfig:
+    """A sparse optimizer and its hyper-parameters, e.g. ``OptimizerConfig("adagrad", {"lr": 0.05})``."""
+
+    type: str = "adagrad"
+    params: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.type not in _OPTIMIZER_PARAMS:
+            raise ConfigError(
+                f"optimizer.type: unknown sparse optimizer {self.type!r}; "
+                f"choose one of {', '.join(_OPTIMIZER_PARAMS)}."
+            )
+        allowed = _OPTIMIZER_PARAMS[self.type]
+        unknown = sorted(set(self.params) - set(allowed))
+        if unknown:
+            raise ConfigError(
+                f"optimizer.params: {self.type} takes no parameter {unknown[0]!r}; "
+                f"it takes {', '.join(allowed)}."
+            )
+        merged = {**allowed, **self.params}
+        if merged["lr"] is None:
+            raise ConfigError("optimizer.params.lr: sgd needs a learning rate (like torch.optim.SGD).")
+        _check_number("optimizer.params.lr", merged["lr"], low=0.0)
+        if "eps" in merged:
+            _check_number("optimizer.params.eps", merged["eps"], low=0.0)
+        if "lr_decay" in merged:
+            _check_number("optimizer.params.lr_decay", merged["lr_decay"], low=0.0)
+        if "initial_accumulator_value" in merged:
+            _check_number("optimizer.params.initial_accumulator_value",
+                          merged["initial_accumulator_value"], low=0.0)
+        if "betas" in merged:
+            betas = merged["betas"]
+            if not isinstance(betas, (list, tuple)) or len(betas) != 2:
+                raise ConfigError(f"optimizer.params.betas: expected two numbers. Got {betas!r} instead.")
+            for b in betas:
+                _check_number("optimizer.params.betas", b, low=0.0, high=1.0)
+            if betas[0] >= 1.0 or betas[1] >= 1.0:
+                raise ConfigError(f"optimizer.params.betas: each beta must be < 1. Got {betas!r} instead.")
+            merged["betas"] = (float(betas[0]), float(betas[1]))
+        object.__setattr__(self, "params", merged)
+
+    @classmethod
+    def parse(cls, value: Any) -> OptimizerConfig:
+        """From an ``OptimizerConfig``, a type name, or ``{"type": ..., "params": {...}}``."""
+        if isinstance(value, OptimizerConfig):
+            return value
+        if isinstance(value, str):
+            return cls(value)
+        if isinstance(value, dict):
+            unknown = sorted(set(value) - {"type", "params"})
+            if unknown:
+                raise ConfigError(f"optimizer: unknown key {unknown[0]!r}; expected 'type' and 'params'.")
+            params = value.get("params", {}) or {}
+            if not isinstance(params, dict):
+                raise ConfigError(f"optimizer.params: expected a mapping. Got {params!r} instead.")
+            return cls(value.get("type", "adagrad"), dict(params))
+        raise ConfigError(f"optimizer: expected a type name or {{'type': ..., 'params': ...}}. Got {value!r}.")
+
+    def to_json(self) -> dict[str, Any]:
+        params = {k: (list(v) if isinstance(v, tuple) else v) for k, v in self.params.items()}
+        return {"type": self.type, "params": params}
+
+
+_INITIALIZERS = {"normal": {"mean": 0.0, "std": 1.0}, "uniform": {"low": -0.05, "high": 0.05}, "zeros": {}}
+
+
+@dataclass(frozen=True)
+class InitializerConfig:
+    """How a never-seen key's row starts. ``normal`` (N(0, 1)) is ``nn.Embedding``'s default."""
+
+    type: str = "normal"
+    params: dict[str, float] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.type not in _INITIALIZERS:
+            raise ConfigError(
+                f"initializer.type: unknown initializer {self.type!r}; choose one of {', '.join(_INITIALIZERS)}."
+            )
+        allowed = _INITIALIZERS[self.type]
+        unknown = sorted(set(self.params) - set(allowed))
+        if unknown:
+            raise ConfigError(f"initializer.params: {self.type} takes no parameter {unknown[0]!r}.")
+        merged = {k: _check_number(f"initializer.params.{k}", v) for k, v in {**allowed, **self.params}.items()}
+        if self.type == "normal" and merged["std"] < 0:
+            raise ConfigError(f"initializer.params.std: must be >= 0. Got {merged['std']!r} instead.")
+        if self.type == "uniform" and merged["low"] > merged["high"]:
+            raise ConfigError(f"initializer.params: low must be <= high. Got {merged!r} instead.")
+        object.__setattr__(self, "params", merged)
+
+    @classmethod
+    def parse(cls, value: Any) -> InitializerConfig:
+        if isinstance(value, InitializerConfig):
+            return value
+        if isinstance(value, str):
+            return cls(value)
+        if isinstance(value, dict):
+            return cls(value.get("type", "normal"), dict(value.get("params", {}) or {}))
+        raise ConfigError(f"initializer: expected a type name or {{'type': ..., 'params': ...}}. Got {value!r}.")
+
+    def to_json(self) -> dict[str, Any]:
+        return {"type": self.type, "params": dict(self.params)}

@@ -1,0 +1,415 @@
+"""Criteo-format click data: a synthetic generator with a hidden teacher, and TSV I/O.
+
+Arrays used throughout, for ``N`` examples:
+
+* ``dense``:  ``(N, 13)`` float32, ``log1p`` of non-negative integer counts.
+* ``sparse``: ``(N, 26)`` int64, raw 64-bit feature ids (arbitrary values, negatives
+  included); ``0`` is the "missing" sentinel.
+* ``labels``: ``(N,)`` float32 in ``{0, 1}``.
+
+Synthetic ids are Zipf-distributed per feature and pass through splitmix64, so they look
+like the hashed ids of real logs rather than indices ``0..n-1``. Labels come from a hidden
+logistic "teacher" whose per-id weights are derived by hashing ``(feature, id)``, so no
+weight table is ever materialised, whatever the vocabulary size.
+"""
+
+from __future__ import annotations
+
+import gzip
+import math
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+
+import numpy as np
+import torch
+
+__all__ = [
+    "CriteoData",
+    "CriteoSpec",
+    "generate",
+    "power_law_vocab_sizes",
+    "read_criteo_tsv",
+    "splitmix64",
+    "teacher_logits",
+    "write_criteo_tsv",
+]
+
+N_FIELDS = 40  # label + 13 dense + 26 categorical in one TSV line
+MISSING_ID = 0
+
+
+# --------------------------------------------------------------------------- hashing
+
+
+def splitmix64(x: np.ndarray | int) -> np.ndarray:
+    """splitmix64 finaliser, a bijection on uint64. Any int array in, uint64 array out."""
+    # Wrap-around on overflow is exactly the arithmetic wanted; numpy only warns for 0-d input.
+    with np.errstate(over="ignore"):
+        z = np.asarray(x).astype(np.uint64) + np.uint64(0x9E3779B97F4A7C15)
+        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        return z ^ (z >> np.uint64(31))
+
+
+def _unit(h: np.ndarray) -> np.ndarray:
+    """uint64 hashes -> float64 uniform in [0, 1), from the top 53 bits."""
+    return (h >> np.uint64(11)).astype(np.float64) * 2.0**-53
+
+
+def _salt(*parts: int) -> np.uint64:
+    """A uint64 salt derived from small non-negative ints (seed, feature, purpose...)."""
+    h = splitmix64(0)
+    for p in parts:
+        h = splitmix64(h ^ np.uint64(p & 0xFFFFFFFFFFFFFFFF))
+    return np.uint64(h)
+
+
+def _centred(h: np.ndarray) -> np.ndarray:
+    """uint64 hashes -> float64 uniform on [-sqrt(3), sqrt(3)]: zero mean, unit variance."""
+    return (2.0 * _unit(h) - 1.0) * math.sqrt(3.0)
+
+
+# --------------------------------------------------------------------------- spec
+
+
+def power_law_vocab_sizes(n_features: int = 26, total: int = 200_000, smallest: int = 3) -> tuple[int, ...]:
+    """Per-feature vocabulary sizes spread log-uniformly from ``smallest`` up, largest first.
+
+    Real Criteo cardinalities span 3 to ~10M roughly log-uniformly: a few tables are huge and
+    many are tiny. The largest size is solved for so the sizes sum to about ``total``.
+    """
+    if n_features == 1:
+        return (max(total, smallest),)
+    lo, hi = float(smallest), float(total)
+    for _ in range(60):  # bisection on the largest size; the sum is monotone in it
+        top = math.sqrt(lo * hi)
+        s = np.geomspace(top, smallest, n_features).sum()
+        lo, hi = (top, hi) if s < total else (lo, top)
+    return tuple(int(round(v)) for v in np.geomspace(math.sqrt(lo * hi), smallest, n_features))
+
+
+@dataclass(frozen=True)
+class CriteoSpec:
+    """Shape of the synthetic data set and of its hidden teacher.
+
+    ``seed`` fixes everything about the *population*: which raw ids exist and what the teacher
+    thinks of them. The ``seed`` given to :func:`generate` only picks which examples are drawn,
+    so train and test sets drawn with different seeds share one teacher.
+    """
+
+    n_dense: int = 13
+    n_sparse: int = 26
+    vocab_sizes: tuple[int, ...] | None = None  # None: power_law_vocab_sizes(n_sparse, total_vocab)
+    total_vocab: int = 200_000
+    zipf_exponent: float = 1.1
+    seed: int = 0
+    base_ctr: float = 0.25
+    sparse_scale: float = 0.6  # std of a typical feature's per-id teacher weight
+    dense_scale: float = 0.25  # std of each dense feature's contribution to the logit
+    interaction_scale: float = 0.6
+    interactions: tuple[tuple[int, int], ...] | None = None  # None: two mid-sized pairs
+
+    def __post_init__(self) -> None:
+        if self.vocab_sizes is None:
+            object.__setattr__(self, "vocab_sizes", power_law_vocab_sizes(self.n_sparse, self.total_vocab))
+        object.__setattr__(self, "vocab_sizes", tuple(int(v) for v in self.vocab_sizes))
+        if len(self.vocab_sizes) != self.n_sparse or min(self.vocab_sizes) < 1:
+            raise ValueError(f"need {self.n_sparse} positive vocab sizes, got {self.vocab_sizes}")
+        if self.interactions is None:
+            n = self.n_sparse
+            pairs = ((n // 8, n // 3), (n // 4, n // 2))
+            object.__setattr__(self, "interactions", tuple(p for p in pairs if p[0] != p[1]))
+        object.__setattr__(self, "interactions", tuple((int(a), int(b)) for a, b in self.interactions))
+        for a, b in self.interactions:
+            if not (0 <= a < self.n_sparse and 0 <= b < self.n_sparse and a != b):
+                raise ValueError(f"bad interaction pair {(a, b)}")
+        if not 0.0 < self.base_ctr < 1.0:
+            raise ValueError("base_ctr must lie in (0, 1)")
+
+
+# --------------------------------------------------------------------------- sampling
+
+
+def _zipf_ranks(u: np.ndarray, vocab: np.ndarray, s: float) -> np.ndarray:
+    """Uniforms ``(N, F)`` -> Zipf ranks in ``[0, vocab_f)``, ``P(rank k) ~ (k + 1.5) ** -s``.
+
+    Inverse CDF of a power law on ``[1, n + 1)`` floored to an integer: O(1) per draw with no
+    per-id table, so vocabularies of any size cost the same.
+    """
+    log_n1 = np.log(vocab.astype(np.float64) + 1.0)
+    a = 1.0 - s
+    if abs(a) < 1e-9:
+        log_x = u * log_n1
+    else:
+        # x**a = 1 - u * (1 - (n+1)**a), written with expm1/log1p to stay exact near s = 1.
+        log_x = np.log1p(u * np.expm1(a * log_n1)) / a
+    ranks = np.floor(np.exp(log_x)).astype(np.int64) - 1
+    return np.minimum(ranks, vocab - 1)
+
+
+def _raw_ids(spec: CriteoSpec, ranks: np.ndarray) -> np.ndarray:
+    """Zipf ranks ``(N, F)`` -> raw int64 ids: a per-feature salted bijection of the rank."""
+    salts = np.array([_salt(spec.seed, 1, f) for f in range(spec.n_sparse)], dtype=np.uint64)
+    ids = splitmix64(ranks.astype(np.uint64) + salts).view(np.int64)
+    # 0 is the "missing" sentinel; the odds of a hash hitting it are 2**-64, but be exact.
+    return np.where(ids == MISSING_ID, 1, ids)
+
+
+def _dense_params(spec: CriteoSpec) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per dense feature: log-normal location, scale, and probability of a zero count."""
+    h = [_unit(splitmix64(_salt(spec.seed, 2, j) + np.arange(3, dtype=np.uint64))) for j in range(spec.n_dense)]
+    h = np.array(h)  # (n_dense, 3)
+    return 0.5 + 3.0 * h[:, 0], 0.6 + 1.0 * h[:, 1], 0.05 + 0.4 * h[:, 2]
+
+
+def _sample_features(spec: CriteoSpec, n: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+    """Draw ``n`` examples' features: ``(dense (n, n_dense) float32, sparse (n, n_sparse) int64)``."""
+    mu, sigma, p_zero = _dense_params(spec)
+    counts = np.floor(np.exp(mu + sigma * rng.standard_normal((n, spec.n_dense))))
+    counts[rng.random((n, spec.n_dense)) < p_zero] = 0.0
+    # The cap keeps float32 log1p exact enough that expm1 recovers the integer count.
+    dense = np.log1p(np.minimum(counts, 100_000.0)).astype(np.float32)
+    vocab = np.asarray(spec.vocab_sizes, dtype=np.int64)
+    ranks = _zipf_ranks(rng.random((n, spec.n_sparse)), vocab, spec.zipf_exponent)
+    return dense, _raw_ids(spec, ranks)
+
+
+# --------------------------------------------------------------------------- teacher
+
+
+def _id_hash(spec: CriteoSpec, sparse: np.ndarray, purpose: int, column: int, k: int = 0) -> np.ndarray:
+    """Deterministic per-(feature, id) hash for teacher weight ``purpose``/component ``k``."""
+    return splitmix64(sparse[:, column].view(np.uint64) ^ _salt(spec.seed, purpose, column, k))
+
+
+def _raw_teacher_logits(spec: CriteoSpec, dense: np.ndarray, sparse: np.ndarray) -> np.ndarray:
+    """Teacher logit without its bias, ``(N,)`` float64."""
+    # Feature importances vary so some tables matter a lot and some are nearly noise.
+    importance = 0.25 + 1.5 * _unit(splitmix64(_salt(spec.seed, 3) + np.arange(spec.n_sparse, dtype=np.uint64)))
+    logit = np.zeros(len(dense), dtype=np.float64)
+    for f in range(spec.n_sparse):
+        logit += spec.sparse_scale * importance[f] * _centred(_id_hash(spec, sparse, 4, f))
+    mu, sigma, _ = _dense_params(spec)
+    w_dense = _centred(splitmix64(_salt(spec.seed, 5) + np.arange(spec.n_dense, dtype=np.uint64)))
+    logit += ((dense - np.log1p(np.exp(mu))) / sigma) @ (spec.dense_scale * w_dense)
+    # Low-rank pairwise terms: exactly what a dot-product interaction layer can represent.
+    rank = 4
+    for p, (a, b) in enumerate(spec.interactions):
+        u = np.stack([_centred(_id_hash(spec, sparse, 6 + 2 * p, a, k)) for k in range(rank)], axis=1)
+        v = np.stack([_centred(_id_hash(spec, sparse, 7 + 2 * p, b, k)) for k in range(rank)], axis=1)
+        logit += spec.interaction_scale * (u * v).sum(axis=1) / math.sqrt(rank)
+    return logit
+
+
+@lru_cache(maxsize=16)
+def _teacher_bias(spec: CriteoSpec) -> float:
+    """Bias that puts the mean click rate at ``spec.base_ctr``, fitted on a fixed sample."""
+    dense, sparse = _sample_features(spec, 1 << 16, np.random.default_rng((spec.seed, 0xB1A5)))
+    raw = _raw_teacher_logits(spec, dense, sparse)
+    lo, hi = -30.0, 30.0
+    for _ in range(60):  # mean sigmoid is monotone in the bias
+        mid = 0.5 * (lo + hi)
+        lo, hi = (mid, hi) if np.mean(1.0 / (1.0 + np.exp(-(raw + mid)))) < spec.base_ctr else (lo, mid)
+    return 0.5 * (lo + hi)
+
+
+def teacher_logits(spec: CriteoSpec, dense: np.ndarray, sparse: np.ndarray) -> np.ndarray:
+    """The hidden teacher's click logit for given features, ``(N,)`` float64.
+
+    ``sigmoid`` of it is the true click probability, so it bounds the AUC any model can reach.
+    """
+    return _raw_teacher_logits(spec, dense, sparse) + _teacher_bias(spec)
+
+
+# --------------------------------------------------------------------------- container
+
+
+@dataclass
+class CriteoData:
+    """A block of examples: ``dense (N, 13) float32``, ``sparse (N, 26) int64``, ``labels (N,) float32``."""
+
+    dense: np.ndarray
+    sparse: np.ndarray
+    labels: np.ndarray
+
+    def __post_init__(self) -> None:
+        self.dense = np.ascontiguousarray(self.dense, dtype=np.float32)
+        self.sparse = np.ascontiguousarray(self.sparse, dtype=np.int64)
+        self.labels = np.ascontiguousarray(self.labels, dtype=np.float32)
+        n = len(self.labels)
+        if self.dense.ndim != 2 or self.sparse.ndim != 2 or len(self.dense) != n or len(self.sparse) != n:
+            raise ValueError(f"inconsistent shapes {self.dense.shape} {self.sparse.shape} {self.labels.shape}")
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def subset(self, index: slice | np.ndarray) -> CriteoData:
+        """Rows selected by a slice, an integer index array or a boolean mask."""
+        return CriteoData(self.dense[index], self.sparse[index], self.labels[index])
+
+    def split(self, frac: float) -> tuple[CriteoData, CriteoData]:
+        """``(first round(frac * N) rows, the rest)``; synthetic rows are i.i.d., so no shuffle."""
+        if not 0.0 <= frac <= 1.0:
+            raise ValueError("frac must lie in [0, 1]")
+        cut = int(round(frac * len(self)))
+        return self.subset(slice(0, cut)), self.subset(slice(cut, None))
+
+    def batches(
+        self, batch_size: int, shuffle: bool = False, seed: int = 0, drop_last: bool = False
+    ) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """Yield ``(dense (B, 13) float32, sparse (B, 26) int64, labels (B,) float32)`` CPU tensors."""
+        n = len(self)
+        order = np.random.default_rng(seed).permutation(n) if shuffle else None
+        stop = n - n % batch_size if drop_last else n
+        for start in range(0, stop, batch_size):
+            sel = slice(start, min(start + batch_size, n))
+            idx = order[sel] if order is not None else sel
+            # from_numpy shares memory; slices of C-contiguous rows stay contiguous.
+            yield (torch.from_numpy(self.dense[idx]), torch.from_numpy(self.sparse[idx]), torch.from_numpy(self.labels[idx]))
+
+
+def generate(spec: CriteoSpec, n_examples: int, seed: int = 0) -> CriteoData:
+    """Draw ``n_examples`` i.i.d. examples with labels ~ Bernoulli(sigmoid(teacher logit))."""
+    rng = np.random.default_rng((spec.seed, seed))
+    dense, sparse = _sample_features(spec, n_examples, rng)
+    prob = 1.0 / (1.0 + np.exp(-teacher_logits(spec, dense, sparse)))
+    return CriteoData(dense, sparse, (rng.random(n_examples) < prob).astype(np.float32))
+
+
+# --------------------------------------------------------------------------- TSV I/O
+
+_TAB, _NL = ord("\t"), ord("\n")
+_DIGIT = np.full(256, 255, dtype=np.uint8)  # byte -> digit value; 255 marks "not a digit"
+_DIGIT[np.frombuffer(b"0123456789", np.uint8)] = np.arange(10)
+_DIGIT[np.frombuffer(b"abcdef", np.uint8)] = np.arange(10, 16)
+_DIGIT[np.frombuffer(b"ABCDEF", np.uint8)] = np.arange(10, 16)
+
+
+def _parse_fields(buf: np.ndarray, starts: np.ndarray, lengths: np.ndarray, base: int) -> np.ndarray:
+    """Unsigned integers in ``base`` from byte fields, vectorised over fields -> uint64.
+
+    Loops over digit positions (at most 16-20), never over fields. Empty fields give 0.
+    """
+    out = np.zeros(starts.shape, dtype=np.uint64)
+    width = int(lengths.max(initial=0))
+    if width > (16 if base == 16 else 19):
+        raise ValueError(f"field of {width} digits does not fit in 64 bits")
+    for k in range(width):
+        live = lengths > k
+        digit = _DIGIT[buf[np.where(live, starts + k, 0)]]
+        if np.any(live & (digit >= base)):
+            raise ValueError(f"non base-{base} character in a numeric field")
+        out = np.where(live, out * np.uint64(base) + digit.astype(np.uint64), out)
+    return out
+
+
+def _parse_block(raw: bytes, first_line: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Complete ``\\n``-terminated TSV lines -> ``(labels, dense counts int64, sparse int64)``."""
+    buf = np.frombuffer(raw, dtype=np.uint8)
+    ends = np.flatnonzero((buf == _TAB) | (buf == _NL))  # each field ends at a separator
+    is_nl = buf[ends] == _NL
+    n = int(is_nl.sum())
+    if len(ends) != N_FIELDS * n or not is_nl[N_FIELDS - 1 :: N_FIELDS].all():
+        per_line = np.diff(np.concatenate([[-1], np.flatnonzero(is_nl)]))
+        bad = int(np.flatnonzero(per_line != N_FIELDS)[0])
+        raise ValueError(f"line {first_line + bad + 1}: expected {N_FIELDS} fields, found {per_line[bad]}")
+    starts = np.concatenate([[0], ends[:-1] + 1]).reshape(n, N_FIELDS)
+    lengths = ends.reshape(n, N_FIELDS) - starts
+    labels = _parse_fields(buf, starts[:, 0], lengths[:, 0], 10)
+    # Negative counts occur in the raw logs and are treated as missing: zero length parses to 0.
+    d_start, d_len = starts[:, 1:14], lengths[:, 1:14]
+    d_len = np.where((d_len > 0) & (buf[d_start] == ord("-")), 0, d_len)
+    counts = _parse_fields(buf, d_start, d_len, 10).astype(np.int64)
+    sparse = _parse_fields(buf, starts[:, 14:], lengths[:, 14:], 16).view(np.int64)
+    return labels.astype(np.float32), counts, sparse
+
+
+def _criteo_files(path: Path) -> list[Path]:
+    """The file itself, or a directory's ``day_*`` / ``*.tsv`` / ``*.txt`` (optionally .gz) files."""
+    if path.is_file():
+        return [path]
+    pattern = re.compile(r"^(day_\d+|.*\.(tsv|txt))(\.gz)?$")
+    files = [p for p in path.iterdir() if p.is_file() and pattern.match(p.name)]
+    if not files:
+        raise FileNotFoundError(f"no Criteo files (day_N, *.tsv, *.txt) in {path}")
+    # Natural order, so day_2 precedes day_10.
+    return sorted(files, key=lambda p: [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", p.name)])
+
+
+def _open_binary(path: Path):
+    """Open for reading bytes, transparently gunzipping (detected by magic number)."""
+    with open(path, "rb") as f:
+        gz = f.read(2) == b"\x1f\x8b"
+    return gzip.open(path, "rb") if gz else open(path, "rb")
+
+
+def _line_blocks(path: Path, block_bytes: int) -> Iterator[bytes]:
+    """Blocks of whole, non-empty, ``\\n``-terminated lines (``\\r`` stripped)."""
+    rest = b""
+    with _open_binary(path) as f:
+        while True:
+            chunk = f.read(block_bytes)
+            data = rest + chunk
+            cut = data.rfind(b"\n") + 1 if chunk else len(data)
+            block, rest = data[:cut], data[cut:]
+            block = block.replace(b"\r", b"")
+            while b"\n\n" in block:
+                block = block.replace(b"\n\n", b"\n")
+            block = block.lstrip(b"\n")
+            if block:
+                yield block if block.endswith(b"\n") else block + b"\n"
+            if not chunk:
+                return
+
+
+def read_criteo_tsv(path: str | Path, max_rows: int | None = None, block_bytes: int = 1 << 25) -> CriteoData:
+    """Read Criteo Kaggle/Terabyte TSV: ``label \\t 13 decimal counts \\t 26 hex ids`` per line.
+
+    Dense: missing or negative -> 0, then ``log1p`` (float32). Categorical: hex -> 64-bit value
+    reinterpreted as signed int64; missing -> ``MISSING_ID`` (0). ``path`` is a file or a
+    directory of ``day_N`` / ``*.tsv`` / ``*.txt`` files, each optionally gzip-compressed.
+    """
+    parts: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
+    rows = 0
+    for file in _criteo_files(Path(path)):
+        line_no = 0
+        for block in _line_blocks(file, block_bytes):
+            if max_rows is not None and rows + block.count(b"\n") > max_rows:
+                keep = max_rows - rows  # cut at the keep-th newline instead of parsing it all
+                block = block[: int(np.flatnonzero(np.frombuffer(block, np.uint8) == _NL)[keep - 1]) + 1] if keep else b""
+            if not block:
+                break
+            labels, counts, sparse = _parse_block(block, line_no)
+            parts.append((labels, counts, sparse))
+            line_no += len(labels)
+            rows += len(labels)
+        if max_rows is not None and rows >= max_rows:
+            break
+    if not parts:
+        return CriteoData(np.zeros((0, 13), np.float32), np.zeros((0, 26), np.int64), np.zeros(0, np.float32))
+    labels, counts, sparse = (np.concatenate(p) for p in zip(*parts))
+    return CriteoData(np.log1p(counts.astype(np.float64)).astype(np.float32), sparse, labels)
+
+
+def write_criteo_tsv(data: CriteoData, path: str | Path) -> None:
+    """Write ``data`` as Criteo TSV (gzip if ``path`` ends in ``.gz``).
+
+    Dense values are written as the integer counts ``round(expm1(x))``: exact for data that
+    came from integer counts (the generator's, up to its 100k cap), lossy for anything else.
+    Ids are written as 16-digit hex of their two's complement; ``MISSING_ID`` is written empty.
+    """
+    path = Path(path)
+    counts = np.rint(np.expm1(data.dense.astype(np.float64))).clip(min=0).astype(np.int64)
+    labels = data.labels.astype(np.int64)
+    columns = [[str(v) for v in labels.tolist()]]
+    columns += [[str(v) for v in counts[:, j].tolist()] for j in range(counts.shape[1])]
+    columns += [
+        [f"{v:016x}" if v else "" for v in data.sparse[:, j].view(np.uint64).tolist()] for j in range(data.sparse.shape[1])
+    ]
+    text = "".join("\t".join(row) + "\n" for row in zip(*columns))
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "wt", encoding="ascii", newline="\n") as f:
+        f.write(text)

@@ -1,0 +1,76 @@
+"""The one error hierarchy of hierps.
+
+Every message says what happened, the value found, and what to do next::
+
+    HierpsError
+    ├── ConfigError            a setting has a bad value (ValueError)
+    ├── InvalidIdsError        ids of the wrong dtype / device / shape (TypeError)
+    ├── OffsetsError           offsets that do not describe the bags of the ids (ValueError)
+    ├── DeviceBudgetError      one mini-batch's rows alone exceed the device budget
+    ├── NonFiniteGradientError a NaN / inf gradient reached the sparse step
+    ├── TableMismatchError     a table reopened with another dim / optimizer
+    ├── StoreFormatError       a directory that is not a hierps store, or of another format version
+    ├── CorruptStoreError      a checksum or manifest that does not verify
+    ├── StoreLockedError       a second writer on the same store
+    └── StoreClosedError       a store used after close()
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "ConfigError",
+    "CorruptStoreError",
+    "DeviceBudgetError",
+    "HierpsError",
+    "InvalidIdsError",
+    "NonFiniteGradientError",
+    "OffsetsError",
+    "StoreClosedError",
+    "StoreFormatError",
+    "StoreLockedError",
+    "TableMismatchError",
+]
+
+
+class HierpsError(Exception):
+    """Base of every error hierps raises on purpose."""
+
+
+class ConfigError(HierpsError, ValueError):
+    """A setting (store argument or ``hierarchical_ps`` config key) has a bad value."""
+
+
+class InvalidIdsError(HierpsError, TypeError):
+    """Feature ids that are not an integer tensor on the expected device."""
+
+
+class OffsetsError(HierpsError, ValueError):
+    """Offsets that do not describe bags of the ids they come with."""
+
+
+class DeviceBudgetError(HierpsError, MemoryError):
+    """A single mini-batch needs more rows than the device budget holds."""
+
+
+class NonFiniteGradientError(HierpsError, FloatingPointError):
+    """A NaN or inf gradient reached the sparse optimizer step; no row was updated."""
+
+
+class TableMismatchError(HierpsError, ValueError):
+    """A table was reopened with a dim or optimizer other than the one it was created with."""
+
+
+class StoreFormatError(HierpsError):
+    """The directory is not a hierps store, or was written by an incompatible format version."""
+
+
+class CorruptStoreError(HierpsError):
+    """A file of the store failed its checksum or could not be parsed."""
+
+
+class StoreLockedError(HierpsError):
+    """Another process holds the store open for writing."""
+
+
+class StoreClosedError(HierpsError):
+    """The store was used after ``close()``."""

@@ -1,0 +1,58 @@
+"""Checking and converting feature ids, once, at the edge."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+from hierps.errors import InvalidIdsError
+
+__all__ = ["as_int64_array", "check_ids_tensor", "same_device"]
+
+_INT_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
+_INT64_MAX = np.iinfo(np.int64).max
+
+
+def same_device(a: torch.device, b: torch.device) -> bool:
+    """True when tensors on ``a`` and ``b`` can meet in one op (``cuda`` matches ``cuda:0``)."""
+    return a.type == b.type and (a.index is None or b.index is None or a.index == b.index)
+
+
+def check_ids_tensor(ids: Any, device: torch.device, what: str = "ids") -> torch.Tensor:
+    """An integer tensor on ``device`` -> the same ids as int64 (no copy when already int64)."""
+    if not isinstance(ids, torch.Tensor):
+        raise InvalidIdsError(f"{what}: expected a torch integer tensor (LongTensor). Got {type(ids).__name__}.")
+    if ids.dtype not in _INT_DTYPES:
+        raise InvalidIdsError(
+            f"{what}: expected an integer tensor of feature ids (torch.int64). Got dtype {ids.dtype}; "
+            "ids are keys, not values: convert them with .long() only if they are whole numbers."
+        )
+    if not same_device(ids.device, device):
+        raise InvalidIdsError(
+            f"{what}: ids are on {ids.device}, the store trains on {device}. Move them with "
+            f".to('{device}') before the forward pass."
+        )
+    return ids if ids.dtype == torch.int64 else ids.long()
+
+
+def as_int64_array(ids: Any, what: str = "ids") -> np.ndarray:
+    """Tensor, array or sequence of integer ids -> flat (n,) int64 numpy array."""
+    if isinstance(ids, torch.Tensor):
+        if ids.dtype not in _INT_DTYPES:
+            raise InvalidIdsError(f"{what}: expected integer ids (torch.int64). Got dtype {ids.dtype}.")
+        return ids.detach().reshape(-1).to(torch.int64).cpu().numpy()
+    arr = np.asarray(ids)
+    if arr.size == 0:
+        return np.empty(0, np.int64)
+    if arr.dtype.kind not in "iu":
+        if arr.dtype == object and all(isinstance(x, int) for x in arr.reshape(-1).tolist()):
+            big = [x for x in arr.reshape(-1).tolist() if not -(2**63) <= x <= _INT64_MAX]
+            raise InvalidIdsError(f"{what}: id {big[0]} is outside int64; hierps keys are signed 64-bit ids. "
+                                  "Hash larger ids into int64 first.")
+        raise InvalidIdsError(f"{what}: expected integer ids (int64). Got dtype {arr.dtype}.")
+    if arr.dtype == np.uint64 and arr.size and int(arr.max()) > _INT64_MAX:
+        raise InvalidIdsError(f"{what}: id {int(arr.max())} is outside int64; hierps keys are signed 64-bit "
+                              "ids. Reinterpret them with .view(np.int64) if they are hashes.")
+    return arr.reshape(-1).astype(np.int64, copy=False)

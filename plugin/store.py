@@ -1,0 +1,605 @@
+"""The hierarchical store: named tables of rows keyed by raw int64 ids, over three tiers.
+
+::
+
+    device tier   working set of the current pass (torch, cuda when present)   DeviceTier
+        ▲ load pass / on demand            │ write back at end of pass
+    RAM tier      bounded LRU/LFU cache, mmap-backed slabs                      MemoryTier
+        ▲ read misses in sorted batches    │ evict dirty rows in batches
+    SSD tier      append-only Zarr v3 segments + key index, durable checkpoints SsdTier
+
+A row is ``[weights | optimizer state]`` and moves whole between tiers. Keys never stored get
+their row from ``(seed, table, key)`` alone. Training goes through :meth:`Store.gather` (rows of a
+mini-batch, tracked for gradients) and :meth:`Store.step` (one optimizer step per touched row);
+:meth:`Store.checkpoint` makes everything so far durable, atomically.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from hierps import ids as _ids
+from hierps._files import read_json_checked, write_json_atomic
+from hierps.checkpoint import CheckpointCatalog
+from hierps.config import EVICTION_POLICIES, InitializerConfig, OptimizerConfig, parse_size
+from hierps.errors import (
+    ConfigError,
+    DeviceBudgetError,
+    NonFiniteGradientError,
+    StoreClosedError,
+    StoreFormatError,
+    StoreLockedError,
+    TableMismatchError,
+)
+from hierps.initializers import initial_rows, table_salt
+from hierps.optim import apply_step, initial_state, state_width
+from hierps.stats import PassStats
+from hierps.tiers import DeviceTier, MemoryTier, SsdTier, TableIndex
+
+__all__ = ["FORMAT_VERSION", "Store", "TableInfo"]
+
+FORMAT_VERSION = 1
+_MARKER = "hierps.json"
+_EMPTY = np.empty(0, np.int64)
+
+
+@dataclass
+class TableInfo:
+    """One table: its dim, optimizer, initializer and optimizer step count."""
+
+    name: str
+    dim: int
+    optimizer: OptimizerConfig
+    initializer: InitializerConfig
+    salt: np.uint64
+    step: int = 0
+
+    @property
+    def width(self) -> int:
+        return self.dim + state_width(self.optimizer, self.dim)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"dim": self.dim, "width": self.width, "optimizer": self.optimizer.to_json(),
+                "initializer": self.initializer.to_json(), "step": self.step}
+
+
+@dataclass
+class _Pending:
+    """Rows one forward gathered for training: their keys, slots and the leaf holding their grad."""
+
+    table: str
+    keys: torch.Tensor  # (U,) int64, sorted unique
+    slots: torch.Tensor  # (U,) int64, valid while generation matches
+    generation: int
+    leaf: torch.Tensor  # (U, dim) requires_grad
+
+
+@dataclass
+class _PassPlan:
+    """Groups of a pass's mini-batches whose rows fit the device budget together."""
+
+    groups: list[dict[str, np.ndarray]] = field(default_factory=list)
+    cursor: int = 0
+
+
+class Store:
+    """Named tables of rows keyed by raw int64 ids, kept over device, RAM and SSD tiers.
+
+    Args:
+        path: directory of the store (created if missing; reopened at its latest checkpoint).
+        memory_budget: bytes (or ``"512MiB"``) of rows the RAM tier may cache.
+        device_budget: bytes of rows the device tier may hold (the working set of a pass).
+        device: training device; default ``cuda`` when available, else ``cpu``.
+        eviction: ``"lru"`` or ``"lfu"`` for the RAM tier.
+        seed: seed of the initializer of new rows.
+        optimizer: default sparse optimizer of new tables (``"adagrad"``, or a dict / config).
+        initializer: default initializer of new tables (``"normal"`` like ``nn.Embedding``).
+        keep_checkpoints: how many checkpoints stay restorable (older ones are retired).
+        max_segments: SSD segments per table before compaction merges them.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        memory_budget: int | str = "1GiB",
+        device_budget: int | str = "1GiB",
+        device: str | torch.device | None = None,
+        eviction: str = "lru",
+        seed: int = 0,
+        optimizer: Any = "adagrad",
+        initializer: Any = "normal",
+        keep_checkpoints: int = 3,
+        max_segments: int = 16,
+    ) -> None:
+        self.path = Path(path)
+        if eviction not in EVICTION_POLICIES:
+            raise ConfigError(f"eviction: expected one of {EVICTION_POLICIES}. Got {eviction!r} instead.")
+        if not isinstance(keep_checkpoints, int) or keep_checkpoints < 1:
+            raise ConfigError(f"keep_checkpoints: expected an int >= 1. Got {keep_checkpoints!r} instead.")
+        if not isinstance(max_segments, int) or max_segments < 2:
+            raise ConfigError(f"max_segments: expected an int >= 2. Got {max_segments!r} instead.")
+        self.device = torch.device(device) if device is not None else _default_device()
+        self.seed = int(seed)
+        self.default_optimizer = OptimizerConfig.parse(optimizer)
+        self.default_initializer = InitializerConfig.parse(initializer)
+        self.keep_checkpoints = keep_checkpoints
+        self.max_segments = max_segments
+        self._lock_fd: int | None = None
+        self._open_dir()
+        self.ssd = SsdTier(self.path / "segments")
+        self.memory = MemoryTier(parse_size(memory_budget, "memory_budget"), self.ssd, eviction)
+        self.device_tier = DeviceTier(parse_size(device_budget, "device_budget"), self.device)
+        self.catalog = CheckpointCatalog(self.path / "checkpoints")
+        self.tables: dict[str, TableInfo] = {}
+        self._pending: list[_Pending] = []
+        self._plan = _PassPlan()
+        self._in_pass = False
+        self.passes = 0
+        self.stats = PassStats()
+        self.checkpoint_id: int | None = None
+        self._recover()
+
+    # -- opening ------------------------------------------------------------------------------
+    def _open_dir(self) -> None:
+        marker = self.path / _MARKER
+        if self.path.exists() and not self.path.is_dir():
+            raise StoreFormatError(f"{self.path}: is a file, not a hierps store directory.")
+        if self.path.exists() and any(self.path.iterdir()) and not marker.exists():
+            raise StoreFormatError(
+                f"{self.path}: is not a hierps store (no {_MARKER}) and is not empty. "
+                "Point the store at an empty or new directory, or at an existing hierps store."
+            )
+        self.path.mkdir(parents=True, exist_ok=True)
+        self._lock()
+        if marker.exists():
+            meta = read_json_checked(marker)
+            if meta.get("format") != "hierps-store":
+                raise StoreFormatError(f"{marker}: is not a hierps store marker (format={meta.get('format')!r}).")
+            if meta.get("format_version") != FORMAT_VERSION:
+                raise StoreFormatError(
+                    f"{self.path}: written by store format version {meta.get('format_version')!r}; this "
+                    f"hierps reads version {FORMAT_VERSION}. Open it with a matching hierps release."
+                )
+        else:
+            write_json_atomic(marker, {"format": "hierps-store", "format_version": FORMAT_VERSION})
+
+    def _lock(self) -> None:
+        fd = os.open(self.path / "LOCK", os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise StoreLockedError(
+                f"{self.path}: another process has this store open for writing. Close it first, or "
+                "open a read-only view with hierps.serving."
+            ) from None
+        self._lock_fd = fd
+
+    def _recover(self) -> None:
+        """Drop what an interrupted run left behind and load the latest checkpoint."""
+        self.catalog.remove_incomplete()
+        latest = self.catalog.latest()
+        if latest is not None:
+            self._load_checkpoint(latest)
+        self.ssd.collect_garbage(self.catalog.referenced_segments())
+        self.ssd.next_segment = max(self.ssd.next_segment, self.ssd.max_segment_on_disk() + 1)
+
+    # -- tables -------------------------------------------------------------------------------
+    def table(self, name: str, dim: int, *, optimizer: Any = None, initializer: Any = None) -> TableInfo:
+        """Create table ``name`` with rows of ``dim`` floats, or reopen it (checking dim and optimizer)."""
+        self._check_open()
+        if not isinstance(name, str) or not name or "/" in name or name.startswith(("_", ".")):
+            raise ConfigError(f"table name: expected a non-empty name without '/' not starting with '_' "
+                              f"or '.'. Got {name!r} instead.")
+        if isinstance(dim, bool) or not isinstance(dim, int) or dim < 1:
+            raise ConfigError(f"dim of table {name!r}: expected an int >= 1. Got {dim!r} instead.")
+        opt = OptimizerConfig.parse(optimizer) if optimizer is not None else self.default_optimizer
+        init = InitializerConfig.parse(initializer) if initializer is not None else self.default_initializer
+        info = self.tables.get(name)
+        if info is not None:
+            if info.dim != dim:
+                raise TableMismatchError(
+                    f"table {name!r}: the store holds it with dim {info.dim}, asked for dim {dim}. "
+                    "Use another table name or another store directory."
+                )
+            if optimizer is not None and info.optimizer != opt:
+                if info.optimizer.type != opt.type:
+                    raise TableMismatchError(
+                        f"table {name!r}: its rows carry {info.optimizer.type} state, asked for {opt.type}. "
+                        "Use another table name or another store directory."
+                    )
+                info.optimizer = opt  # same state layout; new hyper-parameters apply from now on
+            return info
+        info = TableInfo(name, dim, opt, init, table_salt(self.seed, name))
+        self.tables[name] = info
+        self._register(info)
+        return info
+
+    def _register(self, info: TableInfo) -> None:
+        self.ssd.add_table(info.name, info.width)
+        self.memory.add_table(info.name, info.width)
+        self.device_tier.add_table(info.name, info.width)
+
+    def _info(self, table: str) -> TableInfo:
+        try:
+            return self.tables[table]
+        except KeyError:
+            raise ConfigError(f"unknown table {table!r}; the store has {sorted(self.tables)}.") from None
+
+    # -- reading rows through the tiers -------------------------------------------------------
+    def _fetch(self, table: str, keys: np.ndarray, *, touch: bool) -> np.ndarray:
+        """Rows of sorted unique ``keys`` from RAM, else SSD, else the initializer: (n, width) float32."""
+        info = self.tables[table]
+        out = np.empty((len(keys), info.width), dtype=np.float32)
+        hit, ram_rows = self.memory.get(table, keys, touch=touch)
+        out[hit] = ram_rows
+        rest = np.flatnonzero(~hit)
+        found, ssd_rows = self.ssd.read(table, keys[rest])
+        out[rest[found]] = ssd_rows
+        new = rest[~found]
+        if len(new):
+            out[new, : info.dim] = initial_rows(keys[new], info.dim, info.salt, info.initializer)
+            out[new, info.dim :] = initial_state(info.optimizer, len(new), info.dim)
+        if touch:
+            self.stats.count_load(table, ram=int(hit.sum()), ssd=int(found.sum()), new=len(new))
+        return out
+
+    def lookup(self, table: str, ids: Any) -> torch.Tensor:
+        """Current weights of ``ids`` wherever they live, without gradient or side effects.
+
+        ids: (...) integer tensor, array or list -> (..., dim) float32 on the store's device.
+        """
+        self._check_open()
+        info = self._info(table)
+        flat = _ids.as_int64_array(ids, what=f"ids for table {table!r}")
+        shape = tuple(ids.shape) if hasattr(ids, "shape") else (len(flat),)
+        keys, inverse = np.unique(flat, return_inverse=True)
+        rows = np.empty((len(keys), info.dim), dtype=np.float32)
+        key_t = torch.from_numpy(keys).to(self.device)
+        found, slots = self.device_tier.resolve(table, key_t)
+        found_np = found.cpu().numpy()
+        if found_np.any():
+            rows[found_np] = self.device_tier.rows(table)[slots[found]][:, : info.dim].cpu().numpy()
+        rest = np.flatnonzero(~found_np)
+        if len(rest):
+            rows[rest] = self._fetch(table, keys[rest], touch=False)[:, : info.dim]
+        return torch.from_numpy(rows[inverse.reshape(-1)]).reshape(*shape, info.dim).to(self.device)
+
+    def read_rows(self, table: str, keys: np.ndarray) -> np.ndarray:
+        """Whole rows (weights and optimizer state) of int64 ``keys``: (n, width) float32, read-only view."""
+        self._check_open()
+        self._info(table)
+        keys = _ids.as_int64_array(keys, what="keys")
+        uniq, inverse = np.unique(keys, return_inverse=True)
+        key_t = torch.from_numpy(uniq).to(self.device)
+        found, slots = self.device_tier.resolve(table, key_t)
+        found_np = found.cpu().numpy()
+        out = np.empty((len(uniq), self.tables[table].width), dtype=np.float32)
+        if found_np.any():
+            out[found_np] = self.device_tier.rows(table)[slots[found]].cpu().numpy()
+        rest = np.flatnonzero(~found_np)
+        if len(rest):
+            out[rest] = self._fetch(table, uniq[rest], touch=False)
+        return out[inverse.reshape(-1)]
+
+    def write(self, table: str, keys: Any, weights: Any) -> None:
+        """Set the weights of ``keys`` (optimizer state starts afresh), e.g. from a trained model.
+
+        keys: (n,) unique int64; weights: (n, dim) float32 tensor or array.
+        """
+        self._check_open()
+        info = self._info(table)
+        keys = _ids.as_int64_array(keys, what="keys")
+        w = weights.detach().cpu().numpy() if isinstance(weights, torch.Tensor) else np.asarray(weights)
+        if w.shape != (len(keys), info.dim):
+            raise ConfigError(f"write to {table!r}: weights of shape {w.shape} for {len(keys)} keys of "
+                              f"dim {info.dim}; expected {(len(keys), info.dim)}.")
+        if len(np.unique(keys)) != len(keys):
+            raise ConfigError(f"write to {table!r}: keys must be unique.")
+        order = np.argsort(keys, kind="stable")
+        keys = keys[order]
+        rows = np.concatenate([w[order].astype(np.float32),
+                               initial_state(info.optimizer, len(keys), info.dim)], axis=1)
+        key_t = torch.from_numpy(keys).to(self.device)
+        found, slots = self.device_tier.resolve(table, key_t)
+        if found.any():
+            f_np = found.cpu().numpy()
+            self.device_tier.rows(table)[slots[found]] = torch.from_numpy(rows[f_np]).to(self.device)
+            self.device_tier.mark_dirty(table, slots[found])
+            keys, rows = keys[~f_np], rows[~f_np]
+        for start in range(0, len(keys), 1 << 18):
+            self.memory.put(table, keys[start : start + (1 << 18)], rows[start : start + (1 << 18)], dirty=True)
+
+    # -- passes -------------------------------------------------------------------------------
+    def begin_pass(self, batches: Mapping[str, Any] | Sequence[Mapping[str, Any]]) -> None:
+        """Load the working set of a pass into the device tier before its mini-batches run.
+
+        ``batches`` is ``{table: ids}`` (the pass's ids) or a list of such, one per mini-batch in
+        the order they will run. When the working set exceeds the device budget, a list is split
+        into consecutive groups that fit, loaded one after the other as training reaches them.
+        """
+        self._check_open()
+        if self._in_pass:
+            self.end_pass()
+        per_batch = [batches] if isinstance(batches, Mapping) else list(batches)
+        groups = self._plan_groups([self._batch_keys(b) for b in per_batch])
+        self._plan = _PassPlan(groups, cursor=0)
+        self._in_pass = True
+        self.stats.begin_pass(self.passes)
+        if groups:
+            self._load(groups[0])
+
+    def end_pass(self) -> None:
+        """Write the working set back to the RAM tier (dirty rows) and close the pass."""
+        self._check_open()
+        self._write_back()
+        self._plan = _PassPlan()
+        self._in_pass = False
+        self.passes += 1
+        self.memory.tick = self.passes
+        for table in self.tables:
+            self.ssd.compact(table, self.max_segments)
+        self.stats.end_pass(self)
+
+    @contextmanager
+    def run_pass(self, batches: Mapping[str, Any] | Sequence[Mapping[str, Any]]) -> Iterator[None]:
+        """``with store.run_pass(batches): ...`` = begin_pass(batches) ... end_pass()."""
+        self.begin_pass(batches)
+        try:
+            yield
+        finally:
+            self.end_pass()
+
+    def _batch_keys(self, batch: Mapping[str, Any]) -> dict[str, np.ndarray]:
+        out = {}
+        for table, ids in batch.items():
+            self._info(table)
+            out[table] = np.unique(_ids.as_int64_array(ids, what=f"ids for table {table!r}"))
+        return out
+
+    def _plan_groups(self, batches: list[dict[str, np.ndarray]]) -> list[dict[str, np.ndarray]]:
+        """Consecutive mini-batches merged while their distinct rows fit the device budget."""
+        budget = self.device_tier.budget
+        groups: list[dict[str, np.ndarray]] = []
+        current: dict[str, np.ndarray] = {}
+        for keys in batches:
+            alone = self.device_tier.bytes_for({t: len(k) for t, k in keys.items()})
+            if alone > budget:
+                raise DeviceBudgetError(self._budget_message(alone))
+            merged = {t: np.union1d(current.get(t, _EMPTY), keys.get(t, _EMPTY)) for t in current.keys() | keys.keys()}
+            if self.device_tier.bytes_for({t: len(k) for t, k in merged.items()}) > budget:
+                groups.append(current)
+                merged = dict(keys)
+            current = merged
+        if current:
+            groups.append(current)
+        return groups
+
+    def _budget_message(self, need: int) -> str:
+        return (f"one mini-batch needs {need} bytes of rows in the device tier, more than its budget of "
+                f"{self.device_tier.budget} bytes. Raise device_budget or use smaller mini-batches.")
+
+    def _load(self, keys: Mapping[str, np.ndarray]) -> None:
+        """Make sorted unique keys resident in the device tier (those not resident yet)."""
+        for table, k in keys.items():
+            if len(k) == 0:
+                continue
+            found, _ = self.device_tier.resolve(table, torch.from_numpy(k).to(self.device))
+            missing = k[~found.cpu().numpy()]
+            if len(missing):
+                self.device_tier.insert(table, missing, self._fetch(table, missing, touch=True))
+
+    def _write_back(self) -> None:
+        for table, drained in self.device_tier.drain().items():
+            if drained.dirty.any():
+                keys, rows = drained.keys[drained.dirty], drained.rows[drained.dirty]
+                order = np.argsort(keys, kind="stable")
+                self.memory.put(table, keys[order], rows[order], dirty=True)
+
+    def _resident_slots(self, table: str, keys: torch.Tensor) -> torch.Tensor:
+        """keys: (U,) sorted unique int64 on the device -> their slots, loading what is missing.
+
+        When the missing rows do not fit next to the working set, the working set is written
+        back first (the pass is split) and the next planned group is loaded along with them.
+        """
+        found, slots = self.device_tier.resolve(table, keys)
+        if bool(found.all()):
+            return slots
+        need = self.device_tier.bytes_for({table: int(keys.numel())})
+        if need > self.device_tier.budget:
+            raise DeviceBudgetError(self._budget_message(need))
+        missing = keys[~found].cpu().numpy()
+        if self.device_tier.bytes_used + self.device_tier.bytes_for({table: len(missing)}) > self.device_tier.budget:
+            self._write_back()
+            load = {table: keys.cpu().numpy()}
+            plan = self._plan
+            if plan.cursor + 1 < len(plan.groups):
+                plan.cursor += 1
+                nxt = plan.groups[plan.cursor]
+                merged = {t: np.union1d(nxt.get(t, _EMPTY), load.get(t, _EMPTY)) for t in nxt.keys() | load.keys()}
+                if self.device_tier.bytes_for({t: len(k) for t, k in merged.items()}) <= self.device_tier.budget:
+                    load = merged
+            self._load(load)
+        else:
+            self._load({table: missing})
+        found, slots = self.device_tier.resolve(table, keys)
+        return slots
+
+    # -- training -----------------------------------------------------------------------------
+    def gather(self, table: str, keys: torch.Tensor, *, requires_grad: bool) -> torch.Tensor:
+        """Weights of a mini-batch's rows for a forward pass.
+
+        keys: (U,) sorted unique int64 on the store's device -> (U, dim) float32. With
+        ``requires_grad`` the result is a leaf whose gradient :meth:`step` applies to the rows.
+        """
+        self._check_open()
+        info = self._info(table)
+        slots = self._resident_slots(table, keys)
+        weights = self.device_tier.rows(table)[slots, : info.dim]
+        if requires_grad:
+            weights.requires_grad_(True)
+            self._pending.append(_Pending(table, keys, slots, self.device_tier.generation, weights))
+        return weights
+
+    def step(self) -> None:
+        """One optimizer step for every row touched since the last step (gradients summed per row).
+
+        Raises :class:`NonFiniteGradientError` before changing any row when a gradient is NaN/inf.
+        """
+        self._check_open()
+        pending = [p for p in self._pending if p.leaf.grad is not None]
+        self._pending = []
+        if not pending:
+            return
+        finite = torch.stack([torch.isfinite(p.leaf.grad).all() for p in pending])
+        if not bool(finite.all()):
+            bad = sorted({p.table for p, ok in zip(pending, finite.tolist()) if not ok})
+            raise NonFiniteGradientError(
+                f"NaN or inf gradient for table(s) {bad}; the step was skipped and no row changed. "
+                "Lower the learning rate, clip gradients, or check the inputs of this mini-batch."
+            )
+        by_table: dict[str, list[_Pending]] = {}
+        for p in pending:
+            by_table.setdefault(p.table, []).append(p)
+        for table, items in by_table.items():
+            info = self.tables[table]
+            if len(items) == 1:
+                keys, grads = items[0].keys, items[0].leaf.grad
+            else:
+                all_keys = torch.cat([p.keys for p in items])
+                keys, inverse = torch.unique(all_keys, return_inverse=True)
+                grads = torch.zeros((keys.numel(), info.dim), dtype=torch.float32, device=self.device)
+                grads.index_add_(0, inverse, torch.cat([p.leaf.grad for p in items]))
+            stale = len(items) > 1 or items[0].generation != self.device_tier.generation
+            slots = self._resident_slots(table, keys) if stale else items[0].slots
+            resident = self.device_tier.rows(table)
+            rows = resident[slots]
+            info.step += 1
+            apply_step(info.optimizer, rows, grads.detach(), info.step)
+            resident[slots] = rows
+            self.device_tier.mark_dirty(table, slots)
+
+    def zero_grad(self) -> None:
+        """Forget gradients gathered since the last step."""
+        self._pending = []
+
+    # -- durability ---------------------------------------------------------------------------
+    def checkpoint(self, tag: str | None = None) -> int:
+        """Make every row and optimizer state written so far durable; returns the checkpoint id.
+
+        Atomic: a crash before it returns leaves the previous checkpoint as the latest. The
+        working set stays resident. Checkpoints beyond ``keep_checkpoints`` are retired.
+        """
+        self._check_open()
+        for table, (keys, rows) in self.device_tier.take_dirty().items():
+            order = np.argsort(keys, kind="stable")
+            self.memory.put(table, keys[order], rows[order], dirty=True)
+        self.memory.flush()
+        self.ssd.sync()
+        ckpt = (self.catalog.latest() or 0) + 1
+        body = {
+            "tag": tag,
+            "format_version": FORMAT_VERSION,
+            "seed": self.seed,
+            "passes": self.passes,
+            "next_segment": self.ssd.next_segment,
+            "tables": {
+                name: {**info.to_json(), "rows": self.ssd.num_rows(name),
+                       "segments": {str(s): self.ssd.segment_size(name, s) for _, s in self.ssd.segments(name)}}
+                for name, info in self.tables.items()
+            },
+        }
+        self.catalog.write(ckpt, {name: self.ssd.index[name] for name in self.tables}, body)
+        self.checkpoint_id = ckpt
+        for old in self.catalog.ids()[: -self.keep_checkpoints]:
+            self.catalog.delete(old)
+        self.ssd.collect_garbage(self.catalog.referenced_segments())
+        return ckpt
+
+    def restore(self, ref: int | str | None = None) -> int:
+        """Return every table to a checkpoint (id, tag, or the latest), discarding newer changes."""
+        self._check_open()
+        ckpt = self.catalog.latest() if ref is None else self.catalog.find(ref)
+        if ckpt is None:
+            raise ConfigError(f"no checkpoint {ref!r} in {self.path}; it has {self.list_checkpoints()}.")
+        self._pending = []
+        self.device_tier.discard()
+        self.memory.clear()
+        self._load_checkpoint(ckpt)
+        return ckpt
+
+    def _load_checkpoint(self, ckpt: int) -> None:
+        manifest = self.catalog.manifest(ckpt)
+        if manifest.get("format_version") != FORMAT_VERSION:
+            raise StoreFormatError(
+                f"{self.path}: checkpoint {ckpt} has format version {manifest.get('format_version')!r}; "
+                f"this hierps reads {FORMAT_VERSION}."
+            )
+        for name, meta in manifest["tables"].items():
+            info = TableInfo(name, int(meta["dim"]), OptimizerConfig.parse(meta["optimizer"]),
+                             InitializerConfig.parse(meta["initializer"]), table_salt(int(manifest["seed"]), name),
+                             int(meta["step"]))
+            if info.width != int(meta["width"]):
+                raise StoreFormatError(f"{self.path}: checkpoint {ckpt} table {name!r} has an inconsistent width.")
+            self.tables[name] = info
+            self._register(info)
+            sizes = {int(s): int(n) for s, n in meta["segments"].items()}
+            self.ssd.load_index(name, info.width, self.catalog.read_index(ckpt, name), sizes)
+        for name in set(self.tables) - set(manifest["tables"]):  # created after that checkpoint
+            self.tables[name].step = 0
+            self.ssd.load_index(name, self.tables[name].width, TableIndex(), {})
+        self.seed = int(manifest["seed"])
+        self.passes = int(manifest.get("passes", 0))
+        self.memory.tick = self.passes
+        self.ssd.next_segment = max(self.ssd.next_segment, int(manifest["next_segment"]))
+        self.checkpoint_id = ckpt
+
+    def list_checkpoints(self) -> list[dict[str, Any]]:
+        """``[{"id", "tag", "created"}, ...]`` of the restorable checkpoints, oldest first."""
+        out = []
+        for ckpt in self.catalog.ids():
+            m = self.catalog.manifest(ckpt)
+            out.append({"id": ckpt, "tag": m.get("tag"), "created": m.get("created")})
+        return out
+
+    def flush(self) -> None:
+        """Write the working set back (end of pass) without a checkpoint."""
+        self._write_back()
+
+    def close(self) -> None:
+        """Release the store. Rows not covered by a checkpoint are not made durable."""
+        if self._lock_fd is None:
+            return
+        self._pending = []
+        os.close(self._lock_fd)
+        self._lock_fd = None
+
+    def __enter__(self) -> Store:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _check_open(self) -> None:
+        if self._lock_fd is None:
+            raise StoreClosedError(f"{self.path}: the store was closed; open it again with hierps.Store(path).")
+
+    # -- introspection ------------------------------------------------------------------------
+    def num_rows(self, table: str) -> dict[str, int]:
+        """Rows of ``table`` per tier: ``{"device", "memory", "ssd"}`` (a row may be in several)."""
+        return {"device": self.device_tier.num_rows(table), "memory": self.memory.num_rows(table),
+                "ssd": self.ssd.num_rows(table)}
+
+
+def _default_device() -> torch.device:
+    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")

@@ -1,0 +1,301 @@
+"""SSD tier: every row that is not newer in a tier above, as append-only Zarr v3 segments.
+
+Layout under ``<store>/segments`` (a Zarr v3 hierarchy, chunks checksummed with crc32c)::
+
+    <table>/<segment id, 8 digits>/keys   (n,) int64, sorted
+    <table>/<segment id, 8 digits>/rows   (n, dim + state) float32
+
+A segment is written once, whole, from a batch of rows sorted by key, and never modified: that is
+what makes checkpoints cheap (a checkpoint is the key index plus the list of segments it points
+to) and crashes harmless (a segment no checkpoint names is garbage). The key index maps each key
+to (segment, position) with sorted numpy arrays: 16 bytes per key. Compaction rewrites the live
+rows of many small or mostly-stale segments into one.
+"""
+
+from __future__ import annotations
+
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import zarr
+import zarr.codecs
+from zarr.storage import LocalStore
+
+from hierps._files import fsync_dir, fsync_tree
+from hierps.errors import CorruptStoreError
+
+__all__ = ["SsdTier", "TableIndex"]
+
+_CHUNK_BYTES = 1 << 20  # ~1 MiB chunks: large sequential reads, little waste on small segments
+
+
+def _segment_name(table: str, seg: int) -> str:
+    return f"{table}/{seg:08d}"
+
+
+@dataclass
+class TableIndex:
+    """key -> (segment, position), as parallel arrays sorted by key."""
+
+    keys: np.ndarray = field(default_factory=lambda: np.empty(0, np.int64))
+    seg: np.ndarray = field(default_factory=lambda: np.empty(0, np.int32))
+    pos: np.ndarray = field(default_factory=lambda: np.empty(0, np.int32))
+
+    def find(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """keys (n,) int64 -> (found (n,) bool, index positions (n,) of the found ones)."""
+        at = np.searchsorted(self.keys, keys)
+        at_c = np.minimum(at, max(len(self.keys) - 1, 0))
+        found = (at < len(self.keys)) & (self.keys[at_c] == keys) if len(self.keys) else np.zeros(len(keys), bool)
+        return found, at_c
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.keys.nbytes + self.seg.nbytes + self.pos.nbytes)
+
+
+class SsdTier:
+    """Append-only segment store of rows for many tables, with an in-memory key index per table."""
+
+    def __init__(self, root: Path, chunk_bytes: int = _CHUNK_BYTES) -> None:
+        self.root = Path(root)
+        self.root.mkdir(parents=True, exist_ok=True)
+        self._zstore = LocalStore(str(self.root))
+        self._chunk_bytes = chunk_bytes
+        self.index: dict[str, TableIndex] = {}
+        self.widths: dict[str, int] = {}
+        self.next_segment = 1
+        self._live: dict[tuple[str, int], int] = {}  # live rows per segment of the live index
+        self._sizes: dict[tuple[str, int], int] = {}
+        self._unsynced: list[tuple[str, int]] = []
+        self._arrays: dict[tuple[str, int], tuple[zarr.Array, zarr.Array]] = {}
+        self.bytes_read = 0
+        self.bytes_written = 0
+        self.rows_read = 0
+        self.rows_written = 0
+
+    # -- tables -------------------------------------------------------------------------------
+    def add_table(self, table: str, width: int) -> None:
+        self.index.setdefault(table, TableIndex())
+        self.widths[table] = width
+
+    def num_rows(self, table: str) -> int:
+        return len(self.index[table].keys)
+
+    def segments(self, table: str | None = None) -> list[tuple[str, int]]:
+        return sorted(s for s in self._live if table is None or s[0] == table)
+
+    # -- reads --------------------------------------------------------------------------------
+    def read(self, table: str, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """keys: (n,) int64 sorted unique -> (found (n,) bool, rows (found.sum(), width) float32).
+
+        Reads each segment once, at sorted positions (segments are sorted by key).
+        """
+        idx = self.index[table]
+        found, at = idx.find(keys)
+        at = at[found]
+        out = np.empty((len(at), self.widths[table]), dtype=np.float32)
+        if len(at) == 0:
+            return found, out
+        segs = idx.seg[at]
+        order = np.argsort(segs, kind="stable")
+        seg_sorted = segs[order]
+        bounds = np.flatnonzero(np.diff(seg_sorted)) + 1
+        for group in np.split(order, bounds):
+            seg = int(segs[group[0]])
+            positions = idx.pos[at[group]]
+            rows_arr = self._open(table, seg)[1]
+            try:
+                out[group] = rows_arr.oindex[positions.astype(np.int64)]
+            except (ValueError, RuntimeError, OSError) as exc:
+                raise CorruptStoreError(
+                    f"{self.root / _segment_name(table, seg)}: reading rows failed ({exc}); the segment is "
+                    "damaged or missing. Restore the store from a backup or an earlier checkpoint."
+                ) from exc
+        self.rows_read += len(at)
+        self.bytes_read += out.nbytes
+        return found, out
+
+    def _open(self, table: str, seg: int) -> tuple[zarr.Array, zarr.Array]:
+        handles = self._arrays.get((table, seg))
+        if handles is None:
+            name = _segment_name(table, seg)
+            try:
+                handles = (
+                    zarr.open_array(self._zstore, path=f"{name}/keys", mode="r"),
+                    zarr.open_array(self._zstore, path=f"{name}/rows", mode="r"),
+                )
+            except (FileNotFoundError, ValueError, KeyError) as exc:
+                raise CorruptStoreError(
+                    f"{self.root / name}: segment named by the index cannot be opened ({exc}). "
+                    "Restore the store from a backup or an earlier checkpoint."
+                ) from exc
+            self._arrays[(table, seg)] = handles
+        return handles
+
+    # -- writes -------------------------------------------------------------------------------
+    def write(self, table: str, keys: np.ndarray, rows: np.ndarray) -> None:
+        """Append rows as one new segment; they supersede older rows of the same keys.
+
+        keys: (n,) int64 unique (any order); rows: (n, width) float32.
+        """
+        if len(keys) == 0:
+            return
+        order = np.argsort(keys, kind="stable")
+        keys = np.ascontiguousarray(keys[order])
+        rows = np.ascontiguousarray(rows[order], dtype=np.float32)
+        seg = self._write_segment(table, keys, rows)
+        self._point_to(table, keys, seg, np.arange(len(keys), dtype=np.int32))
+
+    def _write_segment(self, table: str, keys: np.ndarray, rows: np.ndarray) -> int:
+        seg = self.next_segment
+        self.next_segment += 1
+        name = _segment_name(table, seg)
+        n, width = rows.shape
+        chunk_rows = max(1, min(n, self._chunk_bytes // (4 * width)))
+        checksum = [zarr.codecs.Crc32cCodec()]
+        k = zarr.create_array(self._zstore, name=f"{name}/keys", shape=(n,), chunks=(min(n, 1 << 17),),
+                              dtype="int64", compressors=checksum, fill_value=0)
+        k[:] = keys
+        r = zarr.create_array(self._zstore, name=f"{name}/rows", shape=(n, width), chunks=(chunk_rows, width),
+                              dtype="float32", compressors=checksum, fill_value=0.0)
+        r[:] = rows
+        self._sizes[(table, seg)] = n
+        self._live[(table, seg)] = 0
+        self._unsynced.append((table, seg))
+        self.rows_written += n
+        self.bytes_written += int(rows.nbytes + keys.nbytes)
+        return seg
+
+    def _point_to(self, table: str, keys: np.ndarray, seg: int, positions: np.ndarray) -> None:
+        """Make sorted unique ``keys`` point at ``seg``/``positions`` in the index."""
+        idx = self.index[table]
+        found, at = idx.find(keys)
+        old = idx.seg[at[found]]
+        if len(old):
+            segs, counts = np.unique(old, return_counts=True)
+            for s, c in zip(segs.tolist(), counts.tolist()):
+                self._live[(table, s)] -= c
+        idx.seg[at[found]] = seg
+        idx.pos[at[found]] = positions[found]
+        new = ~found
+        if new.any():
+            ins = np.searchsorted(idx.keys, keys[new])
+            idx.keys = np.insert(idx.keys, ins, keys[new])
+            idx.seg = np.insert(idx.seg, ins, np.int32(seg))
+            idx.pos = np.insert(idx.pos, ins, positions[new])
+        self._live[(table, seg)] = self._live.get((table, seg), 0) + len(keys)
+
+    def delete(self, table: str, keys: np.ndarray) -> int:
+        """Drop keys from the index (their rows become garbage); returns how many were present."""
+        idx = self.index[table]
+        found, at = idx.find(np.unique(keys))
+        at = at[found]
+        if len(at):
+            segs, counts = np.unique(idx.seg[at], return_counts=True)
+            for s, c in zip(segs.tolist(), counts.tolist()):
+                self._live[(table, s)] -= c
+            keep = np.ones(len(idx.keys), bool)
+            keep[at] = False
+            idx.keys, idx.seg, idx.pos = idx.keys[keep], idx.seg[keep], idx.pos[keep]
+        return int(len(at))
+
+    # -- compaction ---------------------------------------------------------------------------
+    def compact(self, table: str, max_segments: int = 16, min_live_fraction: float = 0.5) -> int:
+        """Rewrite segments that are mostly stale, or too many, into one; returns rows rewritten.
+
+        Retired segments leave the live index only; their files go once no kept checkpoint
+        names them (see :meth:`collect_garbage`).
+        """
+        segs = [s for (t, s) in self._live if t == table]
+        chosen = [s for s in segs if self._live[(table, s)] < min_live_fraction * self._sizes[(table, s)]]
+        if len(segs) - len(chosen) + 1 > max_segments:
+            # Too many segments even after merging the stale ones: merge the smallest too.
+            rest = sorted(set(segs) - set(chosen), key=lambda s: self._live[(table, s)])
+            chosen += rest[: len(segs) - len(chosen) + 1 - max_segments + 1]
+        if not chosen:
+            return 0
+        stale = chosen
+        idx = self.index[table]
+        chosen = np.isin(idx.seg, np.asarray(stale, dtype=np.int32))
+        at = np.flatnonzero(chosen)
+        rewritten = 0
+        if len(at):
+            keys = idx.keys[at]  # sorted, as the index is
+            found, rows = self.read(table, keys)
+            seg = self._write_segment(table, keys, rows)
+            self._point_to(table, keys, seg, np.arange(len(keys), dtype=np.int32))
+            rewritten = len(keys)
+        for s in stale:
+            if self._live.get((table, s), 0) == 0:
+                self._live.pop((table, s), None)
+                self._arrays.pop((table, s), None)
+        return rewritten
+
+    # -- durability ---------------------------------------------------------------------------
+    def sync(self) -> None:
+        """fsync every segment written since the last sync."""
+        for table, seg in self._unsynced:
+            path = self.root / _segment_name(table, seg)
+            if path.exists():
+                fsync_tree(path)
+        for table in {t for t, _ in self._unsynced}:
+            fsync_dir(self.root / table)
+        fsync_dir(self.root)
+        self._unsynced.clear()
+
+    def live_segments(self) -> set[tuple[str, int]]:
+        """Segments the live index points into."""
+        return {s for s, n in self._live.items() if n > 0}
+
+    def load_index(self, table: str, width: int, index: TableIndex, sizes: dict[int, int]) -> None:
+        """Replace the live index of ``table`` (from a checkpoint)."""
+        self.add_table(table, width)
+        self.index[table] = index
+        for key in [k for k in self._live if k[0] == table]:
+            self._live.pop(key)
+            self._sizes.pop(key, None)
+        if len(index.seg):
+            segs, counts = np.unique(index.seg, return_counts=True)
+            for s, c in zip(segs.tolist(), counts.tolist()):
+                self._live[(table, s)] = c
+                self._sizes[(table, s)] = sizes.get(s, c)
+        self._arrays = {k: v for k, v in self._arrays.items() if k[0] != table}
+
+    def segment_size(self, table: str, seg: int) -> int:
+        return self._sizes.get((table, seg), 0)
+
+    def collect_garbage(self, keep: set[tuple[str, int]]) -> int:
+        """Delete segment directories named neither in ``keep`` nor by the live index."""
+        keep = keep | self.live_segments()
+        removed = 0
+        if not self.root.exists():
+            return 0
+        for tdir in self.root.iterdir():
+            if not tdir.is_dir():
+                continue
+            for sdir in tdir.iterdir():
+                if not (sdir.is_dir() and sdir.name.isdigit()):
+                    continue
+                key = (tdir.name, int(sdir.name))
+                if key not in keep:
+                    shutil.rmtree(sdir, ignore_errors=True)
+                    self._arrays.pop(key, None)
+                    self._sizes.pop(key, None)
+                    removed += 1
+        return removed
+
+    def max_segment_on_disk(self) -> int:
+        best = 0
+        if self.root.exists():
+            for tdir in self.root.iterdir():
+                if tdir.is_dir():
+                    for sdir in tdir.iterdir():
+                        if sdir.name.isdigit():
+                            best = max(best, int(sdir.name))
+        return best
+
+    def disk_bytes(self) -> int:
+        return sum(p.stat().st_size for p in self.root.rglob("*") if p.is_file())
+
