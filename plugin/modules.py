@@ -64,9 +64,10 @@ class _StoreEmbedding(nn.Module):
         self.embedding_dim = embedding_dim
         self.padding_idx = padding_idx
         self.table = name if name is not None else f"{type(self).__name__.lower()}_{len(self._store.tables)}"
-        is_new = self.table not in self._store.tables
+        # A table the store already holds (a resumed run) keeps its rows; a new one is filled.
+        self._created = self.table not in self._store.tables
         self._store.table(self.table, embedding_dim, optimizer=optimizer, initializer=initializer)
-        if is_new and padding_idx is not None:
+        if self._created and padding_idx is not None:
             self._store.write(self.table, [padding_idx], torch.zeros(1, embedding_dim))
 
     @property
@@ -91,9 +92,7 @@ class _StoreEmbedding(nn.Module):
 
     def _load_rows(self, weight: torch.Tensor, overwrite: bool | None) -> None:
         """Rows 0..N-1 from a torch weight, unless the store already holds the table's rows."""
-        if overwrite is None:
-            overwrite = self._store.ssd.num_rows(self.table) == 0 and self._store.memory.num_rows(self.table) == 0
-        if overwrite:
+        if overwrite if overwrite is not None else self._created:
             n = weight.shape[0]
             self._store.write(self.table, torch.arange(n), weight.detach().to(torch.float32).cpu())
 

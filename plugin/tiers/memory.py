@@ -155,17 +155,17 @@ class MemoryTier:
             return
         new_keys, new_rows = keys[new], rows[new]
         row_bytes = self.row_bytes(table)
-        fit = min(n_new, self.budget // row_bytes)
-        if fit < n_new:
-            # Larger than the whole cache: the surplus goes straight to the SSD tier.
-            if dirty:
-                self.lower.write(table, new_keys[fit:], new_rows[fit:])
-            new_keys, new_rows = new_keys[:fit], new_rows[:fit]
+        want = min(n_new, self.budget // row_bytes)
+        overflow = self.bytes_used + want * row_bytes - self.budget
+        if overflow > 0:
+            self._evict(overflow + int((1 - _EVICT_TO) * self.budget))
+        fit = min(n_new, max(0, self.budget - self.bytes_used) // row_bytes)
+        if fit < n_new and dirty:
+            # More than the cache holds: the surplus goes straight to the SSD tier.
+            self.lower.write(table, new_keys[fit:], new_rows[fit:])
         if fit == 0:
             return
-        overflow = self.bytes_used + fit * row_bytes - self.budget
-        if overflow > 0:
-            self._evict(overflow + int((1 - _EVICT_TO) * self.budget), protect=(table, keys))
+        new_keys, new_rows = new_keys[:fit], new_rows[:fit]
         slots = slab.take_slots(fit)
         slab.rows[slots] = new_rows
         slab.dirty[slots] = dirty
@@ -173,24 +173,17 @@ class MemoryTier:
         self._touch(slab, slots)
         slab.insert(new_keys, slots)
 
-    def _evict(self, nbytes: int, protect: tuple[str, np.ndarray]) -> None:
-        """Evict at least ``nbytes`` of the lowest-scored rows across tables (not ``protect``)."""
+    def _evict(self, nbytes: int) -> None:
+        """Evict at least ``nbytes`` of the lowest-scored rows across tables, in one batch."""
         tables = [t for t, s in self._slabs.items() if len(s)]
         if not tables:
             return
-        scores = []
-        for t in tables:
-            s = self._slabs[t]
-            sc = s.score[s.slots].astype(np.float64)
-            if t == protect[0]:
-                sc[np.isin(s.keys, protect[1])] = np.inf
-            scores.append(sc)
+        scores = [self._slabs[t].score[self._slabs[t].slots] for t in tables]
         costs = np.concatenate([np.full(len(self._slabs[t]), self.row_bytes(t)) for t in tables])
         owner = np.concatenate([np.full(len(self._slabs[t]), i) for i, t in enumerate(tables)])
         local = np.concatenate([np.arange(len(self._slabs[t])) for t in tables])
         all_scores = np.concatenate(scores)
         order = np.argsort(all_scores, kind="stable")
-        order = order[np.isfinite(all_scores[order])]
         n_victims = int(np.searchsorted(np.cumsum(costs[order]), nbytes) + 1)
         victims = order[:n_victims]
         for i, t in enumerate(tables):
