@@ -23,6 +23,7 @@ import zarr
 import zarr.codecs
 from zarr.storage import LocalStore
 
+from hierps._faults import fault_point
 from hierps._files import fsync_tree, read_json_checked, write_json_atomic
 from hierps.errors import CorruptStoreError
 from hierps.tiers.ssd import TableIndex
@@ -83,7 +84,9 @@ class CheckpointCatalog:
                                         compressors=checksum, fill_value=0)
                 if len(data):
                     arr[:] = data
+            fault_point("checkpoint.index_table")
         fsync_tree(path)
+        fault_point("checkpoint.before_manifest")
         write_json_atomic(self._manifest_path(ckpt), {**body, "id": ckpt, "created": time.time()})
 
     def read_index(self, ckpt: int, table: str) -> TableIndex:

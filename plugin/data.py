@@ -160,7 +160,9 @@ def _raw_ids(spec: CriteoSpec, ranks: np.ndarray) -> np.ndarray:
 
 def _dense_params(spec: CriteoSpec) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Per dense feature: log-normal location, scale, and probability of a zero count."""
-    h = [_unit(splitmix64(_salt(spec.seed, 2, j) + np.arange(3, dtype=np.uint64))) for j in range(spec.n_dense)]
+    h = [
+        _unit(splitmix64(_salt(spec.seed, 2, j) + np.arange(3, dtype=np.uint64))) for j in range(spec.n_dense)
+    ]
     h = np.array(h)  # (n_dense, 3)
     return 0.5 + 3.0 * h[:, 0], 0.6 + 1.0 * h[:, 1], 0.05 + 0.4 * h[:, 2]
 
@@ -244,7 +246,9 @@ class CriteoData:
         self.labels = np.ascontiguousarray(self.labels, dtype=np.float32)
         n = len(self.labels)
         if self.dense.ndim != 2 or self.sparse.ndim != 2 or len(self.dense) != n or len(self.sparse) != n:
-            raise ValueError(f"inconsistent shapes {self.dense.shape} {self.sparse.shape} {self.labels.shape}")
+            raise ValueError(
+                f"inconsistent shapes {self.dense.shape} {self.sparse.shape} {self.labels.shape}"
+            )
 
     def __len__(self) -> int:
         return len(self.labels)
@@ -271,7 +275,11 @@ class CriteoData:
             sel = slice(start, min(start + batch_size, n))
             idx = order[sel] if order is not None else sel
             # from_numpy shares memory; slices of C-contiguous rows stay contiguous.
-            yield (torch.from_numpy(self.dense[idx]), torch.from_numpy(self.sparse[idx]), torch.from_numpy(self.labels[idx]))
+            yield (
+                torch.from_numpy(self.dense[idx]),
+                torch.from_numpy(self.sparse[idx]),
+                torch.from_numpy(self.labels[idx]),
+            )
 
 
 def generate(spec: CriteoSpec, n_examples: int, seed: int = 0) -> CriteoData:
@@ -382,7 +390,11 @@ def read_criteo_tsv(path: str | Path, max_rows: int | None = None, block_bytes: 
         for block in _line_blocks(file, block_bytes):
             if max_rows is not None and rows + block.count(b"\n") > max_rows:
                 keep = max_rows - rows  # cut at the keep-th newline instead of parsing it all
-                block = block[: int(np.flatnonzero(np.frombuffer(block, np.uint8) == _NL)[keep - 1]) + 1] if keep else b""
+                block = (
+                    block[: int(np.flatnonzero(np.frombuffer(block, np.uint8) == _NL)[keep - 1]) + 1]
+                    if keep
+                    else b""
+                )
             if not block:
                 break
             labels, counts, sparse = _parse_block(block, line_no)
@@ -397,6 +409,18 @@ def read_criteo_tsv(path: str | Path, max_rows: int | None = None, block_bytes: 
     return CriteoData(np.log1p(counts.astype(np.float64)).astype(np.float32), sparse, labels)
 
 
+def _hex_rows(sparse: np.ndarray) -> list[str]:
+    """``(N, F)`` int64 ids -> per-row ``"hex\t...\thex\n"`` strings of 16-digit two's complement hex."""
+    n, f = sparse.shape
+    # One bytes.hex() call for the whole array instead of N * F Python-level formats.
+    digits = sparse.view(np.uint64).astype(">u8").tobytes().hex().encode("ascii")
+    cells = np.full((n, f, 17), _TAB, dtype=np.uint8)
+    cells[:, :, :16] = np.frombuffer(digits, np.uint8).reshape(n, f, 16)
+    cells[:, -1, 16] = _NL
+    text, width = cells.tobytes().decode("ascii"), f * 17
+    return [text[i : i + width] for i in range(0, n * width, width)]
+
+
 def write_criteo_tsv(data: CriteoData, path: str | Path) -> None:
     """Write ``data`` as Criteo TSV (gzip if ``path`` ends in ``.gz``).
 
@@ -406,13 +430,14 @@ def write_criteo_tsv(data: CriteoData, path: str | Path) -> None:
     """
     path = Path(path)
     counts = np.rint(np.expm1(data.dense.astype(np.float64))).clip(min=0).astype(np.int64)
-    labels = data.labels.astype(np.int64)
-    columns = [[str(v) for v in labels.tolist()]]
-    columns += [[str(v) for v in counts[:, j].tolist()] for j in range(counts.shape[1])]
-    columns += [
-        [f"{v:016x}" if v else "" for v in data.sparse[:, j].view(np.uint64).tolist()] for j in range(data.sparse.shape[1])
-    ]
-    text = "".join("\t".join(row) + "\n" for row in zip(*columns))
+    heads = zip(*([str(v) for v in col.tolist()] for col in (data.labels.astype(np.int64), *counts.T)))
+    text = "".join("\t".join(head) + "\t" + ids for head, ids in zip(heads, _hex_rows(data.sparse)))
+    # Missing ids become empty fields. Each pass skips a zero right after a replaced one, so
+    # two passes clear any run; fields are exactly 16 digits, so no longer field can match.
+    zero = "0" * 16
+    for _ in range(2):
+        text = text.replace(f"\t{zero}\t", "\t\t")
+    text = text.replace(f"\t{zero}\n", "\t\n")
     opener = gzip.open if path.suffix == ".gz" else open
     with opener(path, "wt", encoding="ascii", newline="\n") as f:
         f.write(text)

@@ -18,12 +18,14 @@ import numpy as np
 import torch
 from torch import nn
 
-from .data import splitmix64
+from hierps.data import splitmix64
 
 __all__ = ["DLRM", "remap_ids"]
 
 
-def remap_ids(sparse: torch.Tensor | np.ndarray, vocab_sizes: Sequence[int] | int) -> torch.Tensor | np.ndarray:
+def remap_ids(
+    sparse: torch.Tensor | np.ndarray, vocab_sizes: Sequence[int] | int
+) -> torch.Tensor | np.ndarray:
     """Fold raw int64 ids ``(B, F)`` into ``[0, vocab_sizes[f])`` by ``splitmix64(id) % n_f``.
 
     Returns int64 ``(B, F)`` of the input's kind (tensor on the same device, or ndarray).

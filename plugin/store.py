@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 from hierps import ids as _ids
+from hierps._faults import fault_point
 from hierps._files import read_json_checked, write_json_atomic
 from hierps.checkpoint import CheckpointCatalog
 from hierps.config import EVICTION_POLICIES, InitializerConfig, OptimizerConfig, parse_size
@@ -134,11 +135,13 @@ class Store:
         self.default_initializer = InitializerConfig.parse(initializer)
         self.keep_checkpoints = keep_checkpoints
         self.max_segments = max_segments
+        memory_bytes = parse_size(memory_budget, "memory_budget")
+        device_bytes = parse_size(device_budget, "device_budget")
         self._lock_fd: int | None = None
         self._open_dir()
         self.ssd = SsdTier(self.path / "segments")
-        self.memory = MemoryTier(parse_size(memory_budget, "memory_budget"), self.ssd, eviction)
-        self.device_tier = DeviceTier(parse_size(device_budget, "device_budget"), self.device)
+        self.memory = MemoryTier(memory_bytes, self.ssd, eviction)
+        self.device_tier = DeviceTier(device_bytes, self.device)
         self.catalog = CheckpointCatalog(self.path / "checkpoints")
         self.tables: dict[str, TableInfo] = {}
         self._pending: list[_Pending] = []
@@ -400,6 +403,7 @@ class Store:
                 self.device_tier.insert(table, missing, self._fetch(table, missing, touch=True))
 
     def _write_back(self) -> None:
+        fault_point("pass.write_back")
         for table, drained in self.device_tier.drain().items():
             if drained.dirty.any():
                 keys, rows = drained.keys[drained.dirty], drained.rows[drained.dirty]
@@ -504,8 +508,11 @@ class Store:
         for table, (keys, rows) in self.device_tier.take_dirty().items():
             order = np.argsort(keys, kind="stable")
             self.memory.put(table, keys[order], rows[order], dirty=True)
+        fault_point("checkpoint.after_device_flush")
         self.memory.flush()
+        fault_point("checkpoint.after_memory_flush")
         self.ssd.sync()
+        fault_point("checkpoint.after_sync")
         ckpt = (self.catalog.latest() or 0) + 1
         body = {
             "tag": tag,
@@ -521,8 +528,10 @@ class Store:
         }
         self.catalog.write(ckpt, {name: self.ssd.index[name] for name in self.tables}, body)
         self.checkpoint_id = ckpt
+        fault_point("checkpoint.after_manifest")
         for old in self.catalog.ids()[: -self.keep_checkpoints]:
             self.catalog.delete(old)
+            fault_point("checkpoint.after_retire")
         self.ssd.collect_garbage(self.catalog.referenced_segments())
         return ckpt
 

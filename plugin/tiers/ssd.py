@@ -23,6 +23,7 @@ import zarr
 import zarr.codecs
 from zarr.storage import LocalStore
 
+from hierps._faults import fault_point
 from hierps._files import fsync_dir, fsync_tree
 from hierps.errors import CorruptStoreError
 
@@ -158,6 +159,7 @@ class SsdTier:
         k = zarr.create_array(self._zstore, name=f"{name}/keys", shape=(n,), chunks=(min(n, 1 << 17),),
                               dtype="int64", compressors=checksum, fill_value=0)
         k[:] = keys
+        fault_point("ssd.segment_keys_written")
         r = zarr.create_array(self._zstore, name=f"{name}/rows", shape=(n, width), chunks=(chunk_rows, width),
                               dtype="float32", compressors=checksum, fill_value=0.0)
         r[:] = rows
@@ -227,6 +229,7 @@ class SsdTier:
             seg = self._write_segment(table, keys, rows)
             self._point_to(table, keys, seg, np.arange(len(keys), dtype=np.int32))
             rewritten = len(keys)
+            fault_point("ssd.compaction")
         for s in stale:
             if self._live.get((table, s), 0) == 0:
                 self._live.pop((table, s), None)
