@@ -297,24 +297,41 @@ _DIGIT = np.full(256, 255, dtype=np.uint8)  # byte -> digit value; 255 marks "no
 _DIGIT[np.frombuffer(b"0123456789", np.uint8)] = np.arange(10)
 _DIGIT[np.frombuffer(b"abcdef", np.uint8)] = np.arange(10, 16)
 _DIGIT[np.frombuffer(b"ABCDEF", np.uint8)] = np.arange(10, 16)
+_POW10 = 10 ** np.arange(20, dtype=np.uint64)
 
 
 def _parse_fields(buf: np.ndarray, starts: np.ndarray, lengths: np.ndarray, base: int) -> np.ndarray:
-    """Unsigned integers in ``base`` from byte fields, vectorised over fields -> uint64.
+    """Unsigned base-10 or base-16 integers from byte fields (any shape) -> uint64, same shape.
 
-    Loops over digit positions (at most 16-20), never over fields. Empty fields give 0.
+    Vectorised over fields; the only Python loop is over digit places (at most 16-19).
+    Empty fields give 0.
     """
-    out = np.zeros(starts.shape, dtype=np.uint64)
+    shape, starts, lengths = starts.shape, starts.reshape(-1), lengths.reshape(-1)
     width = int(lengths.max(initial=0))
     if width > (16 if base == 16 else 19):
         raise ValueError(f"field of {width} digits does not fit in 64 bits")
-    for k in range(width):
-        live = lengths > k
-        digit = _DIGIT[buf[np.where(live, starts + k, 0)]]
-        if np.any(live & (digit >= base)):
-            raise ValueError(f"non base-{base} character in a numeric field")
-        out = np.where(live, out * np.uint64(base) + digit.astype(np.uint64), out)
-    return out
+    if width == 0:
+        return np.zeros(shape, dtype=np.uint64)
+    width = 16 if base == 16 else width
+    # A (fields, width) byte matrix without an index matrix: gather rows of a sliding window.
+    windows = np.lib.stride_tricks.sliding_window_view(
+        np.concatenate([buf, np.zeros(width, np.uint8)]), width
+    )
+    digits = np.where(np.arange(width) < lengths[:, None], _DIGIT[windows[starts]], 0)
+    if (digits >= base).any():
+        raise ValueError(f"non base-{base} character in a numeric field")
+    # Both paths read each field left-aligned in `width` places, zeros past its end, then
+    # drop those padding places.
+    if base == 16:  # two nibbles per byte, eight bytes per big-endian uint64
+        packed = np.ascontiguousarray((digits[:, 0::2] << 4) | digits[:, 1::2])
+        out = packed.view(">u8").reshape(-1).astype(np.uint64)
+        out >>= (4 * (width - lengths)).astype(np.uint64)
+    else:
+        out = np.zeros(len(starts), dtype=np.uint64)
+        for k in range(width):
+            out = out * np.uint64(10) + digits[:, k]
+        out //= _POW10[width - lengths]
+    return out.reshape(shape)
 
 
 def _parse_block(raw: bytes, first_line: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
