@@ -1,11 +1,8 @@
 """Criteo-format click data: a synthetic generator with a hidden teacher, and TSV I/O.
 
-Arrays used throughout, for ``N`` examples:
-
-* ``dense``:  ``(N, 13)`` float32, ``log1p`` of non-negative integer counts.
-* ``sparse``: ``(N, 26)`` int64, raw 64-bit feature ids (arbitrary values, negatives
-  included); ``0`` is the "missing" sentinel.
-* ``labels``: ``(N,)`` float32 in ``{0, 1}``.
+Arrays, for ``N`` examples: ``dense (N, 13) float32``, ``log1p`` of non-negative counts;
+``sparse (N, 26) int64``, raw 64-bit feature ids (any value, negatives included; ``0`` is the
+"missing" sentinel); ``labels (N,) float32`` in ``{0, 1}``.
 
 Synthetic ids are Zipf-distributed per feature and pass through splitmix64, so they look
 like the hashed ids of real logs rather than indices ``0..n-1``. Labels come from a hidden
@@ -25,6 +22,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from numpy.lib.stride_tricks import sliding_window_view
 
 __all__ = [
     "CriteoData",
@@ -39,9 +37,6 @@ __all__ = [
 
 N_FIELDS = 40  # label + 13 dense + 26 categorical in one TSV line
 MISSING_ID = 0
-
-
-# --------------------------------------------------------------------------- hashing
 
 
 def splitmix64(x: np.ndarray | int) -> np.ndarray:
@@ -59,6 +54,11 @@ def _unit(h: np.ndarray) -> np.ndarray:
     return (h >> np.uint64(11)).astype(np.float64) * 2.0**-53
 
 
+def _centred(h: np.ndarray) -> np.ndarray:
+    """uint64 hashes -> float64 uniform on [-sqrt(3), sqrt(3)]: zero mean, unit variance."""
+    return (2.0 * _unit(h) - 1.0) * math.sqrt(3.0)
+
+
 def _salt(*parts: int) -> np.uint64:
     """A uint64 salt derived from small non-negative ints (seed, feature, purpose...)."""
     h = splitmix64(0)
@@ -67,22 +67,12 @@ def _salt(*parts: int) -> np.uint64:
     return np.uint64(h)
 
 
-def _centred(h: np.ndarray) -> np.ndarray:
-    """uint64 hashes -> float64 uniform on [-sqrt(3), sqrt(3)]: zero mean, unit variance."""
-    return (2.0 * _unit(h) - 1.0) * math.sqrt(3.0)
-
-
-# --------------------------------------------------------------------------- spec
-
-
 def power_law_vocab_sizes(n_features: int = 26, total: int = 200_000, smallest: int = 3) -> tuple[int, ...]:
     """Per-feature vocabulary sizes spread log-uniformly from ``smallest`` up, largest first.
 
     Real Criteo cardinalities span 3 to ~10M roughly log-uniformly: a few tables are huge and
     many are tiny. The largest size is solved for so the sizes sum to about ``total``.
     """
-    if n_features == 1:
-        return (max(total, smallest),)
     lo, hi = float(smallest), float(total)
     for _ in range(60):  # bisection on the largest size; the sum is monotone in it
         top = math.sqrt(lo * hi)
@@ -113,24 +103,18 @@ class CriteoSpec:
     interactions: tuple[tuple[int, int], ...] | None = None  # None: two mid-sized pairs
 
     def __post_init__(self) -> None:
-        if self.vocab_sizes is None:
-            object.__setattr__(self, "vocab_sizes", power_law_vocab_sizes(self.n_sparse, self.total_vocab))
-        object.__setattr__(self, "vocab_sizes", tuple(int(v) for v in self.vocab_sizes))
-        if len(self.vocab_sizes) != self.n_sparse or min(self.vocab_sizes) < 1:
-            raise ValueError(f"need {self.n_sparse} positive vocab sizes, got {self.vocab_sizes}")
-        if self.interactions is None:
-            n = self.n_sparse
-            pairs = ((n // 8, n // 3), (n // 4, n // 2))
-            object.__setattr__(self, "interactions", tuple(p for p in pairs if p[0] != p[1]))
-        object.__setattr__(self, "interactions", tuple((int(a), int(b)) for a, b in self.interactions))
-        for a, b in self.interactions:
-            if not (0 <= a < self.n_sparse and 0 <= b < self.n_sparse and a != b):
-                raise ValueError(f"bad interaction pair {(a, b)}")
+        n = self.n_sparse
+        vocab = power_law_vocab_sizes(n, self.total_vocab) if self.vocab_sizes is None else self.vocab_sizes
+        pairs = [(n // 8, n // 3), (n // 4, n // 2)] if self.interactions is None else self.interactions
+        # Normalised to plain int tuples so specs hash and compare by value (the bias cache).
+        object.__setattr__(self, "vocab_sizes", tuple(int(v) for v in vocab))
+        object.__setattr__(self, "interactions", tuple((int(a), int(b)) for a, b in pairs))
+        if len(self.vocab_sizes) != n or min(self.vocab_sizes) < 1:
+            raise ValueError(f"need {n} positive vocab sizes, got {self.vocab_sizes}")
+        if any(not (0 <= a < n and 0 <= b < n and a != b) for a, b in self.interactions):
+            raise ValueError(f"interaction pairs must be distinct features below {n}: {self.interactions}")
         if not 0.0 < self.base_ctr < 1.0:
             raise ValueError("base_ctr must lie in (0, 1)")
-
-
-# --------------------------------------------------------------------------- sampling
 
 
 def _zipf_ranks(u: np.ndarray, vocab: np.ndarray, s: float) -> np.ndarray:
@@ -140,12 +124,10 @@ def _zipf_ranks(u: np.ndarray, vocab: np.ndarray, s: float) -> np.ndarray:
     per-id table, so vocabularies of any size cost the same.
     """
     log_n1 = np.log(vocab.astype(np.float64) + 1.0)
-    a = 1.0 - s
-    if abs(a) < 1e-9:
-        log_x = u * log_n1
-    else:
-        # x**a = 1 - u * (1 - (n+1)**a), written with expm1/log1p to stay exact near s = 1.
-        log_x = np.log1p(u * np.expm1(a * log_n1)) / a
+    # x**a = 1 - u * (1 - (n+1)**a) with a = 1 - s, via expm1/log1p to stay exact near s = 1;
+    # s = 1 itself is the a -> 0 limit, which a tiny a reproduces to ~1e-12.
+    a = (1.0 - s) or 1e-12
+    log_x = np.log1p(u * np.expm1(a * log_n1)) / a
     ranks = np.floor(np.exp(log_x)).astype(np.int64) - 1
     return np.minimum(ranks, vocab - 1)
 
@@ -160,10 +142,7 @@ def _raw_ids(spec: CriteoSpec, ranks: np.ndarray) -> np.ndarray:
 
 def _dense_params(spec: CriteoSpec) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Per dense feature: log-normal location, scale, and probability of a zero count."""
-    h = [
-        _unit(splitmix64(_salt(spec.seed, 2, j) + np.arange(3, dtype=np.uint64))) for j in range(spec.n_dense)
-    ]
-    h = np.array(h)  # (n_dense, 3)
+    h = _unit(splitmix64(_salt(spec.seed, 2) + np.arange(3 * spec.n_dense, dtype=np.uint64))).reshape(-1, 3)
     return 0.5 + 3.0 * h[:, 0], 0.6 + 1.0 * h[:, 1], 0.05 + 0.4 * h[:, 2]
 
 
@@ -177,9 +156,6 @@ def _sample_features(spec: CriteoSpec, n: int, rng: np.random.Generator) -> tupl
     vocab = np.asarray(spec.vocab_sizes, dtype=np.int64)
     ranks = _zipf_ranks(rng.random((n, spec.n_sparse)), vocab, spec.zipf_exponent)
     return dense, _raw_ids(spec, ranks)
-
-
-# --------------------------------------------------------------------------- teacher
 
 
 def _id_hash(spec: CriteoSpec, sparse: np.ndarray, purpose: int, column: int, k: int = 0) -> np.ndarray:
@@ -229,9 +205,6 @@ def teacher_logits(spec: CriteoSpec, dense: np.ndarray, sparse: np.ndarray) -> n
     return _raw_teacher_logits(spec, dense, sparse) + _teacher_bias(spec)
 
 
-# --------------------------------------------------------------------------- container
-
-
 @dataclass
 class CriteoData:
     """A block of examples: ``dense (N, 13) float32``, ``sparse (N, 26) int64``, ``labels (N,) float32``."""
@@ -246,9 +219,7 @@ class CriteoData:
         self.labels = np.ascontiguousarray(self.labels, dtype=np.float32)
         n = len(self.labels)
         if self.dense.ndim != 2 or self.sparse.ndim != 2 or len(self.dense) != n or len(self.sparse) != n:
-            raise ValueError(
-                f"inconsistent shapes {self.dense.shape} {self.sparse.shape} {self.labels.shape}"
-            )
+            raise ValueError(f"shapes {self.dense.shape} {self.sparse.shape} {self.labels.shape} disagree")
 
     def __len__(self) -> int:
         return len(self.labels)
@@ -275,11 +246,8 @@ class CriteoData:
             sel = slice(start, min(start + batch_size, n))
             idx = order[sel] if order is not None else sel
             # from_numpy shares memory; slices of C-contiguous rows stay contiguous.
-            yield (
-                torch.from_numpy(self.dense[idx]),
-                torch.from_numpy(self.sparse[idx]),
-                torch.from_numpy(self.labels[idx]),
-            )
+            dense, sparse, labels = (torch.from_numpy(a[idx]) for a in (self.dense, self.sparse, self.labels))
+            yield dense, sparse, labels
 
 
 def generate(spec: CriteoSpec, n_examples: int, seed: int = 0) -> CriteoData:
@@ -290,21 +258,16 @@ def generate(spec: CriteoSpec, n_examples: int, seed: int = 0) -> CriteoData:
     return CriteoData(dense, sparse, (rng.random(n_examples) < prob).astype(np.float32))
 
 
-# --------------------------------------------------------------------------- TSV I/O
-
 _TAB, _NL = ord("\t"), ord("\n")
 _DIGIT = np.full(256, 255, dtype=np.uint8)  # byte -> digit value; 255 marks "not a digit"
-_DIGIT[np.frombuffer(b"0123456789", np.uint8)] = np.arange(10)
-_DIGIT[np.frombuffer(b"abcdef", np.uint8)] = np.arange(10, 16)
-_DIGIT[np.frombuffer(b"ABCDEF", np.uint8)] = np.arange(10, 16)
+_DIGIT[np.frombuffer(b"0123456789abcdefABCDEF", np.uint8)] = [*range(16), *range(10, 16)]
 _POW10 = 10 ** np.arange(20, dtype=np.uint64)
 
 
 def _parse_fields(buf: np.ndarray, starts: np.ndarray, lengths: np.ndarray, base: int) -> np.ndarray:
-    """Unsigned base-10 or base-16 integers from byte fields (any shape) -> uint64, same shape.
+    """Unsigned base-10 or base-16 integers in byte fields (any shape; empty -> 0) -> uint64, same shape.
 
-    Vectorised over fields; the only Python loop is over digit places (at most 16-19).
-    Empty fields give 0.
+    Vectorised over fields; the only Python loop is over at most 19 decimal places.
     """
     shape, starts, lengths = starts.shape, starts.reshape(-1), lengths.reshape(-1)
     width = int(lengths.max(initial=0))
@@ -314,9 +277,7 @@ def _parse_fields(buf: np.ndarray, starts: np.ndarray, lengths: np.ndarray, base
         return np.zeros(shape, dtype=np.uint64)
     width = 16 if base == 16 else width
     # A (fields, width) byte matrix without an index matrix: gather rows of a sliding window.
-    windows = np.lib.stride_tricks.sliding_window_view(
-        np.concatenate([buf, np.zeros(width, np.uint8)]), width
-    )
+    windows = sliding_window_view(np.concatenate([buf, np.zeros(width, np.uint8)]), width)
     digits = np.where(np.arange(width) < lengths[:, None], _DIGIT[windows[starts]], 0)
     if (digits >= base).any():
         raise ValueError(f"non base-{base} character in a numeric field")
@@ -348,9 +309,8 @@ def _parse_block(raw: bytes, first_line: int) -> tuple[np.ndarray, np.ndarray, n
     lengths = ends.reshape(n, N_FIELDS) - starts
     labels = _parse_fields(buf, starts[:, 0], lengths[:, 0], 10)
     # Negative counts occur in the raw logs and are treated as missing: zero length parses to 0.
-    d_start, d_len = starts[:, 1:14], lengths[:, 1:14]
-    d_len = np.where((d_len > 0) & (buf[d_start] == ord("-")), 0, d_len)
-    counts = _parse_fields(buf, d_start, d_len, 10).astype(np.int64)
+    negative = (lengths[:, 1:14] > 0) & (buf[starts[:, 1:14]] == ord("-"))
+    counts = _parse_fields(buf, starts[:, 1:14], np.where(negative, 0, lengths[:, 1:14]), 10).astype(np.int64)
     sparse = _parse_fields(buf, starts[:, 14:], lengths[:, 14:], 16).view(np.int64)
     return labels.astype(np.float32), counts, sparse
 
@@ -359,25 +319,21 @@ def _criteo_files(path: Path) -> list[Path]:
     """The file itself, or a directory's ``day_*`` / ``*.tsv`` / ``*.txt`` (optionally .gz) files."""
     if path.is_file():
         return [path]
-    pattern = re.compile(r"^(day_\d+|.*\.(tsv|txt))(\.gz)?$")
-    files = [p for p in path.iterdir() if p.is_file() and pattern.match(p.name)]
+    files = [
+        p for p in path.iterdir() if p.is_file() and re.fullmatch(r"(day_\d+|.*\.(tsv|txt))(\.gz)?", p.name)
+    ]
     if not files:
         raise FileNotFoundError(f"no Criteo files (day_N, *.tsv, *.txt) in {path}")
     # Natural order, so day_2 precedes day_10.
     return sorted(files, key=lambda p: [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", p.name)])
 
 
-def _open_binary(path: Path):
-    """Open for reading bytes, transparently gunzipping (detected by magic number)."""
-    with open(path, "rb") as f:
-        gz = f.read(2) == b"\x1f\x8b"
-    return gzip.open(path, "rb") if gz else open(path, "rb")
-
-
 def _line_blocks(path: Path, block_bytes: int) -> Iterator[bytes]:
     """Blocks of whole, non-empty, ``\\n``-terminated lines (``\\r`` stripped)."""
+    with open(path, "rb") as probe:
+        gz = probe.read(2) == b"\x1f\x8b"  # gzip magic number: file names are not trusted
     rest = b""
-    with _open_binary(path) as f:
+    with gzip.open(path, "rb") if gz else open(path, "rb") as f:
         while True:
             chunk = f.read(block_bytes)
             data = rest + chunk
@@ -400,42 +356,25 @@ def read_criteo_tsv(path: str | Path, max_rows: int | None = None, block_bytes: 
     reinterpreted as signed int64; missing -> ``MISSING_ID`` (0). ``path`` is a file or a
     directory of ``day_N`` / ``*.tsv`` / ``*.txt`` files, each optionally gzip-compressed.
     """
-    parts: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
-    rows = 0
+    # Starts with an empty block so that reading no rows still concatenates to the right shapes.
+    parts = [(np.zeros(0, np.float32), np.zeros((0, 13), np.int64), np.zeros((0, 26), np.int64))]
+    rows, limit = 0, math.inf if max_rows is None else max_rows
     for file in _criteo_files(Path(path)):
         line_no = 0
         for block in _line_blocks(file, block_bytes):
-            if max_rows is not None and rows + block.count(b"\n") > max_rows:
-                keep = max_rows - rows  # cut at the keep-th newline instead of parsing it all
-                block = (
-                    block[: int(np.flatnonzero(np.frombuffer(block, np.uint8) == _NL)[keep - 1]) + 1]
-                    if keep
-                    else b""
-                )
-            if not block:
+            if rows + block.count(b"\n") > limit:  # drop unwanted lines before parsing, not after
+                block = b"".join(block.splitlines(keepends=True)[: int(limit) - rows])
+            if rows >= limit:
                 break
-            labels, counts, sparse = _parse_block(block, line_no)
-            parts.append((labels, counts, sparse))
-            line_no += len(labels)
-            rows += len(labels)
-        if max_rows is not None and rows >= max_rows:
+            try:
+                parts.append(_parse_block(block, line_no))
+            except ValueError as e:
+                raise ValueError(f"{file}: {e}") from None
+            line_no, rows = line_no + len(parts[-1][0]), rows + len(parts[-1][0])
+        if rows >= limit:
             break
-    if not parts:
-        return CriteoData(np.zeros((0, 13), np.float32), np.zeros((0, 26), np.int64), np.zeros(0, np.float32))
     labels, counts, sparse = (np.concatenate(p) for p in zip(*parts))
     return CriteoData(np.log1p(counts.astype(np.float64)).astype(np.float32), sparse, labels)
-
-
-def _hex_rows(sparse: np.ndarray) -> list[str]:
-    """``(N, F)`` int64 ids -> per-row ``"hex\t...\thex\n"`` strings of 16-digit two's complement hex."""
-    n, f = sparse.shape
-    # One bytes.hex() call for the whole array instead of N * F Python-level formats.
-    digits = sparse.view(np.uint64).astype(">u8").tobytes().hex().encode("ascii")
-    cells = np.full((n, f, 17), _TAB, dtype=np.uint8)
-    cells[:, :, :16] = np.frombuffer(digits, np.uint8).reshape(n, f, 16)
-    cells[:, -1, 16] = _NL
-    text, width = cells.tobytes().decode("ascii"), f * 17
-    return [text[i : i + width] for i in range(0, n * width, width)]
 
 
 def write_criteo_tsv(data: CriteoData, path: str | Path) -> None:
@@ -445,10 +384,16 @@ def write_criteo_tsv(data: CriteoData, path: str | Path) -> None:
     came from integer counts (the generator's, up to its 100k cap), lossy for anything else.
     Ids are written as 16-digit hex of their two's complement; ``MISSING_ID`` is written empty.
     """
-    path = Path(path)
+    path, (n, f) = Path(path), data.sparse.shape
     counts = np.rint(np.expm1(data.dense.astype(np.float64))).clip(min=0).astype(np.int64)
     heads = zip(*([str(v) for v in col.tolist()] for col in (data.labels.astype(np.int64), *counts.T)))
-    text = "".join("\t".join(head) + "\t" + ids for head, ids in zip(heads, _hex_rows(data.sparse)))
+    # Ids as one fixed-width byte matrix, from a single bytes.hex() call instead of N * F formats.
+    cells = np.full((n, f, 17), _TAB, dtype=np.uint8)
+    hex_digits = data.sparse.view(np.uint64).astype(">u8").tobytes().hex().encode("ascii")
+    cells[:, :, :16] = np.frombuffer(hex_digits, np.uint8).reshape(n, f, 16)
+    cells[:, -1, 16] = _NL
+    ids, width = cells.tobytes().decode("ascii"), f * 17
+    text = "".join("\t".join(head) + "\t" + ids[i * width : (i + 1) * width] for i, head in enumerate(heads))
     # Missing ids become empty fields. Each pass skips a zero right after a replaced one, so
     # two passes clear any run; fields are exactly 16 digits, so no longer field can match.
     zero = "0" * 16

@@ -132,7 +132,8 @@ class Embedding(_StoreEmbedding):
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         ids = check_ids_tensor(input, self._store.device, what=f"ids of {self.table!r}")
         weights, local, pad = self._gather(ids)
-        return F.embedding(local, weights, padding_idx=pad)
+        # A sparse gradient of the gathered rows is cheaper to produce than a dense one.
+        return F.embedding(local, weights, padding_idx=pad, sparse=True)
 
 
 class EmbeddingBag(_StoreEmbedding):
@@ -179,7 +180,8 @@ class EmbeddingBag(_StoreEmbedding):
                 raise ConfigError(f"per_sample_weights need mode='sum' (torch's rule). Got mode {self.mode!r}.")
         weights, local, pad = self._gather(ids)
         return F.embedding_bag(local, weights, offsets, mode=self.mode, per_sample_weights=per_sample_weights,
-                               include_last_offset=self.include_last_offset, padding_idx=pad)
+                               include_last_offset=self.include_last_offset, padding_idx=pad,
+                               sparse=self.mode != "max")
 
     def _check_offsets(self, ids: torch.Tensor, offsets: torch.Tensor | None) -> torch.Tensor | None:
         if ids.dim() == 2:

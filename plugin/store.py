@@ -367,15 +367,20 @@ class Store:
         out = {}
         for table, ids in batch.items():
             self._info(table)
-            out[table] = np.unique(_ids.as_int64_array(ids, what=f"ids for table {table!r}"))
+            out[table] = _ids.as_int64_array(ids, what=f"ids for table {table!r}")
         return out
 
     def _plan_groups(self, batches: list[dict[str, np.ndarray]]) -> list[dict[str, np.ndarray]]:
         """Consecutive mini-batches merged while their distinct rows fit the device budget."""
         budget = self.device_tier.budget
+        tables = {t for keys in batches for t in keys}
+        merged_all = {t: np.concatenate([keys[t] for keys in batches if t in keys]) for t in tables}
+        if self.device_tier.bytes_for({t: len(k) for t, k in merged_all.items()}) <= budget:
+            # Fits even counting repeats: one group, one sort per table.
+            return [{t: np.unique(k) for t, k in merged_all.items()}] if merged_all else []
         groups: list[dict[str, np.ndarray]] = []
         current: dict[str, np.ndarray] = {}
-        for keys in batches:
+        for keys in [{t: np.unique(k) for t, k in b.items()} for b in batches]:
             alone = self.device_tier.bytes_for({t: len(k) for t, k in keys.items()})
             if alone > budget:
                 raise DeviceBudgetError(self._budget_message(alone))
@@ -465,31 +470,33 @@ class Store:
         self._pending = []
         if not pending:
             return
-        finite = torch.stack([torch.isfinite(p.leaf.grad).all() for p in pending])
+        grads = [_summed_grad(p.leaf) for p in pending]
+        finite = torch.stack([torch.isfinite(g).all() for g in grads])
         if not bool(finite.all()):
             bad = sorted({p.table for p, ok in zip(pending, finite.tolist()) if not ok})
             raise NonFiniteGradientError(
                 f"NaN or inf gradient for table(s) {bad}; the step was skipped and no row changed. "
                 "Lower the learning rate, clip gradients, or check the inputs of this mini-batch."
             )
-        by_table: dict[str, list[_Pending]] = {}
-        for p in pending:
-            by_table.setdefault(p.table, []).append(p)
+        by_table: dict[str, list[tuple[_Pending, torch.Tensor]]] = {}
+        for p, g in zip(pending, grads):
+            by_table.setdefault(p.table, []).append((p, g))
         for table, items in by_table.items():
             info = self.tables[table]
             if len(items) == 1:
-                keys, grads = items[0].keys, items[0].leaf.grad
+                keys, grad = items[0][0].keys, items[0][1]
             else:
-                all_keys = torch.cat([p.keys for p in items])
+                all_keys = torch.cat([p.keys for p, _ in items])
                 keys, inverse = torch.unique(all_keys, return_inverse=True)
-                grads = torch.zeros((keys.numel(), info.dim), dtype=torch.float32, device=self.device)
-                grads.index_add_(0, inverse, torch.cat([p.leaf.grad for p in items]))
-            stale = len(items) > 1 or items[0].generation != self.device_tier.generation
-            slots = self._resident_slots(table, keys) if stale else items[0].slots
+                grad = torch.zeros((keys.numel(), info.dim), dtype=torch.float32, device=self.device)
+                grad.index_add_(0, inverse, torch.cat([g for _, g in items]))
+            first = items[0][0]
+            stale = len(items) > 1 or first.generation != self.device_tier.generation
+            slots = self._resident_slots(table, keys) if stale else first.slots
             resident = self.device_tier.rows(table)
             rows = resident[slots]
             info.step += 1
-            apply_step(info.optimizer, rows, grads.detach(), info.step)
+            apply_step(info.optimizer, rows, grad, info.step)
             resident[slots] = rows
             self.device_tier.mark_dirty(table, slots)
 
@@ -608,6 +615,15 @@ class Store:
         """Rows of ``table`` per tier: ``{"device", "memory", "ssd"}`` (a row may be in several)."""
         return {"device": self.device_tier.num_rows(table), "memory": self.memory.num_rows(table),
                 "ssd": self.ssd.num_rows(table)}
+
+
+def _summed_grad(leaf: torch.Tensor) -> torch.Tensor:
+    """The gradient of a gathered leaf as a dense (U, dim) tensor, duplicates summed."""
+    grad = leaf.grad
+    if not grad.is_sparse:
+        return grad.detach()
+    dense = torch.zeros(leaf.shape, dtype=grad.dtype, device=grad.device)
+    return dense.index_add_(0, grad._indices()[0], grad._values())
 
 
 def _default_device() -> torch.device:
