@@ -5,7 +5,12 @@ BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.hierps-installed
 export DS_ACCELERATOR ?= cpu
 
-.PHONY: setup demo test test-all lint bench clean
+HVD_VERSION := 0.28.1
+HVD_CACHE   ?= $(HOME)/.cache/hierps/wheels
+HVD_ENV     := HOROVOD_WITH_PYTORCH=1 HOROVOD_WITHOUT_TENSORFLOW=1 HOROVOD_WITHOUT_MXNET=1 \
+               HOROVOD_WITH_GLOO=1 HOROVOD_WITHOUT_MPI=1 HOROVOD_CPU_OPERATIONS=gloo
+
+.PHONY: setup horovod demo test test-all lint bench clean
 
 setup: $(STAMP)
 
@@ -18,10 +23,32 @@ $(STAMP): setup.cfg pyproject.toml
 	$(BIN)/pip install -e '.[test]'
 	touch $(STAMP)
 
+# Horovod 0.28.1 (its last release) sets C++14, which torch >= 2.1 headers reject: build its sdist
+# with C++17 against the installed torch, once, and keep the wheel so later installs take seconds.
+horovod: $(STAMP)
+	@if $(BIN)/python -c "import horovod.torch" 2>/dev/null; then echo "horovod is installed"; else \
+	  set -e; \
+	  wheel=$$(ls $(HVD_CACHE)/horovod-$(HVD_VERSION)-*.whl 2>/dev/null | head -n1); \
+	  if [ -z "$$wheel" ]; then \
+	    tmp=$$(mktemp -d); \
+	    $(BIN)/pip download --no-deps --no-binary :all: horovod==$(HVD_VERSION) -d $$tmp; \
+	    tar -xzf $$tmp/horovod-$(HVD_VERSION).tar.gz -C $$tmp; \
+	    src=$$tmp/horovod-$(HVD_VERSION); \
+	    sed -i 's/CMAKE_CXX_STANDARD 14/CMAKE_CXX_STANDARD 17/' $$src/CMakeLists.txt $$src/horovod/torch/CMakeLists.txt; \
+	    $(BIN)/pip install cloudpickle psutil pyyaml packaging wheel; \
+	    mkdir -p $(HVD_CACHE); \
+	    PATH=/usr/bin:$$PATH $(HVD_ENV) MAKEFLAGS=-j2 $(BIN)/pip wheel --no-build-isolation --no-deps -w $(HVD_CACHE) $$src; \
+	    rm -rf $$tmp; \
+	    wheel=$$(ls $(HVD_CACHE)/horovod-$(HVD_VERSION)-*.whl | head -n1); \
+	  fi; \
+	  $(BIN)/pip install "$$wheel"; \
+	  $(BIN)/python -c "import horovod.torch"; \
+	fi
+
 demo: $(STAMP)
 	$(BIN)/hierps demo
 
-test: $(STAMP)
+test: $(STAMP) horovod
 	$(BIN)/ruff check plugin integrations tests examples
 	$(BIN)/python -m pytest -q
 
