@@ -1,4 +1,4 @@
-"""Click-model metrics: exact ROC AUC, log loss and normalised entropy.
+"""Click-model metrics: exact ROC AUC, log loss, normalised entropy and calibration.
 
 Inputs may be numpy arrays, torch tensors (any device, grad or not) or sequences; they are
 flattened to 1-D. ``labels`` are binary (0/1, any numeric dtype).
@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["auc", "log_loss", "normalized_entropy"]
+__all__ = ["auc", "calibration", "log_loss", "normalized_entropy"]
 
 
 def _as_1d(x: Any, dtype: type) -> np.ndarray:
@@ -94,3 +94,18 @@ def normalized_entropy(labels: Any, predictions: Any, *, logits: bool = False) -
         raise ValueError("normalized entropy needs both positive and negative labels")
     baseline = -(ctr * np.log(ctr) + (1.0 - ctr) * np.log(1.0 - ctr))
     return log_loss(y, predictions, logits=logits) / baseline
+
+
+def calibration(labels: Any, predictions: Any, *, logits: bool = False) -> float:
+    """Mean predicted click rate over the observed click rate (1.0 is calibrated; AUC ignores it).
+
+    ``predictions (n,)`` are probabilities, or logits with ``logits=True``.
+    """
+    y = _as_1d(labels, np.float64)
+    p = _as_1d(predictions, np.float64)
+    _check_labels(y, len(p))
+    if not y.any():
+        raise ValueError("calibration needs at least one positive label")
+    if logits:
+        p = 1.0 / (1.0 + np.exp(-p))
+    return float(p.mean() / y.mean())

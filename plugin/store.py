@@ -323,6 +323,32 @@ class Store:
         for start in range(0, len(keys), 1 << 18):
             self.memory.put(table, keys[start : start + (1 << 18)], rows[start : start + (1 << 18)], dirty=True)
 
+    def write_rows(self, table: str, keys: np.ndarray, rows: np.ndarray) -> None:
+        """Set whole rows (weights and optimizer state), e.g. when resharding a checkpoint.
+
+        keys: (n,) int64 unique; rows: (n, width) float32.
+        """
+        self._check_open()
+        info = self._info(table)
+        keys = _ids.as_int64_array(keys, what="keys")
+        if rows.shape != (len(keys), info.width):
+            raise ConfigError(f"write_rows to {table!r}: rows of shape {rows.shape}; expected {(len(keys), info.width)}.")
+        self.device_tier.discard(table)
+        order = np.argsort(keys, kind="stable")
+        keys, rows = keys[order], np.ascontiguousarray(rows[order], dtype=np.float32)
+        for start in range(0, len(keys), 1 << 18):
+            self.memory.put(table, keys[start : start + (1 << 18)], rows[start : start + (1 << 18)], dirty=True)
+
+    def reset_table(self, table: str) -> None:
+        """Forget every row of ``table`` in every tier (checkpoints keep theirs) and its step count."""
+        self._check_open()
+        info = self._info(table)
+        self._pending = [p for p in self._pending if p.table != table]
+        self.device_tier.discard(table)
+        self.memory.discard(table)
+        self.ssd.load_index(table, info.width, TableIndex(), {})
+        info.step = 0
+
     # -- passes -------------------------------------------------------------------------------
     def begin_pass(self, batches: Mapping[str, Any] | Sequence[Mapping[str, Any]]) -> None:
         """Load the working set of a pass into the device tier before its mini-batches run.
@@ -482,34 +508,43 @@ class Store:
         for p, g in zip(pending, grads):
             by_table.setdefault(p.table, []).append((p, g))
         for table, items in by_table.items():
-            info = self.tables[table]
-            if len(items) == 1:
-                keys, grad = items[0][0].keys, items[0][1]
-            else:
-                all_keys = torch.cat([p.keys for p, _ in items])
-                keys, inverse = torch.unique(all_keys, return_inverse=True)
-                grad = torch.zeros((keys.numel(), info.dim), dtype=torch.float32, device=self.device)
-                grad.index_add_(0, inverse, torch.cat([g for _, g in items]))
             first = items[0][0]
-            stale = len(items) > 1 or first.generation != self.device_tier.generation
-            slots = self._resident_slots(table, keys) if stale else first.slots
-            resident = self.device_tier.rows(table)
-            rows = resident[slots]
-            info.step += 1
-            apply_step(info.optimizer, rows, grad, info.step)
-            resident[slots] = rows
-            self.device_tier.mark_dirty(table, slots)
+            if len(items) == 1 and first.generation == self.device_tier.generation:
+                self._apply(table, first.slots, items[0][1])  # the common case: slots still valid
+            else:
+                self.apply_gradients(table, torch.cat([p.keys for p, _ in items]), torch.cat([g for _, g in items]))
+
+    def apply_gradients(self, table: str, keys: torch.Tensor, grads: torch.Tensor) -> None:
+        """One optimizer step for each distinct key, its gradients summed first.
+
+        keys: (n,) int64 on the store's device, repeats allowed; grads: (n, dim) float32.
+        """
+        info = self._info(table)
+        uniq, inverse = torch.unique(keys, return_inverse=True)
+        summed = torch.zeros((uniq.numel(), info.dim), dtype=torch.float32, device=self.device)
+        summed.index_add_(0, inverse, grads)
+        self._apply(table, self._resident_slots(table, uniq), summed)
+
+    def _apply(self, table: str, slots: torch.Tensor, grad: torch.Tensor) -> None:
+        info = self.tables[table]
+        resident = self.device_tier.rows(table)
+        rows = resident[slots]
+        info.step += 1
+        apply_step(info.optimizer, rows, grad, info.step)
+        resident[slots] = rows
+        self.device_tier.mark_dirty(table, slots)
 
     def zero_grad(self) -> None:
         """Forget gradients gathered since the last step."""
         self._pending = []
 
     # -- durability ---------------------------------------------------------------------------
-    def checkpoint(self, tag: str | None = None) -> int:
+    def checkpoint(self, tag: str | None = None, extra: dict[str, Any] | None = None) -> int:
         """Make every row and optimizer state written so far durable; returns the checkpoint id.
 
         Atomic: a crash before it returns leaves the previous checkpoint as the latest. The
         working set stays resident. Checkpoints beyond ``keep_checkpoints`` are retired.
+        ``extra`` (JSON-serialisable) is kept in the manifest, e.g. the world size of a sharded run.
         """
         self._check_open()
         for table, (keys, rows) in self.device_tier.take_dirty().items():
@@ -523,6 +558,7 @@ class Store:
         ckpt = (self.catalog.latest() or 0) + 1
         body = {
             "tag": tag,
+            "extra": extra or {},
             "format_version": FORMAT_VERSION,
             "seed": self.seed,
             "passes": self.passes,
