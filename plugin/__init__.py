@@ -25,12 +25,14 @@ from hierps.errors import (
     InvalidIdsError,
     NonFiniteGradientError,
     OffsetsError,
+    PeerLostError,
     StoreClosedError,
     StoreFormatError,
     StoreLockedError,
     TableMismatchError,
 )
 from hierps.modules import Embedding, EmbeddingBag, get_default_store, set_default_store
+from hierps.sharded import ShardedStore
 from hierps.store import Store
 
 __version__ = "0.1.0"
@@ -47,6 +49,8 @@ __all__ = [
     "NonFiniteGradientError",
     "OffsetsError",
     "OptimizerConfig",
+    "PeerLostError",
+    "ShardedStore",
     "Store",
     "StoreClosedError",
     "StoreFormatError",

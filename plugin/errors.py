@@ -12,7 +12,8 @@ Every message says what happened, the value found, and what to do next::
     ├── StoreFormatError       a directory that is not a hierps store, or of another format version
     ├── CorruptStoreError      a checksum or manifest that does not verify
     ├── StoreLockedError       a second writer on the same store
-    └── StoreClosedError       a store used after close()
+    ├── StoreClosedError       a store used after close()
+    └── PeerLostError          a collective with the other ranks failed: a rank died or hung
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ __all__ = [
     "InvalidIdsError",
     "NonFiniteGradientError",
     "OffsetsError",
+    "PeerLostError",
     "StoreClosedError",
     "StoreFormatError",
     "StoreLockedError",
@@ -74,3 +76,7 @@ class StoreLockedError(HierpsError):
 
 class StoreClosedError(HierpsError):
     """The store was used after ``close()``."""
+
+
+class PeerLostError(HierpsError, RuntimeError):
+    """A collective operation with the other ranks failed or timed out (a rank died or hung)."""

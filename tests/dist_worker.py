@@ -1,0 +1,119 @@
+"""One rank of a sharded training job; launched by torchrun / horovodrun / the tests.
+
+usage: python dist_worker.py MODE STORE OUT [--transport torch|horovod] [--die-after N]
+MODE train: train STEPS global batches (this rank takes its slice of each), checkpoint "final",
+            write OUT/result-<rank>.npz (rows of all keys, dense params, losses, owned full rows).
+MODE load:  restore checkpoint "final" (resharding if needed), write OUT/loaded-<rank>.npz.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+import hierps
+from hierps.integrations.transport import HorovodTransport, TorchDistributedTransport
+
+VOCAB, DIM, GLOBAL_BATCH, BAG, STEPS, PASS = 300, 8, 16, 4, 16, 4
+ALL_KEYS = (np.arange(VOCAB, dtype=np.int64) - 100) * 1_000_003
+
+
+def global_batches():
+    rng = np.random.default_rng(0)
+    for _ in range(STEPS):
+        ids = ALL_KEYS[(rng.zipf(1.3, size=(GLOBAL_BATCH, BAG)) - 1) % VOCAB]
+        yield torch.from_numpy(ids), torch.from_numpy(rng.integers(0, 2, GLOBAL_BATCH).astype(np.float32))
+
+
+def setup(kind: str):
+    if kind == "horovod":
+        transport = HorovodTransport()
+        return transport, transport.average_gradients
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", "29541")
+        os.environ.setdefault("RANK", "0")
+        os.environ.setdefault("WORLD_SIZE", "1")
+        from datetime import timedelta
+
+        dist.init_process_group("gloo", timeout=timedelta(seconds=30))
+    transport = TorchDistributedTransport()
+
+    def average(params):
+        for p in params:
+            if p.grad is not None:
+                dist.all_reduce(p.grad)
+                p.grad /= transport.world_size
+
+    return transport, average
+
+
+def build(store):
+    torch.manual_seed(0)
+    ref = nn.EmbeddingBag(VOCAB, DIM, mode="sum", sparse=True)
+    bag = hierps.EmbeddingBag(None, DIM, mode="sum", store=store, name="t",
+                              optimizer={"type": "adagrad", "params": {"lr": 0.2}})
+    store.write("t", ALL_KEYS, ref.weight.detach())
+    head = nn.Sequential(nn.Linear(DIM, 8), nn.ReLU(), nn.Linear(8, 1))
+    return bag, head
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("mode")
+    ap.add_argument("store")
+    ap.add_argument("out")
+    ap.add_argument("--transport", default="torch")
+    ap.add_argument("--die-after", type=int, default=-1)
+    args = ap.parse_args()
+    transport, average = setup(args.transport)
+    rank, world = transport.rank, transport.world_size
+    store = hierps.ShardedStore(args.store, transport, memory_budget="1KiB", device="cpu")
+    out = Path(args.out)
+    bag, head = build(store)
+    if args.mode == "load":
+        store.restore("final")
+        owned = ALL_KEYS[hierps.sharded.owner_of(ALL_KEYS, world) == rank]
+        np.savez(out / f"loaded-{rank}.npz", keys=owned, rows=store.local.read_rows("t", owned),
+                 step=store.local.tables["t"].step)
+        store.close()
+        return
+    opt = torch.optim.Adam(head.parameters(), lr=0.01)
+    losses = []
+    batches = list(global_batches())
+    share = GLOBAL_BATCH // world
+    for start in range(0, STEPS, PASS):
+        group = batches[start : start + PASS]
+        local = [(ids[rank * share : (rank + 1) * share], y[rank * share : (rank + 1) * share]) for ids, y in group]
+        with store.run_pass([{"t": ids} for ids, _ in local]):
+            for i, (ids, y) in enumerate(local):
+                if start + i == args.die_after and rank == 1:
+                    os.kill(os.getpid(), signal.SIGKILL)
+                logits = head(bag(ids.reshape(-1), torch.arange(0, ids.numel(), BAG))).squeeze(-1)
+                loss = nn.functional.binary_cross_entropy_with_logits(logits, y)
+                loss.backward()
+                average(list(head.parameters()))
+                opt.step()
+                opt.zero_grad()
+                store.step()
+                losses.append(float(transport.all_reduce_sum(loss.detach().reshape(1))[0]) / world)
+    store.checkpoint("final")
+    rows = store.lookup("t", torch.from_numpy(ALL_KEYS)).numpy()
+    owned = ALL_KEYS[hierps.sharded.owner_of(ALL_KEYS, world) == rank]
+    np.savez(out / f"result-{rank}.npz", rows=rows, losses=np.array(losses),
+             dense=np.concatenate([p.detach().reshape(-1).numpy() for p in head.parameters()]),
+             owned_keys=owned, owned_rows=store.local.read_rows("t", owned),
+             ssd_read=store.local.ssd.bytes_read)
+    store.close()
+
+
+if __name__ == "__main__":
+    main()
