@@ -14,6 +14,7 @@ from typing import Any, TypeVar
 import torch
 
 from hierps.errors import ConfigError, PeerLostError
+from hierps.integrations.horovod import launched_by_horovodrun
 
 __all__ = ["HorovodTransport", "TorchDistributedTransport", "default_transport", "launched_by_horovodrun"]
 
@@ -21,10 +22,6 @@ T = TypeVar("T")
 
 # How long a collective may wait for a silent peer before the job is declared broken.
 DEFAULT_TIMEOUT = timedelta(seconds=float(os.environ.get("HIERPS_COLLECTIVE_TIMEOUT", "45")))
-
-
-def launched_by_horovodrun() -> bool:
-    return "HOROVOD_RANK" in os.environ
 
 
 def _guard(rank: int, what: str, fn: Callable[[], T]) -> T:
