@@ -43,8 +43,10 @@ from hierps.errors import (
 )
 from hierps.initializers import initial_rows, table_salt
 from hierps.optim import apply_step, initial_state, state_width
+from hierps.pipeline import PassPipeline
 from hierps.stats import PassStats
 from hierps.tiers import DeviceTier, MemoryTier, SsdTier, TableIndex
+from hierps.tiers.device import DrainedRows, rebuild
 
 __all__ = ["FORMAT_VERSION", "Store", "TableInfo"]
 
@@ -106,6 +108,8 @@ class Store:
         initializer: default initializer of new tables (``"normal"`` like ``nn.Embedding``).
         keep_checkpoints: how many checkpoints stay restorable (older ones are retired).
         max_segments: SSD segments per table before compaction merges them.
+        pipeline: read the next pass ahead and write the last one back in the background
+            (same parameters as without; see :mod:`hierps.pipeline`).
     """
 
     def __init__(
@@ -121,6 +125,7 @@ class Store:
         initializer: Any = "normal",
         keep_checkpoints: int = 3,
         max_segments: int = 16,
+        pipeline: bool = True,
     ) -> None:
         self.path = Path(path)
         if eviction not in EVICTION_POLICIES:
@@ -147,6 +152,9 @@ class Store:
         self._pending: list[_Pending] = []
         self._plan = _PassPlan()
         self._in_pass = False
+        self.pipeline = bool(pipeline)
+        self._pipe = PassPipeline(self)
+        self._announced: list[dict[str, np.ndarray]] | None = None
         self.passes = 0
         self.stats = PassStats()
         self.checkpoint_id: int | None = None
@@ -244,10 +252,11 @@ class Store:
         """Rows of sorted unique ``keys`` from RAM, else SSD, else the initializer: (n, width) float32."""
         info = self.tables[table]
         out = np.empty((len(keys), info.width), dtype=np.float32)
-        hit, ram_rows = self.memory.get(table, keys, touch=touch)
-        out[hit] = ram_rows
-        rest = np.flatnonzero(~hit)
-        found, ssd_rows = self.ssd.read(table, keys[rest])
+        with self._pipe.lock:
+            hit, ram_rows = self.memory.get(table, keys, touch=touch)
+            out[hit] = ram_rows
+            rest = np.flatnonzero(~hit)
+            found, ssd_rows = self.ssd.read(table, keys[rest])
         out[rest[found]] = ssd_rows
         new = rest[~found]
         if len(new):
@@ -264,6 +273,7 @@ class Store:
         """
         self._check_open()
         info = self._info(table)
+        self._pipe.wait_writebacks()
         flat = _ids.as_int64_array(ids, what=f"ids for table {table!r}")
         shape = tuple(ids.shape) if hasattr(ids, "shape") else (len(flat),)
         keys, inverse = np.unique(flat, return_inverse=True)
@@ -282,6 +292,7 @@ class Store:
         """Whole rows (weights and optimizer state) of int64 ``keys``: (n, width) float32, read-only view."""
         self._check_open()
         self._info(table)
+        self._pipe.wait_writebacks()
         keys = _ids.as_int64_array(keys, what="keys")
         uniq, inverse = np.unique(keys, return_inverse=True)
         key_t = torch.from_numpy(uniq).to(self.device)
@@ -309,6 +320,7 @@ class Store:
                               f"dim {info.dim}; expected {(len(keys), info.dim)}.")
         if len(np.unique(keys)) != len(keys):
             raise ConfigError(f"write to {table!r}: keys must be unique.")
+        self._pipe.drain()
         order = np.argsort(keys, kind="stable")
         keys = keys[order]
         rows = np.concatenate([w[order].astype(np.float32),
@@ -333,6 +345,7 @@ class Store:
         keys = _ids.as_int64_array(keys, what="keys")
         if rows.shape != (len(keys), info.width):
             raise ConfigError(f"write_rows to {table!r}: rows of shape {rows.shape}; expected {(len(keys), info.width)}.")
+        self._pipe.drain()
         self.device_tier.discard(table)
         order = np.argsort(keys, kind="stable")
         keys, rows = keys[order], np.ascontiguousarray(rows[order], dtype=np.float32)
@@ -343,6 +356,7 @@ class Store:
         """Forget every row of ``table`` in every tier (checkpoints keep theirs) and its step count."""
         self._check_open()
         info = self._info(table)
+        self._pipe.drain()
         self._pending = [p for p in self._pending if p.table != table]
         self.device_tier.discard(table)
         self.memory.discard(table)
@@ -356,29 +370,73 @@ class Store:
         ``batches`` is ``{table: ids}`` (the pass's ids) or a list of such, one per mini-batch in
         the order they will run. When the working set exceeds the device budget, a list is split
         into consecutive groups that fit, loaded one after the other as training reaches them.
+        With the pipeline on, rows shared with the previous pass stay resident, the others were
+        read ahead (see :meth:`prefetch`), and the rows leaving are written back in the background.
         """
         self._check_open()
         if self._in_pass:
             self.end_pass()
-        per_batch = [batches] if isinstance(batches, Mapping) else list(batches)
-        groups = self._plan_groups([self._batch_keys(b) for b in per_batch])
+        groups = self._plan_groups([self._batch_keys(b) for b in self._as_batches(batches)])
         self._plan = _PassPlan(groups, cursor=0)
         self._in_pass = True
         self.stats.begin_pass(self.passes)
-        if groups:
-            self._load(groups[0])
+        if self.pipeline and len(groups) == 1:
+            prepared = self._pipe.take(groups[0])
+            drained = rebuild(self.device_tier, groups[0], prepared, self._fetch_now)
+            self._pipe.submit_writeback(drained)
+        else:
+            self._pipe.take({})  # a read-ahead of another shape is of no use now
+            self._write_back()
+            if groups:
+                self._load(groups[0])
+        if self._announced is not None:
+            announced, self._announced = self._announced, None
+            self.prefetch(announced)
+
+    def prefetch(self, batches: Mapping[str, Any] | Sequence[Mapping[str, Any]]) -> None:
+        """Announce the next pass so that its rows are read in the background while this one trains.
+
+        Called during a pass it starts at once; called between passes it starts with the next
+        :meth:`begin_pass` (after that pass's write-back is queued, which keeps reads fresh).
+        """
+        self._check_open()
+        batches = self._as_batches(batches)
+        if not self.pipeline:
+            return
+        if not self._in_pass:
+            self._announced = batches
+            return
+        groups = self._plan_groups([self._batch_keys(b) for b in batches])
+        if len(groups) == 1:
+            resident = {t: self.device_tier.resident_keys(t) for t in groups[0]}
+            self._pipe.submit_prepare(groups[0], resident)
 
     def end_pass(self) -> None:
-        """Write the working set back to the RAM tier (dirty rows) and close the pass."""
+        """Close the pass. Without the pipeline its working set is written back now; with it, when
+        the next pass begins (rows it shares stay resident)."""
         self._check_open()
-        self._write_back()
+        if not self.pipeline:
+            self._write_back()
         self._plan = _PassPlan()
         self._in_pass = False
         self.passes += 1
         self.memory.tick = self.passes
-        for table in self.tables:
-            self.ssd.compact(table, self.max_segments)
+        self._pipe.run_in_background(self._compact) if self.pipeline else self._compact()
         self.stats.end_pass(self)
+
+    def _compact(self) -> None:
+        with self._pipe.lock:
+            for table in list(self.tables):
+                self.ssd.compact(table, self.max_segments)
+
+    @staticmethod
+    def _as_batches(batches: Mapping[str, Any] | Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
+        return [batches] if isinstance(batches, Mapping) else list(batches)
+
+    def _fetch_now(self, table: str, keys: np.ndarray) -> np.ndarray:
+        """Read rows from the training thread: after pending write-backs, so never stale."""
+        self._pipe.wait_writebacks()
+        return self._fetch(table, keys, touch=True)
 
     @contextmanager
     def run_pass(self, batches: Mapping[str, Any] | Sequence[Mapping[str, Any]]) -> Iterator[None]:
@@ -425,6 +483,7 @@ class Store:
 
     def _load(self, keys: Mapping[str, np.ndarray]) -> None:
         """Make sorted unique keys resident in the device tier (those not resident yet)."""
+        self._pipe.wait_writebacks()
         for table, k in keys.items():
             if len(k) == 0:
                 continue
@@ -434,10 +493,16 @@ class Store:
                 self.device_tier.insert(table, missing, self._fetch(table, missing, touch=True))
 
     def _write_back(self) -> None:
+        """Empty the device tier now, dirty rows to the RAM tier."""
+        self._pipe.wait_writebacks()
+        with self._pipe.lock:
+            self._put_dirty(self.device_tier.drain())
+
+    def _put_dirty(self, drained: dict[str, DrainedRows]) -> None:
         fault_point("pass.write_back")
-        for table, drained in self.device_tier.drain().items():
-            if drained.dirty.any():
-                keys, rows = drained.keys[drained.dirty], drained.rows[drained.dirty]
+        for table, d in drained.items():
+            if d.dirty.any():
+                keys, rows = d.keys[d.dirty], d.rows[d.dirty]
                 order = np.argsort(keys, kind="stable")
                 self.memory.put(table, keys[order], rows[order], dirty=True)
 
@@ -547,6 +612,7 @@ class Store:
         ``extra`` (JSON-serialisable) is kept in the manifest, e.g. the world size of a sharded run.
         """
         self._check_open()
+        self._pipe.drain()
         for table, (keys, rows) in self.device_tier.take_dirty().items():
             order = np.argsort(keys, kind="stable")
             self.memory.put(table, keys[order], rows[order], dirty=True)
@@ -584,6 +650,8 @@ class Store:
         ckpt = self.catalog.latest() if ref is None else self.catalog.find(ref)
         if ckpt is None:
             raise ConfigError(f"no checkpoint {ref!r} in {self.path}; it has {self.list_checkpoints()}.")
+        self._pipe.drain()
+        self._announced = None
         self._pending = []
         self.device_tier.discard()
         self.memory.clear()
@@ -633,8 +701,11 @@ class Store:
         if self._lock_fd is None:
             return
         self._pending = []
-        os.close(self._lock_fd)
-        self._lock_fd = None
+        try:
+            self._pipe.close()
+        finally:
+            os.close(self._lock_fd)
+            self._lock_fd = None
 
     def __enter__(self) -> Store:
         return self

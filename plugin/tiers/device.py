@@ -9,12 +9,13 @@ shared by all tables. Draining the tier (end of a pass) hands rows back to the s
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-__all__ = ["DeviceTier"]
+__all__ = ["DeviceTier", "DrainedRows", "rebuild"]
 
 # Bytes per resident row besides its floats: sorted key (8) + slot (8) + host key (8) + dirty (1).
 ROW_OVERHEAD = 25
@@ -109,6 +110,11 @@ class DeviceTier:
         r.sslots = torch.cat([r.sslots, new_slots])[order]
         r.n += m
 
+    def resident_keys(self, table: str) -> np.ndarray:
+        """Sorted keys resident for ``table``."""
+        r = self._tables[table]
+        return np.sort(r.slot_keys[: r.n])
+
     def mark_dirty(self, table: str, slots: torch.Tensor) -> None:
         self._tables[table].dirty[slots] = True
 
@@ -144,3 +150,55 @@ class DeviceTier:
         for t in [table] if table is not None else list(self._tables):
             self._tables[t] = _Resident(self._tables[t].width, self.device)
         self.generation += 1
+
+
+def _sorted_index(keys: np.ndarray, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    order = np.argsort(keys, kind="stable")
+    return (torch.from_numpy(np.ascontiguousarray(keys[order])).to(device),
+            torch.from_numpy(order.astype(np.int64)).to(device))
+
+
+def rebuild(tier: DeviceTier, keep: dict[str, np.ndarray],
+            prepared: dict[str, tuple[np.ndarray, np.ndarray]] | None,
+            fetch: Callable[[str, np.ndarray], np.ndarray]) -> dict[str, DrainedRows]:
+    """Make the working set exactly ``keep`` (sorted unique keys per table), moving as little as possible.
+
+    Rows already resident are carried over (never re-read: they may be newer than every tier below);
+    the others come from ``prepared`` (read ahead in the background) or else from ``fetch``.
+    Returns the rows that leave the tier, with their dirty bits, for write-back.
+    """
+    out: dict[str, DrainedRows] = {}
+    for table, r in list(tier._tables.items()):
+        want = keep.get(table, np.empty(0, np.int64))
+        cur = r.slot_keys[: r.n]
+        carry = np.isin(cur, want)
+        dirty = r.dirty[: r.n].cpu().numpy()
+        if not carry.all():
+            leave = np.flatnonzero(~carry)
+            leave_t = torch.from_numpy(leave).to(tier.device)
+            out[table] = DrainedRows(keys=cur[leave].copy(), rows=r.rows[leave_t].cpu().numpy(), dirty=dirty[leave])
+        stay = np.flatnonzero(carry)
+        stay_keys = cur[stay]
+        missing = np.setdiff1d(want, stay_keys, assume_unique=True)
+        new_rows = np.empty((len(missing), r.width), dtype=np.float32)
+        have = np.zeros(len(missing), bool)
+        if prepared is not None and table in prepared and len(missing):
+            pk, pr = prepared[table]
+            at = np.minimum(np.searchsorted(pk, missing), max(len(pk) - 1, 0))
+            have = (pk[at] == missing) if len(pk) else have
+            new_rows[have] = pr[at[have]]
+        if (~have).any():
+            new_rows[~have] = fetch(table, missing[~have])
+        fresh = _Resident(r.width, tier.device)
+        n = len(stay) + len(missing)
+        fresh.reserve(n)
+        if len(stay):
+            fresh.rows[: len(stay)] = r.rows[torch.from_numpy(stay).to(tier.device)]
+            fresh.dirty[: len(stay)] = torch.from_numpy(dirty[stay]).to(tier.device)
+        fresh.rows[len(stay) : n] = torch.from_numpy(new_rows).to(tier.device)
+        fresh.slot_keys[:n] = np.concatenate([stay_keys, missing])
+        fresh.n = n
+        fresh.skeys, fresh.sslots = _sorted_index(fresh.slot_keys[:n], tier.device)
+        tier._tables[table] = fresh
+    tier.generation += 1
+    return out
