@@ -44,7 +44,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     demo = sub.add_parser("demo", help="train a DLRM click model through the store (rows spill to SSD)")
     demo.add_argument("--data", help="Criteo TSV file or directory (default: synthetic Criteo-format data)")
     demo.add_argument("--max-rows", type=int, default=None, help="read at most this many rows of --data")
-    demo.add_argument("--examples", type=int, default=400_000, help="synthetic examples (train + test)")
+    demo.add_argument("--examples", type=int, default=300_000, help="synthetic examples (train + test)")
     demo.add_argument("--batch-size", type=int, default=2048)
     demo.add_argument("--pass-batches", type=int, default=16, help="mini-batches per pass")
     demo.add_argument("--memory-budget", default="4MiB", help="RAM tier budget, e.g. 4MiB")

@@ -30,7 +30,7 @@ __all__ = ["DemoConfig", "build_model", "load_data", "run_demo", "table_names"]
 class DemoConfig:
     """Settings of the demo job; defaults finish in well under two minutes on two CPU cores."""
 
-    examples: int = 400_000  # synthetic examples (train + test)
+    examples: int = 300_000  # synthetic examples (train + test)
     test_fraction: float = 0.1
     data: str | None = None  # path of Criteo TSV file(s); None: synthetic
     max_rows: int | None = None  # cap on rows read from --data
@@ -112,19 +112,26 @@ def run_demo(cfg: DemoConfig, out: Callable[[str], Any] = print) -> dict[str, An
             f"RAM budget {cfg.memory_budget}, store {path}, device {store.device}")
         bar = _progress(len(batches), cfg.progress)
         history = []
+        def pass_ids(p: int) -> list[dict[str, torch.Tensor]]:
+            group = batches[p * cfg.pass_batches : (p + 1) * cfg.pass_batches]
+            return [{n: sparse[:, i] for i, n in enumerate(names)} for _, sparse, _ in group]
+
         for p in range(n_passes):
             group = batches[p * cfg.pass_batches : (p + 1) * cfg.pass_batches]
             losses = []
-            with store.run_pass([{n: sparse[:, i] for i, n in enumerate(names)} for _, sparse, _ in group]):
-                for dense, sparse, labels in group:
-                    loss = loss_fn(model(dense.to(store.device), sparse.to(store.device)), labels.to(store.device))
-                    loss.backward()
-                    dense_opt.step()
-                    dense_opt.zero_grad()
-                    store.step()
-                    losses.append(loss.item())
-                    if bar is not None:
-                        bar.update(1)
+            store.begin_pass(pass_ids(p))
+            if p + 1 < n_passes:
+                store.prefetch(pass_ids(p + 1))  # read in the background while this pass trains
+            for dense, sparse, labels in group:
+                loss = loss_fn(model(dense.to(store.device), sparse.to(store.device)), labels.to(store.device))
+                loss.backward()
+                dense_opt.step()
+                dense_opt.zero_grad()
+                store.step()
+                losses.append(loss.item())
+                if bar is not None:
+                    bar.update(1)
+            store.end_pass()
             stats = store.stats.history[-1]
             probe_auc, _ = evaluate(model, probe, store.device)
             record = {**stats, "train_loss": float(np.mean(losses)), "probe_auc": probe_auc}

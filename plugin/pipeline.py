@@ -89,7 +89,7 @@ class PassPipeline:
     def _prepare(self, wanted: dict[str, np.ndarray]) -> Prepared:
         t0 = time.perf_counter()
         with self.lock:
-            out = {t: (k, self.store._fetch(t, k, touch=True)) for t, k in wanted.items() if len(k)}
+            out = {t: (k, self.store._fetch(t, k, touch=True, ahead=True)) for t, k in wanted.items() if len(k)}
         self.prepare_seconds += time.perf_counter() - t0
         return out
 

@@ -18,15 +18,17 @@ class PassStats:
 
     history: list[dict[str, Any]] = field(default_factory=list)
     _loads: dict[str, list[int]] = field(default_factory=dict)
+    _ahead: dict[str, list[int]] = field(default_factory=dict)  # read ahead for the next pass
     _pass: int = 0
     _t0: float = 0.0
     _ssd0: tuple[int, int] = (0, 0)
 
     def begin_pass(self, index: int) -> None:
-        self._pass, self._t0, self._loads = index, time.perf_counter(), {}
+        self._pass, self._t0 = index, time.perf_counter()
+        self._loads, self._ahead = self._ahead, {}
 
-    def count_load(self, table: str, *, ram: int, ssd: int, new: int) -> None:
-        c = self._loads.setdefault(table, [0, 0, 0])
+    def count_load(self, table: str, *, ram: int, ssd: int, new: int, ahead: bool = False) -> None:
+        c = (self._ahead if ahead else self._loads).setdefault(table, [0, 0, 0])
         c[0] += ram
         c[1] += ssd
         c[2] += new

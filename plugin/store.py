@@ -248,7 +248,7 @@ class Store:
             raise ConfigError(f"unknown table {table!r}; the store has {sorted(self.tables)}.") from None
 
     # -- reading rows through the tiers -------------------------------------------------------
-    def _fetch(self, table: str, keys: np.ndarray, *, touch: bool) -> np.ndarray:
+    def _fetch(self, table: str, keys: np.ndarray, *, touch: bool, ahead: bool = False) -> np.ndarray:
         """Rows of sorted unique ``keys`` from RAM, else SSD, else the initializer: (n, width) float32."""
         info = self.tables[table]
         out = np.empty((len(keys), info.width), dtype=np.float32)
@@ -263,7 +263,7 @@ class Store:
             out[new, : info.dim] = initial_rows(keys[new], info.dim, info.salt, info.initializer)
             out[new, info.dim :] = initial_state(info.optimizer, len(new), info.dim)
         if touch:
-            self.stats.count_load(table, ram=int(hit.sum()), ssd=int(found.sum()), new=len(new))
+            self.stats.count_load(table, ram=int(hit.sum()), ssd=int(found.sum()), new=len(new), ahead=ahead)
         return out
 
     def lookup(self, table: str, ids: Any) -> torch.Tensor:
