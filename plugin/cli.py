@@ -26,15 +26,9 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from hierps.bench import BenchConfig, run_bench
+    from hierps.bench import run_from_args
 
-    cfg = BenchConfig(examples=args.examples, batch_size=args.batch_size, pass_batches=args.pass_batches,
-                      repeats=args.repeats, total_vocab=args.rows, embedding_dim=args.dim)
-    result = run_bench(cfg)
-    if args.json:
-        with open(args.json, "w", encoding="utf-8") as f:
-            json.dump(result, f, indent=1)
-    return 0
+    return run_from_args(args)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -55,14 +49,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     demo.add_argument("--no-progress", action="store_true", help="no progress bar")
     demo.set_defaults(func=_demo)
 
-    bench = sub.add_parser("bench", help="training throughput of hierps against plain PyTorch")
-    bench.add_argument("--examples", type=int, default=262_144, help="training examples per measured run")
-    bench.add_argument("--rows", type=int, default=1_000_000, help="distinct ids over the 26 features")
-    bench.add_argument("--dim", type=int, default=16)
-    bench.add_argument("--batch-size", type=int, default=4096)
-    bench.add_argument("--pass-batches", type=int, default=16)
-    bench.add_argument("--repeats", type=int, default=3, help="runs per variant; the median is reported")
-    bench.add_argument("--json", help="write the results as JSON here")
+    from hierps.bench import add_arguments
+
+    bench = sub.add_parser("bench", help="training throughput of hierps against PyTorch, DeepSpeed and a memmap")
+    add_arguments(bench)
     bench.set_defaults(func=_bench)
 
     args = parser.parse_args(argv)

@@ -37,6 +37,10 @@ class PassStats:
         ram = sum(c[0] for c in self._loads.values())
         ssd = sum(c[1] for c in self._loads.values())
         new = sum(c[2] for c in self._loads.values())
+        with store._pipe.lock:  # the pipeline's worker may be changing the tiers
+            return self._record(store, ram, ssd, new)
+
+    def _record(self, store: Store, ram: int, ssd: int, new: int) -> dict[str, Any]:
         loaded = max(ram + ssd + new, 1)
         read, written = store.ssd.bytes_read, store.ssd.bytes_written
         record = {

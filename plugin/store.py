@@ -720,6 +720,7 @@ class Store:
     # -- introspection ------------------------------------------------------------------------
     def num_rows(self, table: str) -> dict[str, int]:
         """Rows of ``table`` per tier: ``{"device", "memory", "ssd"}`` (a row may be in several)."""
+        self._pipe.drain()
         return {"device": self.device_tier.num_rows(table), "memory": self.memory.num_rows(table),
                 "ssd": self.ssd.num_rows(table)}
 

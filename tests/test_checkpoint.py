@@ -18,7 +18,7 @@ import hierps
 HERE = Path(__file__).parent
 
 
-def _run_worker(store: Path, out: Path, fault: str | None = None) -> int:
+def _run_worker(store: Path, out: Path, fault: str | None = None) -> tuple[int, str]:
     out.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "PYTHONPATH": str(HERE)}
     env.pop("HIERPS_FAULT", None)
@@ -28,7 +28,7 @@ def _run_worker(store: Path, out: Path, fault: str | None = None) -> int:
                           capture_output=True, text=True, timeout=120)
     if fault is None and proc.returncode != 0:
         raise AssertionError(proc.stderr)
-    return proc.returncode
+    return proc.returncode, proc.stderr
 
 
 @pytest.fixture(scope="module")
@@ -84,8 +84,8 @@ FAULTS_AFTER = ["checkpoint.after_manifest:2"]
 
 @pytest.mark.parametrize("fault", FAULTS_BEFORE + FAULTS_AFTER)
 def test_sigkill_reopens_at_last_complete_checkpoint(reference, tmp_path, fault):
-    rc = _run_worker(tmp_path / "store", tmp_path, fault)
-    assert rc == -signal.SIGKILL, f"the worker was not killed at {fault}"
+    rc, err = _run_worker(tmp_path / "store", tmp_path, fault)
+    assert rc == -signal.SIGKILL, f"the worker was not killed at {fault}: {err[-3000:]}"
     expected = "ref2.npy" if fault in FAULTS_AFTER else "ref1.npy"
     store = hierps.Store(tmp_path / "store", device="cpu")
     try:

@@ -15,7 +15,6 @@ rows of many small or mostly-stale segments into one.
 from __future__ import annotations
 
 import shutil
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -36,24 +35,100 @@ def _segment_name(table: str, seg: int) -> str:
     return f"{table}/{seg:08d}"
 
 
-@dataclass
+def _find(sorted_keys: np.ndarray, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(found (n,) bool, position in sorted_keys (n,), clamped) of each key."""
+    if len(sorted_keys) == 0:
+        return np.zeros(len(keys), bool), np.zeros(len(keys), np.int64)
+    at = np.minimum(np.searchsorted(sorted_keys, keys), len(sorted_keys) - 1)
+    return sorted_keys[at] == keys, at
+
+
 class TableIndex:
-    """key -> (segment, position), as parallel arrays sorted by key."""
+    """key -> (segment, position): 16 bytes per key, as parallel arrays sorted by key.
 
-    keys: np.ndarray = field(default_factory=lambda: np.empty(0, np.int64))
-    seg: np.ndarray = field(default_factory=lambda: np.empty(0, np.int32))
-    pos: np.ndarray = field(default_factory=lambda: np.empty(0, np.int32))
+    Two levels keep a write proportional to the rows written, not to the table: new keys go to
+    a small sorted delta, merged into the main arrays once it exceeds 1/8 of them (amortised
+    O(1) per key). ``keys`` / ``seg`` / ``pos`` give the merged arrays.
+    """
 
-    def find(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """keys (n,) int64 -> (found (n,) bool, index positions (n,) of the found ones)."""
-        at = np.searchsorted(self.keys, keys)
-        at_c = np.minimum(at, max(len(self.keys) - 1, 0))
-        found = (at < len(self.keys)) & (self.keys[at_c] == keys) if len(self.keys) else np.zeros(len(keys), bool)
-        return found, at_c
+    def __init__(self, keys: np.ndarray | None = None, seg: np.ndarray | None = None,
+                 pos: np.ndarray | None = None) -> None:
+        self._k = np.empty(0, np.int64) if keys is None else keys
+        self._s = np.empty(0, np.int32) if seg is None else seg
+        self._p = np.empty(0, np.int32) if pos is None else pos
+        self._dk, self._ds, self._dp = np.empty(0, np.int64), np.empty(0, np.int32), np.empty(0, np.int32)
+
+    def __len__(self) -> int:
+        return len(self._k) + len(self._dk)
+
+    def _merge(self) -> None:
+        if len(self._dk):
+            at = np.searchsorted(self._k, self._dk)
+            self._k = np.insert(self._k, at, self._dk)
+            self._s = np.insert(self._s, at, self._ds)
+            self._p = np.insert(self._p, at, self._dp)
+            self._dk, self._ds, self._dp = self._dk[:0], self._ds[:0], self._dp[:0]
+
+    @property
+    def keys(self) -> np.ndarray:
+        self._merge()
+        return self._k
+
+    @property
+    def seg(self) -> np.ndarray:
+        self._merge()
+        return self._s
+
+    @property
+    def pos(self) -> np.ndarray:
+        self._merge()
+        return self._p
 
     @property
     def nbytes(self) -> int:
-        return int(self.keys.nbytes + self.seg.nbytes + self.pos.nbytes)
+        return sum(a.nbytes for a in (self._k, self._s, self._p, self._dk, self._ds, self._dp))
+
+    def lookup(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """keys (n,) int64 -> (found (n,) bool, segment (n,), position (n,)); valid where found."""
+        f1, a1 = _find(self._k, keys)
+        f2, a2 = _find(self._dk, keys)
+        seg = np.where(f1, self._s[a1] if len(self._k) else 0, self._ds[a2] if len(self._dk) else 0)
+        pos = np.where(f1, self._p[a1] if len(self._k) else 0, self._dp[a2] if len(self._dk) else 0)
+        return f1 | f2, seg.astype(np.int32), pos.astype(np.int32)
+
+    def assign(self, keys: np.ndarray, seg: int, positions: np.ndarray) -> np.ndarray:
+        """Point sorted unique ``keys`` at ``seg`` / ``positions``; returns the segments they left."""
+        f1, a1 = _find(self._k, keys)
+        f2, a2 = _find(self._dk, keys)
+        f2 &= ~f1
+        old = np.concatenate([self._s[a1[f1]], self._ds[a2[f2]]])
+        self._s[a1[f1]], self._p[a1[f1]] = seg, positions[f1]
+        self._ds[a2[f2]], self._dp[a2[f2]] = seg, positions[f2]
+        new = ~(f1 | f2)
+        if new.any():
+            at = np.searchsorted(self._dk, keys[new])
+            self._dk = np.insert(self._dk, at, keys[new])
+            self._ds = np.insert(self._ds, at, np.int32(seg))
+            self._dp = np.insert(self._dp, at, positions[new].astype(np.int32))
+            if len(self._dk) > max(1 << 16, len(self._k) // 8):
+                self._merge()
+        return old
+
+    def remove(self, keys: np.ndarray) -> np.ndarray:
+        """Drop ``keys`` (sorted unique); returns the segments of those that were present."""
+        self._merge()
+        found, at = _find(self._k, keys)
+        at = at[found]
+        old = self._s[at]
+        keep = np.ones(len(self._k), bool)
+        keep[at] = False
+        self._k, self._s, self._p = self._k[keep], self._s[keep], self._p[keep]
+        return old
+
+    def entries_in(self, segments: np.ndarray) -> np.ndarray:
+        """Sorted keys whose rows live in any of ``segments``."""
+        self._merge()
+        return self._k[np.isin(self._s, segments)]
 
 
 class SsdTier:
@@ -82,7 +157,7 @@ class SsdTier:
         self.widths[table] = width
 
     def num_rows(self, table: str) -> int:
-        return len(self.index[table].keys)
+        return len(self.index[table])
 
     def segments(self, table: str | None = None) -> list[tuple[str, int]]:
         return sorted(s for s in self._live if table is None or s[0] == table)
@@ -93,19 +168,16 @@ class SsdTier:
 
         Reads each segment once, at sorted positions (segments are sorted by key).
         """
-        idx = self.index[table]
-        found, at = idx.find(keys)
-        at = at[found]
-        out = np.empty((len(at), self.widths[table]), dtype=np.float32)
-        if len(at) == 0:
+        found, seg_of, pos_of = self.index[table].lookup(keys)
+        segs, pos_found = seg_of[found], pos_of[found]
+        out = np.empty((len(segs), self.widths[table]), dtype=np.float32)
+        if len(segs) == 0:
             return found, out
-        segs = idx.seg[at]
         order = np.argsort(segs, kind="stable")
-        seg_sorted = segs[order]
-        bounds = np.flatnonzero(np.diff(seg_sorted)) + 1
+        bounds = np.flatnonzero(np.diff(segs[order])) + 1
         for group in np.split(order, bounds):
             seg = int(segs[group[0]])
-            positions = idx.pos[at[group]]
+            positions = pos_found[group]
             rows_arr = self._open(table, seg)[1]
             try:
                 out[group] = rows_arr.oindex[positions.astype(np.int64)]
@@ -114,7 +186,7 @@ class SsdTier:
                     f"{self.root / _segment_name(table, seg)}: reading rows failed ({exc}); the segment is "
                     "damaged or missing. Restore the store from a backup or an earlier checkpoint."
                 ) from exc
-        self.rows_read += len(at)
+        self.rows_read += len(segs)
         self.bytes_read += out.nbytes
         return found, out
 
@@ -172,36 +244,20 @@ class SsdTier:
 
     def _point_to(self, table: str, keys: np.ndarray, seg: int, positions: np.ndarray) -> None:
         """Make sorted unique ``keys`` point at ``seg``/``positions`` in the index."""
-        idx = self.index[table]
-        found, at = idx.find(keys)
-        old = idx.seg[at[found]]
-        if len(old):
-            segs, counts = np.unique(old, return_counts=True)
+        self._unlive(table, self.index[table].assign(keys, seg, positions))
+        self._live[(table, seg)] = self._live.get((table, seg), 0) + len(keys)
+
+    def _unlive(self, table: str, old_segments: np.ndarray) -> None:
+        if len(old_segments):
+            segs, counts = np.unique(old_segments, return_counts=True)
             for s, c in zip(segs.tolist(), counts.tolist()):
                 self._live[(table, s)] -= c
-        idx.seg[at[found]] = seg
-        idx.pos[at[found]] = positions[found]
-        new = ~found
-        if new.any():
-            ins = np.searchsorted(idx.keys, keys[new])
-            idx.keys = np.insert(idx.keys, ins, keys[new])
-            idx.seg = np.insert(idx.seg, ins, np.int32(seg))
-            idx.pos = np.insert(idx.pos, ins, positions[new])
-        self._live[(table, seg)] = self._live.get((table, seg), 0) + len(keys)
 
     def delete(self, table: str, keys: np.ndarray) -> int:
         """Drop keys from the index (their rows become garbage); returns how many were present."""
-        idx = self.index[table]
-        found, at = idx.find(np.unique(keys))
-        at = at[found]
-        if len(at):
-            segs, counts = np.unique(idx.seg[at], return_counts=True)
-            for s, c in zip(segs.tolist(), counts.tolist()):
-                self._live[(table, s)] -= c
-            keep = np.ones(len(idx.keys), bool)
-            keep[at] = False
-            idx.keys, idx.seg, idx.pos = idx.keys[keep], idx.seg[keep], idx.pos[keep]
-        return int(len(at))
+        old = self.index[table].remove(np.unique(keys))
+        self._unlive(table, old)
+        return int(len(old))
 
     # -- compaction ---------------------------------------------------------------------------
     def compact(self, table: str, max_segments: int = 16, min_live_fraction: float = 0.5) -> int:
@@ -219,12 +275,9 @@ class SsdTier:
         if not chosen:
             return 0
         stale = chosen
-        idx = self.index[table]
-        chosen = np.isin(idx.seg, np.asarray(stale, dtype=np.int32))
-        at = np.flatnonzero(chosen)
+        keys = self.index[table].entries_in(np.asarray(stale, dtype=np.int32))
         rewritten = 0
-        if len(at):
-            keys = idx.keys[at]  # sorted, as the index is
+        if len(keys):
             found, rows = self.read(table, keys)
             seg = self._write_segment(table, keys, rows)
             self._point_to(table, keys, seg, np.arange(len(keys), dtype=np.int32))
