@@ -91,6 +91,13 @@ class ShardedStore:
         self.local = Store(rank_dir(self.root, self.rank), **store_kwargs)
         self.device = self.local.device
         self._pending: list[_ShardPending] = []
+        # Bytes this rank sent to other ranks by all-to-all (keys, rows, gradients).
+        self.bytes_sent = 0
+        self.rows_fetched = 0  # distinct rows this rank fetched for its mini-batches
+
+    def _sent(self, t: torch.Tensor, counts: list[int]) -> None:
+        per_row = t[0].numel() * t.element_size() if t.numel() else 0
+        self.bytes_sent += per_row * (sum(counts) - counts[self.rank])
 
     # -- what modules need from a store --------------------------------------------------------
     @property
@@ -117,6 +124,7 @@ class ShardedStore:
         owners = torch.from_numpy(owner_of(keys.cpu().numpy(), self.world_size))
         order = torch.argsort(owners, stable=True).to(keys.device)
         send_counts = torch.bincount(owners, minlength=self.world_size).tolist()
+        self._sent(keys[order], send_counts)
         received, recv_counts = self.transport.all_to_all(keys[order], send_counts)
         return _Route(order, send_counts, recv_counts), received.to(self.device)
 
@@ -132,6 +140,8 @@ class ShardedStore:
         """keys: (U,) sorted unique int64 -> (U, dim) weights fetched from their owners (collective)."""
         route, asked = self._route(keys)
         rows = self._owned_rows(table, asked)
+        self._sent(rows, route.recv_counts)
+        self.rows_fetched += keys.numel()
         got = self.transport.all_to_all_known(rows, route.recv_counts, route.send_counts).to(self.device)
         weights = torch.empty_like(got)
         weights[route.order] = got
@@ -190,6 +200,7 @@ class ShardedStore:
                 keys = torch.empty(0, dtype=torch.int64, device=self.device)
                 grad = torch.empty((0, dim), device=self.device)
             route, owned = self._route(keys)
+            self._sent(grad, route.send_counts)
             owned_grads = self.transport.all_to_all_known(grad[route.order] * scale, route.send_counts,
                                                           route.recv_counts).to(self.device)
             self.local.apply_gradients(name, owned, owned_grads)
