@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 import hierps
+from hierps.counters import NUM_COUNTERS
 from hierps.data import CriteoData, CriteoSpec, generate
 from hierps.demo import DemoConfig, build_model, table_names
 from hierps.models import DLRM, remap_ids
@@ -69,7 +70,8 @@ def _torch_sparse(data: CriteoData, cfg: BenchConfig, spec: CriteoSpec, _: Path)
 
 def _hierps(budget_fraction: float) -> Callable[[CriteoData, BenchConfig, CriteoSpec, Path], dict[str, Any]]:
     def run(data: CriteoData, cfg: BenchConfig, spec: CriteoSpec, tmp: Path) -> dict[str, Any]:
-        row_bytes = (cfg.embedding_dim + state_width(hierps.OptimizerConfig("adagrad"), cfg.embedding_dim)) * 4 + 25
+        floats = cfg.embedding_dim + state_width(hierps.OptimizerConfig("adagrad"), cfg.embedding_dim) + NUM_COUNTERS
+        row_bytes = floats * 4 + 25
         budget = int(budget_fraction * spec.total_vocab * row_bytes)
         store = hierps.Store(tmp / f"store-{budget_fraction}", memory_budget=budget, device_budget="4GiB")
         try:
