@@ -55,18 +55,24 @@ def initial_counters(n: int, now: int) -> np.ndarray:
     return out
 
 
-def record_seen(block: torch.Tensor, counts: torch.Tensor, now: int, decay: float) -> None:
-    """Count sightings into counters, in place.
+def record_seen(rows: torch.Tensor, slots: torch.Tensor, start: int, counts: torch.Tensor, now: int,
+                decay: float) -> None:
+    """Count sightings into the counters of some rows, in place.
 
-    block: (U, NUM_COUNTERS) float32 counters of U rows; counts: (U,) float32 sightings of each
-    in this mini-batch; now: the index of the current pass; decay: factor per pass of ``decayed``.
+    rows: (n, width) float32 whose counters start at column ``start``; slots: (U,) unique int64
+    rows seen; counts: (U,) float32 sightings of each in this mini-batch; now: the index of the
+    current pass; decay: factor per pass of ``decayed``. Column-wise ``index_add_`` /
+    ``index_copy_``: an order of magnitude cheaper than gathering and scattering row blocks.
     """
-    if decay != 1.0:
-        age = (now - block[:, LAST_PASS]).clamp_(min=0)
-        block[:, DECAYED] *= torch.pow(torch.tensor(decay, dtype=torch.float32, device=block.device), age)
-    block[:, DECAYED] += counts
-    block[:, COUNT] += counts
-    block[:, LAST_PASS] = float(now)
+    rows[:, start + COUNT].index_add_(0, slots, counts)
+    decayed = rows[:, start + DECAYED]
+    if decay == 1.0:
+        decayed.index_add_(0, slots, counts)
+    else:
+        age = (now - rows[:, start + LAST_PASS].index_select(0, slots)).clamp_(min=0)
+        factor = torch.pow(torch.tensor(decay, dtype=torch.float32, device=rows.device), age)
+        decayed.index_copy_(0, slots, decayed.index_select(0, slots) * factor + counts)
+    rows[:, start + LAST_PASS].index_fill_(0, slots, float(now))
 
 
 def passes_unseen(counters: np.ndarray, passes: int) -> np.ndarray:

@@ -90,11 +90,8 @@ class LifeCycle:
 
     def _count_seen(self, info: TableInfo, slots: torch.Tensor, counts: torch.Tensor | None) -> None:
         """Add sightings (counts (U,), default 1 each) to the counters of resident rows at ``slots``."""
-        resident = self.device_tier.rows(info.name)
-        block = resident[slots, info.state_end :]
         n = counts.to(torch.float32) if counts is not None else torch.ones(len(slots), device=self.device)
-        record_seen(block, n, self.passes, info.eviction.decay)
-        resident[slots, info.state_end :] = block
+        record_seen(self.device_tier.rows(info.name), slots, info.state_end, n, self.passes, info.eviction.decay)
         self.device_tier.mark_dirty(info.name, slots)
 
     def _stored(self, table: str, keys: np.ndarray) -> np.ndarray:
@@ -140,10 +137,8 @@ class LifeCycle:
             return
         slots = self._resident_slots(table, torch.from_numpy(uniq[has]).to(self.device))
         resident = self.device_tier.rows(table)
-        block = resident[slots, info.state_end :]
-        block[:, SHOW] += torch.from_numpy(shows[has]).to(self.device)
-        block[:, CLICK] += torch.from_numpy(clicked[has]).to(self.device)
-        resident[slots, info.state_end :] = block
+        resident[:, info.state_end + SHOW].index_add_(0, slots, torch.from_numpy(shows[has]).to(self.device))
+        resident[:, info.state_end + CLICK].index_add_(0, slots, torch.from_numpy(clicked[has]).to(self.device))
         self.device_tier.mark_dirty(table, slots)
 
     def shrink(self, table: str | None = None, *, ttl_passes: int | None = None,
