@@ -7,6 +7,8 @@ import json
 import sys
 from collections.abc import Sequence
 
+from hierps.errors import HierpsError
+
 __all__ = ["main"]
 
 
@@ -137,7 +139,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     shr.set_defaults(func=_shrink)
 
     args = parser.parse_args(argv)
-    return int(args.func(args))
+    try:
+        return int(args.func(args))
+    except HierpsError as exc:  # a bad path or setting: its message says what to do
+        print(f"hierps {args.command}: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -306,6 +306,9 @@ class EvictionConfig:
     """Factor per pass applied to the decayed count, in (0, 1] (1: a plain count)."""
     every_passes: int | None = None
     """Shrink at the end of every this many passes (null: only when asked)."""
+    reclaim_disk: bool = True
+    """Rewrite the SSD segments that held deleted rows at once, so the rows leave the disk; false
+    leaves them to compaction of mostly-stale segments (cheaper for huge tables, but slower to free space)."""
 
     def __post_init__(self) -> None:
         self._validate("eviction")
@@ -315,6 +318,8 @@ class EvictionConfig:
         _check_number(f"{key}.min_decayed_count", self.min_decayed_count, low=0.0)
         _check_number(f"{key}.decay", self.decay, low=0.0, high=1.0, low_open=True)
         _check_int(f"{key}.every_passes", self.every_passes, 1, optional=True)
+        if not isinstance(self.reclaim_disk, bool):
+            raise ConfigError(f"{key}.reclaim_disk: expected true or false. Got {self.reclaim_disk!r} instead.")
         if self.every_passes is not None and not self.active:
             raise ConfigError(f"{key}.every_passes: set to {self.every_passes}, but neither ttl_passes nor "
                               "min_decayed_count is set, so shrinking would delete nothing. Set one of them.")
@@ -340,4 +345,4 @@ class EvictionConfig:
 
     def to_json(self) -> dict[str, Any]:
         return {"ttl_passes": self.ttl_passes, "min_decayed_count": self.min_decayed_count,
-                "decay": self.decay, "every_passes": self.every_passes}
+                "decay": self.decay, "every_passes": self.every_passes, "reclaim_disk": self.reclaim_disk}

@@ -148,9 +148,10 @@ class LifeCycle:
         A row goes when unseen for ``ttl_passes`` finished passes, or when its decayed count is
         under ``min_decayed_count``: the table's :class:`~hierps.config.EvictionConfig`, which
         these arguments override for this call. The working set is written back first. SSD
-        segments that held deleted rows are rewritten without them, so the rows leave the disk
-        once no kept checkpoint names those segments. Pending keys unseen for ``ttl_passes`` are
-        forgotten too. Reads the counters of every row of the table: run it every few passes.
+        segments that held deleted rows are rewritten without them (unless ``reclaim_disk`` is
+        off), so the rows leave the disk once no kept checkpoint names those segments. Pending
+        keys unseen for ``ttl_passes`` are forgotten too. Reads the counters of every row of the
+        table: run it every few passes.
         """
         self._check_open()
         if self._pending:
@@ -180,7 +181,7 @@ class LifeCycle:
             segments = self.ssd.segments_holding(name, gone)
             self.memory.discard(name, gone)
             self.ssd.delete(name, gone)
-            self.ssd.compact(name, self.max_segments, rewrite=segments)
+            self.ssd.compact(name, self.max_segments, rewrite=segments if rule.reclaim_disk else ())
         if rule.ttl_passes is not None:
             self.pending_keys[name].prune(self.passes - rule.ttl_passes)
         return int(len(gone))

@@ -216,6 +216,23 @@ def test_shrink_deletes_rows_from_every_tier_and_from_disk(make_store):
     assert np.isin(kept.numpy(), on_disk).all()
 
 
+@pytest.mark.parametrize("reclaim", [True, False])
+def test_reclaim_disk_rewrites_segments_or_leaves_them_to_compaction(make_store, reclaim):
+    store = make_store(optimizer=SGD, keep_checkpoints=1)
+    emb = hierps.Embedding(None, DIM, store=store, name="t",
+                           eviction={"min_decayed_count": 1.5, "reclaim_disk": reclaim})
+    once, twice = torch.arange(0, 10), torch.arange(10, 40)
+    with store.run_pass({"t": torch.cat([once, twice, twice])}):
+        _train_batch(store, emb, torch.cat([once, twice, twice]))
+    store.checkpoint()  # one segment of 40 rows
+    assert store.shrink() == {"t": 10}
+    assert not store.has_rows("t", once.numpy()).any()
+    store.checkpoint()
+    # 30 of its 40 rows live: only reclaim_disk rewrites the segment now.
+    assert np.isin(once.numpy(), _keys_on_disk(store.path, "t")).any() != reclaim
+    assert np.isin(twice.numpy(), _keys_on_disk(store.path, "t")).all()
+
+
 def test_eviction_runs_at_pass_intervals_with_decayed_counts(make_store):
     store = make_store(optimizer=SGD)
     emb = hierps.Embedding(None, DIM, store=store, name="t",
@@ -367,8 +384,8 @@ def test_cli_inspect_export_shrink(make_store, tmp_path, capsys):
     np.testing.assert_array_equal(served.keys("t"), [2, 3, 4, 5, 6])
     assert main(["inspect", str(path), "--no-counts"]) == 0
     assert "rows on SSD 5, pending admission 1" in capsys.readouterr().out
-    with pytest.raises(ConfigError, match="already exists and is not empty"):
-        main(["export", str(path), str(tmp_path / "full")])
+    assert main(["export", str(path), str(tmp_path / "full")]) == 2
+    assert "already exists and is not empty" in capsys.readouterr().err
 
 
 # -- settings ---------------------------------------------------------------------------------
