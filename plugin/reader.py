@@ -19,6 +19,7 @@ from hierps.admission import PENDING_ARRAYS
 from hierps.checkpoint import CheckpointCatalog
 from hierps.counters import NUM_COUNTERS
 from hierps.errors import ConfigError, StoreFormatError
+from hierps.store import FORMAT_VERSION
 from hierps.tiers.ssd import SsdTier, TableIndex
 
 __all__ = ["CheckpointReader"]
@@ -39,6 +40,11 @@ class CheckpointReader:
             raise ConfigError(f"{self.path}: no checkpoint {ref!r}; it has ids {self.catalog.ids()}.")
         self.checkpoint_id = ckpt
         self.manifest: dict[str, Any] = self.catalog.manifest(ckpt)
+        if self.manifest.get("format_version") != FORMAT_VERSION:
+            raise StoreFormatError(
+                f"{self.path}: checkpoint {ckpt} has format version {self.manifest.get('format_version')!r}; this "
+                f"hierps reads {FORMAT_VERSION}. Read it with a matching hierps release."
+            )
         self._ssd = SsdTier(self.path / "segments")
         for name, meta in self.manifest["tables"].items():
             sizes = {int(s): int(n) for s, n in meta["segments"].items()}

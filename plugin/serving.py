@@ -153,7 +153,8 @@ def _find_chain(root: Path) -> list[Path]:
     """The newest full export under ``root`` and the longest-reaching chain of deltas from it."""
     found = []
     for p in sorted(root.iterdir()) if root.is_dir() else []:
-        if (p / "manifest.json").exists():
+        # Dot-names are exports being written (hierps.export writes .<name>.tmp-<pid>, then renames).
+        if not p.name.startswith(".") and (p / "manifest.json").exists():
             found.append((p, _manifest(p)))
     bases = [(p, m) for p, m in found if m["since"] is None]
     if not bases:
