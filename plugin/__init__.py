@@ -8,6 +8,9 @@ The whole public API at a glance::
         ...  # forward, backward, dense optimizer step, store.step()
     store.checkpoint()
 
+Per table, ``admission`` / ``eviction`` settings give new ids a row only once seen often enough and
+delete rows unseen for long; ``store.export(path, since=ckpt)`` writes weights (or a delta) for
+serving, read back by ``hierps.serving.open(path)``.
 ``hierps.deepspeed.initialize`` swaps a model's embeddings in from a DeepSpeed config section.
 """
 
@@ -16,7 +19,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from hierps.config import InitializerConfig, OptimizerConfig, parse_size
+from hierps.config import AdmissionConfig, EvictionConfig, InitializerConfig, OptimizerConfig, parse_size
 from hierps.errors import (
     ConfigError,
     CorruptStoreError,
@@ -38,11 +41,13 @@ from hierps.store import Store
 __version__ = "0.1.0"
 
 __all__ = [
+    "AdmissionConfig",
     "ConfigError",
     "CorruptStoreError",
     "DeviceBudgetError",
     "Embedding",
     "EmbeddingBag",
+    "EvictionConfig",
     "HierpsError",
     "InitializerConfig",
     "InvalidIdsError",

@@ -68,8 +68,9 @@ class CheckpointCatalog:
                 return ckpt
         return None
 
-    def write(self, ckpt: int, indexes: dict[str, TableIndex], body: dict[str, Any]) -> None:
-        """Write the index arrays, make them durable, then commit the manifest."""
+    def write(self, ckpt: int, indexes: dict[str, TableIndex], body: dict[str, Any],
+              extra: dict[str, dict[str, np.ndarray]] | None = None) -> None:
+        """Write the index arrays (and ``extra`` 1-D arrays per table), make them durable, then commit the manifest."""
         path = self._index_path(ckpt)
         if path.exists():
             shutil.rmtree(path)
@@ -77,8 +78,9 @@ class CheckpointCatalog:
         zarr.open_group(zstore, mode="w")
         checksum = [zarr.codecs.Crc32cCodec()]
         for table, idx in indexes.items():
-            for name in ("keys", "seg", "pos"):
-                data = getattr(idx, name)
+            arrays = {name: getattr(idx, name) for name in ("keys", "seg", "pos")}
+            arrays.update((extra or {}).get(table, {}))
+            for name, data in arrays.items():
                 arr = zarr.create_array(zstore, name=f"{table}/{name}", shape=data.shape,
                                         chunks=(max(1, min(len(data), 1 << 20)),), dtype=data.dtype,
                                         compressors=checksum, fill_value=0)
@@ -103,6 +105,20 @@ class CheckpointCatalog:
         if not (len(keys) == len(seg) == len(pos)) or (len(keys) > 1 and not np.all(keys[1:] > keys[:-1])):
             raise CorruptStoreError(f"{path / table}: the key index of checkpoint {ckpt} is inconsistent.")
         return TableIndex(keys.astype(np.int64), seg.astype(np.int32), pos.astype(np.int32))
+
+    def read_extra(self, ckpt: int, table: str, names: tuple[str, ...]) -> dict[str, np.ndarray] | None:
+        """The ``extra`` arrays written with a table's index, or None when the checkpoint has none."""
+        path = self._index_path(ckpt)
+        if not (path / table / names[0]).exists():
+            return None
+        try:
+            zstore = LocalStore(str(path), read_only=True)
+            return {name: zarr.open_array(zstore, path=f"{table}/{name}", mode="r")[:] for name in names}
+        except Exception as exc:  # zarr raises many types for damaged files; all mean the same here
+            raise CorruptStoreError(
+                f"{path / table}: arrays {list(names)} of checkpoint {ckpt} cannot be read ({exc}). "
+                "Open an earlier checkpoint or restore the store from a backup."
+            ) from exc
 
     def delete(self, ckpt: int) -> None:
         """Retire a checkpoint: the manifest first (so it stops counting), then its index."""

@@ -1,4 +1,4 @@
-"""Parsing of settings, done once at the edge: sizes, optimizer and initializer specs."""
+"""Parsing of settings, done once at the edge: sizes, optimizer, initializer, admission and eviction."""
 
 from __future__ import annotations
 
@@ -11,6 +11,9 @@ from hierps.errors import ConfigError
 
 __all__ = [
     "EVICTION_POLICIES",
+    "UNADMITTED_VALUES",
+    "AdmissionConfig",
+    "EvictionConfig",
     "InitializerConfig",
     "OptimizerConfig",
     "parse_size",
@@ -189,3 +192,157 @@ class InitializerConfig:
 
     def to_json(self) -> dict[str, Any]:
         return {"type": self.type, "params": dict(self.params)}
+
+
+UNADMITTED_VALUES = ("initializer", "zeros")
+
+
+def _mapping(value: Any, key: str, fields: tuple[str, ...]) -> dict[str, Any]:
+    """A settings mapping with only known keys (None: all defaults)."""
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise ConfigError(f"{key}: expected a mapping with keys among {', '.join(fields)}. Got {value!r} instead.")
+    unknown = sorted(set(value) - set(fields))
+    if unknown:
+        raise ConfigError(f"{key}.{unknown[0]}: unknown key (value {value[unknown[0]]!r}); the keys are "
+                          f"{', '.join(fields)}.")
+    return dict(value)
+
+
+def _rekey(exc: ConfigError, default: str, key: str) -> ConfigError:
+    """The same error with its leading key ``default`` (every message here starts with it) renamed ``key``."""
+    text = str(exc)
+    return ConfigError(key + text[len(default):] if text.startswith(default) else text)
+
+
+def _check_int(name: str, value: Any, low: int, *, optional: bool = False) -> int | None:
+    if value is None and optional:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        hint = f"an int >= {low}" + (" or null" if optional else "")
+        raise ConfigError(f"{name}: expected {hint}. Got {value!r} instead.")
+    return int(value)
+
+
+@dataclass(frozen=True)
+class AdmissionConfig:
+    """When a new key of a table gets a trained row (per table; the default admits every key at once).
+
+    A key without a row is *pending*: lookups and forward passes read it as the initializer's row
+    (or zeros), its gradient is dropped, and only its sighting count is kept. It is admitted, and
+    trains from that mini-batch on, at its ``min_count``-th sighting, or earlier by chance: each
+    sighting admits it with probability ``admit_probability``, drawn from (seed, table, key,
+    sighting number) so that reruns admit the same keys.
+    """
+
+    min_count: int | None = 1
+    """Sightings that admit a key; 1 admits at first sight (no filter), None: only chance admits."""
+    admit_probability: float = 0.0
+    """Chance that one sighting of a pending key admits it (0: never by chance)."""
+    unadmitted: str = "initializer"
+    """What pending keys read as: "initializer" (the row they would start from) or "zeros"."""
+    max_pending: int = 1 << 20
+    """Pending keys counted per table (16 bytes each); past it, the least recently seen are forgotten."""
+
+    def __post_init__(self) -> None:
+        self._validate("admission")
+
+    def _validate(self, key: str) -> None:
+        _check_int(f"{key}.min_count", self.min_count, 1, optional=True)
+        _check_number(f"{key}.admit_probability", self.admit_probability, low=0.0, high=1.0)
+        if self.unadmitted not in UNADMITTED_VALUES:
+            raise ConfigError(f"{key}.unadmitted: expected one of {UNADMITTED_VALUES}. Got {self.unadmitted!r} "
+                              "instead.")
+        _check_int(f"{key}.max_pending", self.max_pending, 1)
+        if self.min_count is None and self.admit_probability == 0.0:
+            raise ConfigError(f"{key}: min_count is null and admit_probability is 0, so no key would ever be "
+                              "admitted. Set min_count (e.g. 3) or a probability (e.g. 0.1).")
+
+    @property
+    def filters(self) -> bool:
+        """False when every key is admitted at its first sighting (no pending keys at all)."""
+        return self.min_count != 1 and self.admit_probability < 1.0
+
+    @property
+    def unknown_rows(self) -> str:
+        """What a key without a row reads as: ``"initializer"`` or ``"zeros"``."""
+        return self.unadmitted if self.filters else "initializer"
+
+    @classmethod
+    def parse(cls, value: Any, key: str = "admission") -> AdmissionConfig:
+        """From an ``AdmissionConfig``, None (defaults) or a mapping like ``{"min_count": 3}``.
+
+        ``key`` prefixes error messages (e.g. ``"hierarchical_ps.tables.user.admission"``).
+        """
+        if isinstance(value, AdmissionConfig):
+            return value
+        raw = _mapping(value, key, tuple(cls.__dataclass_fields__))
+        try:
+            return cls(**raw)
+        except ConfigError as exc:
+            raise _rekey(exc, "admission", key) from None
+
+    def to_json(self) -> dict[str, Any]:
+        return {"min_count": self.min_count, "admit_probability": self.admit_probability,
+                "unadmitted": self.unadmitted, "max_pending": self.max_pending}
+
+
+@dataclass(frozen=True)
+class EvictionConfig:
+    """When rows of a table are deleted for good ("shrink"), per table; the default never deletes.
+
+    A row goes when it was not seen in the last ``ttl_passes`` passes, or when its decayed count
+    (each sighting weighed ``decay ** passes since``) is under ``min_decayed_count``. Shrinking
+    runs every ``every_passes`` passes at the end of a pass, and on :meth:`hierps.Store.shrink`.
+    This is not the RAM tier's cache policy (``Store(eviction="lru")``), which never deletes rows.
+    """
+
+    ttl_passes: int | None = None
+    """Delete rows unseen for this many passes (null: no age limit)."""
+    min_decayed_count: float = 0.0
+    """Delete rows whose decayed count is below this (0: no count limit)."""
+    decay: float = 1.0
+    """Factor per pass applied to the decayed count, in (0, 1] (1: a plain count)."""
+    every_passes: int | None = None
+    """Shrink at the end of every this many passes (null: only when asked)."""
+    reclaim_disk: bool = True
+    """Rewrite the SSD segments that held deleted rows at once, so the rows leave the disk; false
+    leaves them to compaction of mostly-stale segments (cheaper for huge tables, but slower to free space)."""
+
+    def __post_init__(self) -> None:
+        self._validate("eviction")
+
+    def _validate(self, key: str) -> None:
+        _check_int(f"{key}.ttl_passes", self.ttl_passes, 1, optional=True)
+        _check_number(f"{key}.min_decayed_count", self.min_decayed_count, low=0.0)
+        _check_number(f"{key}.decay", self.decay, low=0.0, high=1.0, low_open=True)
+        _check_int(f"{key}.every_passes", self.every_passes, 1, optional=True)
+        if not isinstance(self.reclaim_disk, bool):
+            raise ConfigError(f"{key}.reclaim_disk: expected true or false. Got {self.reclaim_disk!r} instead.")
+        if self.every_passes is not None and not self.active:
+            raise ConfigError(f"{key}.every_passes: set to {self.every_passes}, but neither ttl_passes nor "
+                              "min_decayed_count is set, so shrinking would delete nothing. Set one of them.")
+
+    @property
+    def active(self) -> bool:
+        """True when a shrink deletes anything."""
+        return self.ttl_passes is not None or self.min_decayed_count > 0
+
+    @classmethod
+    def parse(cls, value: Any, key: str = "eviction") -> EvictionConfig:
+        """From an ``EvictionConfig``, None (defaults) or a mapping like ``{"ttl_passes": 30}``.
+
+        ``key`` prefixes error messages (e.g. ``"hierarchical_ps.tables.user.eviction"``).
+        """
+        if isinstance(value, EvictionConfig):
+            return value
+        raw = _mapping(value, key, tuple(cls.__dataclass_fields__))
+        try:
+            return cls(**raw)
+        except ConfigError as exc:
+            raise _rekey(exc, "eviction", key) from None
+
+    def to_json(self) -> dict[str, Any]:
+        return {"ttl_passes": self.ttl_passes, "min_decayed_count": self.min_decayed_count,
+                "decay": self.decay, "every_passes": self.every_passes, "reclaim_disk": self.reclaim_disk}

@@ -13,7 +13,7 @@ import numpy as np
 
 from hierps.config import InitializerConfig
 
-__all__ = ["initial_rows", "table_salt"]
+__all__ = ["initial_rows", "key_uniform", "table_salt"]
 
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 _MUL1 = np.uint64(0xBF58476D1CE4E5B9)
@@ -41,6 +41,17 @@ def _uniform01(keys: np.ndarray, salt: np.uint64, columns: int, stream: int) -> 
         base = _splitmix64(keys.astype(np.int64).view(np.uint64) ^ salt)
         col = np.arange(1, columns + 1, dtype=np.uint64) * np.uint64(2 * stream + 1) * _GOLDEN
         bits = _splitmix64(base[:, None] + col[None, :])
+    return ((bits >> np.uint64(11)).astype(np.float64) + 0.5) * (1.0 / (1 << 53))
+
+
+def key_uniform(keys: np.ndarray, salt: np.uint64, draw: np.ndarray, stream: int) -> np.ndarray:
+    """One uniform in (0, 1) per key: keys (N,) int64, draw (N,) int64 (which draw of that key) -> (N,) float64.
+
+    ``stream`` separates uses (the initializer uses streams 0 and 1 through its own columns).
+    """
+    with np.errstate(over="ignore"):
+        base = _splitmix64(keys.astype(np.int64).view(np.uint64) ^ salt ^ (np.uint64(stream) * _MUL1))
+        bits = _splitmix64(base + draw.astype(np.int64).view(np.uint64) * _GOLDEN)
     return ((bits >> np.uint64(11)).astype(np.float64) + 0.5) * (1.0 / (1 << 53))
 
 

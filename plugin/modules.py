@@ -8,9 +8,15 @@ local indices, and leaves the leaf's gradient (already summed per row by autogra
 Example::
 
     store = hierps.Store("/ssd/hierps", memory_budget="8GiB")
-    bag = hierps.EmbeddingBag(None, 16, mode="sum", store=store, name="user")
+    bag = hierps.EmbeddingBag(None, 16, mode="sum", store=store, name="user",
+                              admission={"min_count": 3}, eviction={"ttl_passes": 30, "every_passes": 10})
     out = bag(ids, offsets)          # ids (N,) int64, offsets (B,) -> (B, 16)
     out.sum().backward(); store.step()
+    bag.observe(ids, offsets, labels)  # optional: show / click counters from (B,) labels
+
+``admission`` and ``eviction`` (per table; see :class:`hierps.config.AdmissionConfig` and
+:class:`hierps.config.EvictionConfig`) say when a new id gets a trained row and when a row is
+deleted; by default every id gets a row at first sight and none is ever deleted.
 """
 
 from __future__ import annotations
@@ -50,7 +56,7 @@ class _StoreEmbedding(nn.Module):
 
     def __init__(self, num_embeddings: int | None, embedding_dim: int, padding_idx: int | None,
                  max_norm: float | None, scale_grad_by_freq: bool, store: Store | None, name: str | None,
-                 optimizer: Any, initializer: Any) -> None:
+                 optimizer: Any, initializer: Any, admission: Any, eviction: Any) -> None:
         super().__init__()
         if max_norm is not None:
             raise ConfigError("max_norm is not supported by hierps modules (it rewrites rows during the "
@@ -66,7 +72,8 @@ class _StoreEmbedding(nn.Module):
         self.table = name if name is not None else f"{type(self).__name__.lower()}_{len(self._store.tables)}"
         # A table the store already holds (a resumed run) keeps its rows; a new one is filled.
         self._created = self.table not in self._store.tables
-        self._store.table(self.table, embedding_dim, optimizer=optimizer, initializer=initializer)
+        self._store.table(self.table, embedding_dim, optimizer=optimizer, initializer=initializer,
+                          admission=admission, eviction=eviction)
         if self._created and padding_idx is not None:
             self._store.write(self.table, [padding_idx], torch.zeros(1, embedding_dim))
 
@@ -80,9 +87,9 @@ class _StoreEmbedding(nn.Module):
 
     def _gather(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int | None]:
         """ids: (...) int64 -> (weights (U, dim), local ids (...), local padding index or None)."""
-        keys, local = torch.unique(ids, sorted=True, return_inverse=True)
+        keys, local, counts = torch.unique(ids, sorted=True, return_inverse=True, return_counts=True)
         track = self.training and torch.is_grad_enabled()
-        weights = self._store.gather(self.table, keys, requires_grad=track)
+        weights = self._store.gather(self.table, keys, requires_grad=track, counts=counts)
         pad = None
         if self.padding_idx is not None:
             at = int(torch.searchsorted(keys, torch.tensor(self.padding_idx, device=keys.device)).item())
@@ -111,9 +118,9 @@ class Embedding(_StoreEmbedding):
                  max_norm: float | None = None, norm_type: float = 2.0, scale_grad_by_freq: bool = False,
                  sparse: bool = True, _weight: torch.Tensor | None = None, _freeze: bool = False, *,
                  store: Store | None = None, name: str | None = None, optimizer: Any = None,
-                 initializer: Any = None) -> None:
+                 initializer: Any = None, admission: Any = None, eviction: Any = None) -> None:
         super().__init__(num_embeddings, embedding_dim, padding_idx, max_norm, scale_grad_by_freq, store, name,
-                         optimizer, initializer)
+                         optimizer, initializer, admission, eviction)
         if _freeze:
             raise ConfigError("frozen embeddings (_freeze=True) belong in a plain nn.Embedding, not the store.")
         if _weight is not None:
@@ -121,11 +128,12 @@ class Embedding(_StoreEmbedding):
 
     @classmethod
     def from_module(cls, module: nn.Embedding, *, store: Store | None = None, name: str | None = None,
-                    optimizer: Any = None, initializer: Any = None, overwrite: bool | None = None) -> Embedding:
+                    optimizer: Any = None, initializer: Any = None, overwrite: bool | None = None,
+                    admission: Any = None, eviction: Any = None) -> Embedding:
         """A hierps ``Embedding`` whose rows 0..N-1 are ``module.weight`` (kept if the store has the table)."""
         out = cls(module.num_embeddings, module.embedding_dim, module.padding_idx, module.max_norm,
                   scale_grad_by_freq=module.scale_grad_by_freq, store=store, name=name, optimizer=optimizer,
-                  initializer=initializer)
+                  initializer=initializer, admission=admission, eviction=eviction)
         out._load_rows(module.weight, overwrite)
         return out
 
@@ -134,6 +142,20 @@ class Embedding(_StoreEmbedding):
         weights, local, pad = self._gather(ids)
         # A sparse gradient of the gathered rows is cheaper to produce than a dense one.
         return F.embedding(local, weights, padding_idx=pad, sparse=True)
+
+    def observe(self, input: torch.Tensor, labels: torch.Tensor | None = None) -> None:
+        """Count impressions (and clicks) of a batch: input (B, ...) int64, labels (B,) 0/1 or None.
+
+        Each example's label goes to every id of its row of ``input``; see :meth:`hierps.Store.observe`.
+        """
+        ids = check_ids_tensor(input, self._store.device, what=f"ids of {self.table!r}")
+        clicks = None
+        if labels is not None:
+            if ids.dim() == 0 or labels.shape != ids.shape[:1]:
+                raise ConfigError(f"labels of shape {tuple(labels.shape)} for input of shape {tuple(ids.shape)}; "
+                                  "expected one label per example, shape (B,).")
+            clicks = labels.reshape(-1, *([1] * (ids.dim() - 1))).expand(ids.shape)
+        self._store.observe(self.table, ids, clicks)
 
 
 class EmbeddingBag(_StoreEmbedding):
@@ -147,11 +169,12 @@ class EmbeddingBag(_StoreEmbedding):
                  norm_type: float = 2.0, scale_grad_by_freq: bool = False, mode: str = "mean",
                  sparse: bool = True, _weight: torch.Tensor | None = None, include_last_offset: bool = False,
                  padding_idx: int | None = None, *, store: Store | None = None, name: str | None = None,
-                 optimizer: Any = None, initializer: Any = None) -> None:
+                 optimizer: Any = None, initializer: Any = None, admission: Any = None,
+                 eviction: Any = None) -> None:
         if mode not in ("sum", "mean", "max"):
             raise ConfigError(f"mode: expected 'sum', 'mean' or 'max'. Got {mode!r} instead.")
         super().__init__(num_embeddings, embedding_dim, padding_idx, max_norm, scale_grad_by_freq, store, name,
-                         optimizer, initializer)
+                         optimizer, initializer, admission, eviction)
         self.mode = mode
         self.include_last_offset = include_last_offset
         if _weight is not None:
@@ -159,12 +182,13 @@ class EmbeddingBag(_StoreEmbedding):
 
     @classmethod
     def from_module(cls, module: nn.EmbeddingBag, *, store: Store | None = None, name: str | None = None,
-                    optimizer: Any = None, initializer: Any = None, overwrite: bool | None = None) -> EmbeddingBag:
+                    optimizer: Any = None, initializer: Any = None, overwrite: bool | None = None,
+                    admission: Any = None, eviction: Any = None) -> EmbeddingBag:
         """A hierps ``EmbeddingBag`` whose rows 0..N-1 are ``module.weight`` (kept if the store has the table)."""
         out = cls(module.num_embeddings, module.embedding_dim, module.max_norm,
                   scale_grad_by_freq=module.scale_grad_by_freq, mode=module.mode,
                   include_last_offset=module.include_last_offset, padding_idx=module.padding_idx, store=store,
-                  name=name, optimizer=optimizer, initializer=initializer)
+                  name=name, optimizer=optimizer, initializer=initializer, admission=admission, eviction=eviction)
         out._load_rows(module.weight, overwrite)
         return out
 
@@ -182,6 +206,30 @@ class EmbeddingBag(_StoreEmbedding):
         return F.embedding_bag(local, weights, offsets, mode=self.mode, per_sample_weights=per_sample_weights,
                                include_last_offset=self.include_last_offset, padding_idx=pad,
                                sparse=self.mode != "max")
+
+    def observe(self, input: torch.Tensor, offsets: torch.Tensor | None = None,
+                labels: torch.Tensor | None = None) -> None:
+        """Count impressions (and clicks) of a batch of bags, as :meth:`forward` takes them.
+
+        input (N,) int64 with offsets (B,) [or (B+1,)], or input (B, L); labels (B,) 0/1 per bag
+        or None. Each bag's label goes to each of its ids; see :meth:`hierps.Store.observe`.
+        """
+        ids = check_ids_tensor(input, self._store.device, what=f"ids of {self.table!r}")
+        offsets = self._check_offsets(ids, offsets)
+        clicks = None
+        if labels is not None:
+            bags = ids.shape[0] if offsets is None else offsets.numel() - int(self.include_last_offset)
+            if labels.shape != (bags,):
+                raise ConfigError(f"labels of shape {tuple(labels.shape)} for {bags} bags; expected one label per "
+                                  f"bag, shape ({bags},).")
+            if offsets is None:
+                clicks = labels.reshape(-1, 1).expand(ids.shape)
+            else:
+                starts = offsets[:-1] if self.include_last_offset else offsets
+                ends = offsets[1:] if self.include_last_offset else torch.cat(
+                    [offsets[1:], offsets.new_tensor([ids.numel()])])
+                clicks = torch.repeat_interleave(labels, ends - starts)
+        self._store.observe(self.table, ids, clicks)
 
     def _check_offsets(self, ids: torch.Tensor, offsets: torch.Tensor | None) -> torch.Tensor | None:
         if ids.dim() == 2:

@@ -15,9 +15,12 @@ from typing import Any
 import numpy as np
 
 from hierps._files import read_json_checked
+from hierps.admission import PENDING_ARRAYS
 from hierps.checkpoint import CheckpointCatalog
+from hierps.counters import NUM_COUNTERS
 from hierps.errors import ConfigError, StoreFormatError
-from hierps.tiers.ssd import SsdTier
+from hierps.store import FORMAT_VERSION
+from hierps.tiers.ssd import SsdTier, TableIndex
 
 __all__ = ["CheckpointReader"]
 
@@ -37,6 +40,11 @@ class CheckpointReader:
             raise ConfigError(f"{self.path}: no checkpoint {ref!r}; it has ids {self.catalog.ids()}.")
         self.checkpoint_id = ckpt
         self.manifest: dict[str, Any] = self.catalog.manifest(ckpt)
+        if self.manifest.get("format_version") != FORMAT_VERSION:
+            raise StoreFormatError(
+                f"{self.path}: checkpoint {ckpt} has format version {self.manifest.get('format_version')!r}; this "
+                f"hierps reads {FORMAT_VERSION}. Read it with a matching hierps release."
+            )
         self._ssd = SsdTier(self.path / "segments")
         for name, meta in self.manifest["tables"].items():
             sizes = {int(s): int(n) for s, n in meta["segments"].items()}
@@ -50,6 +58,20 @@ class CheckpointReader:
     def keys(self, table: str) -> np.ndarray:
         """(n,) int64 sorted keys stored for ``table``."""
         return self._ssd.index[self._check(table)].keys
+
+    def index(self, table: str) -> TableIndex:
+        """The key index of ``table``: where each key's row lies (segment, position); do not modify."""
+        return self._ssd.index[self._check(table)]
+
+    def scan_counters(self, table: str) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        """Yield ``(keys (b,) int64, counters (b, NUM_COUNTERS) float32)`` over every stored row."""
+        width = int(self.tables[self._check(table)]["width"])
+        yield from self._ssd.scan(table, slice(width - NUM_COUNTERS, width))
+
+    def pending_keys(self, table: str) -> np.ndarray:
+        """(p,) int64 keys of ``table`` that were pending admission (counted, without a row)."""
+        arrays = self.catalog.read_extra(self.checkpoint_id, self._check(table), PENDING_ARRAYS)
+        return np.empty(0, np.int64) if arrays is None else np.asarray(arrays[PENDING_ARRAYS[0]], np.int64)
 
     def read(self, table: str, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """keys (n,) int64 sorted unique -> (found (n,) bool, rows (found.sum(), width) float32)."""

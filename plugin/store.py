@@ -8,10 +8,14 @@
         ▲ read misses in sorted batches    │ evict dirty rows in batches
     SSD tier      append-only Zarr v3 segments + key index, durable checkpoints SsdTier
 
-A row is ``[weights | optimizer state]`` and moves whole between tiers. Keys never stored get
-their row from ``(seed, table, key)`` alone. Training goes through :meth:`Store.gather` (rows of a
+A row is ``[weights | optimizer state | counters]`` and moves whole between tiers (the counters:
+how often and when its key was seen, see :mod:`hierps.counters`). Keys never stored get their row
+from ``(seed, table, key)`` alone. Training goes through :meth:`Store.gather` (rows of a
 mini-batch, tracked for gradients) and :meth:`Store.step` (one optimizer step per touched row);
 :meth:`Store.checkpoint` makes everything so far durable, atomically.
+
+The life of a key (admission, counters, shrinking, export for serving) is in the base class,
+:class:`hierps.lifecycle.LifeCycle`.
 """
 
 from __future__ import annotations
@@ -30,8 +34,17 @@ import torch
 from hierps import ids as _ids
 from hierps._faults import fault_point
 from hierps._files import read_json_checked, write_json_atomic
+from hierps.admission import PENDING_ARRAYS, PendingKeys
 from hierps.checkpoint import CheckpointCatalog
-from hierps.config import EVICTION_POLICIES, InitializerConfig, OptimizerConfig, parse_size
+from hierps.config import (
+    EVICTION_POLICIES,
+    AdmissionConfig,
+    EvictionConfig,
+    InitializerConfig,
+    OptimizerConfig,
+    parse_size,
+)
+from hierps.counters import NUM_COUNTERS, initial_counters
 from hierps.errors import (
     ConfigError,
     DeviceBudgetError,
@@ -42,6 +55,7 @@ from hierps.errors import (
     TableMismatchError,
 )
 from hierps.initializers import initial_rows, table_salt
+from hierps.lifecycle import LifeCycle
 from hierps.optim import apply_step, initial_state, state_width
 from hierps.pipeline import PassPipeline
 from hierps.stats import PassStats
@@ -50,14 +64,15 @@ from hierps.tiers.device import DrainedRows, rebuild
 
 __all__ = ["FORMAT_VERSION", "Store", "TableInfo"]
 
-FORMAT_VERSION = 1
+# 2: rows end with counters; checkpoints carry admission / eviction settings and pending keys.
+FORMAT_VERSION = 2
 _MARKER = "hierps.json"
 _EMPTY = np.empty(0, np.int64)
 
 
 @dataclass
 class TableInfo:
-    """One table: its dim, optimizer, initializer and optimizer step count."""
+    """One table: its dim, optimizer, initializer, life-cycle settings and optimizer step count."""
 
     name: str
     dim: int
@@ -65,14 +80,23 @@ class TableInfo:
     initializer: InitializerConfig
     salt: np.uint64
     step: int = 0
+    admission: AdmissionConfig = field(default_factory=AdmissionConfig)
+    eviction: EvictionConfig = field(default_factory=EvictionConfig)
+
+    @property
+    def state_end(self) -> int:
+        """Columns of weights and optimizer state; the counters follow."""
+        return self.dim + state_width(self.optimizer, self.dim)
 
     @property
     def width(self) -> int:
-        return self.dim + state_width(self.optimizer, self.dim)
+        """Floats per row: weights, optimizer state, counters."""
+        return self.state_end + NUM_COUNTERS
 
     def to_json(self) -> dict[str, Any]:
         return {"dim": self.dim, "width": self.width, "optimizer": self.optimizer.to_json(),
-                "initializer": self.initializer.to_json(), "step": self.step}
+                "initializer": self.initializer.to_json(), "step": self.step,
+                "admission": self.admission.to_json(), "eviction": self.eviction.to_json()}
 
 
 @dataclass
@@ -80,10 +104,11 @@ class _Pending:
     """Rows one forward gathered for training: their keys, slots and the leaf holding their grad."""
 
     table: str
-    keys: torch.Tensor  # (U,) int64, sorted unique
-    slots: torch.Tensor  # (U,) int64, valid while generation matches
+    keys: torch.Tensor  # (R,) int64, sorted unique: the keys that have rows
+    slots: torch.Tensor  # (R,) int64, valid while generation matches
     generation: int
     leaf: torch.Tensor  # (U, dim) requires_grad
+    rows: torch.Tensor | None = None  # (R,) positions of keys in the leaf; None: all of it (R == U)
 
 
 @dataclass
@@ -94,7 +119,7 @@ class _PassPlan:
     cursor: int = 0
 
 
-class Store:
+class Store(LifeCycle):
     """Named tables of rows keyed by raw int64 ids, kept over device, RAM and SSD tiers.
 
     Args:
@@ -149,6 +174,7 @@ class Store:
         self.device_tier = DeviceTier(device_bytes, self.device)
         self.catalog = CheckpointCatalog(self.path / "checkpoints")
         self.tables: dict[str, TableInfo] = {}
+        self.pending_keys: dict[str, PendingKeys] = {}  # per table: counts of keys waiting for admission
         self._pending: list[_Pending] = []
         self._plan = _PassPlan()
         self._in_pass = False
@@ -206,8 +232,15 @@ class Store:
         self.ssd.next_segment = max(self.ssd.next_segment, self.ssd.max_segment_on_disk() + 1)
 
     # -- tables -------------------------------------------------------------------------------
-    def table(self, name: str, dim: int, *, optimizer: Any = None, initializer: Any = None) -> TableInfo:
-        """Create table ``name`` with rows of ``dim`` floats, or reopen it (checking dim and optimizer)."""
+    def table(self, name: str, dim: int, *, optimizer: Any = None, initializer: Any = None,
+              admission: Any = None, eviction: Any = None) -> TableInfo:
+        """Create table ``name`` with rows of ``dim`` floats, or reopen it (checking dim and optimizer).
+
+        ``admission`` (:class:`~hierps.config.AdmissionConfig` or a mapping like ``{"min_count": 3}``)
+        says when a new key gets a row; ``eviction`` (:class:`~hierps.config.EvictionConfig` or a
+        mapping like ``{"ttl_passes": 30, "every_passes": 10}``) when a row is deleted. Both default
+        to keeping every key; given on reopening, they replace the stored settings.
+        """
         self._check_open()
         if not isinstance(name, str) or not name or "/" in name or name.startswith(("_", ".")):
             raise ConfigError(f"table name: expected a non-empty name without '/' not starting with '_' "
@@ -216,6 +249,8 @@ class Store:
             raise ConfigError(f"dim of table {name!r}: expected an int >= 1. Got {dim!r} instead.")
         opt = OptimizerConfig.parse(optimizer) if optimizer is not None else self.default_optimizer
         init = InitializerConfig.parse(initializer) if initializer is not None else self.default_initializer
+        adm = AdmissionConfig.parse(admission) if admission is not None else None
+        evict = EvictionConfig.parse(eviction) if eviction is not None else None
         info = self.tables.get(name)
         if info is not None:
             if info.dim != dim:
@@ -230,16 +265,23 @@ class Store:
                         "Use another table name or another store directory."
                     )
                 info.optimizer = opt  # same state layout; new hyper-parameters apply from now on
+            if adm is not None:
+                info.admission = adm
+                self.pending_keys[name].capacity = adm.max_pending
+            if evict is not None:
+                info.eviction = evict
             return info
-        info = TableInfo(name, dim, opt, init, table_salt(self.seed, name))
+        info = TableInfo(name, dim, opt, init, table_salt(self.seed, name), admission=adm or AdmissionConfig(),
+                         eviction=evict or EvictionConfig())
         self.tables[name] = info
         self._register(info)
         return info
 
-    def _register(self, info: TableInfo) -> None:
+    def _register(self, info: TableInfo, pending: PendingKeys | None = None) -> None:
         self.ssd.add_table(info.name, info.width)
         self.memory.add_table(info.name, info.width)
         self.device_tier.add_table(info.name, info.width)
+        self.pending_keys[info.name] = pending if pending is not None else PendingKeys(info.admission.max_pending)
 
     def _info(self, table: str) -> TableInfo:
         try:
@@ -261,7 +303,8 @@ class Store:
         new = rest[~found]
         if len(new):
             out[new, : info.dim] = initial_rows(keys[new], info.dim, info.salt, info.initializer)
-            out[new, info.dim :] = initial_state(info.optimizer, len(new), info.dim)
+            out[new, info.dim : info.state_end] = initial_state(info.optimizer, len(new), info.dim)
+            out[new, info.state_end :] = initial_counters(len(new), self.passes)
         if touch:
             self.stats.count_load(table, ram=int(hit.sum()), ssd=int(found.sum()), new=len(new), ahead=ahead)
         return out
@@ -286,10 +329,16 @@ class Store:
         rest = np.flatnonzero(~found_np)
         if len(rest):
             rows[rest] = self._fetch(table, keys[rest], touch=False)[:, : info.dim]
+            if info.admission.unknown_rows == "zeros":
+                rows[rest[~self._stored(table, keys[rest])]] = 0.0
         return torch.from_numpy(rows[inverse.reshape(-1)]).reshape(*shape, info.dim).to(self.device)
 
     def read_rows(self, table: str, keys: np.ndarray) -> np.ndarray:
-        """Whole rows (weights and optimizer state) of int64 ``keys``: (n, width) float32, read-only view."""
+        """Weights and optimizer state of int64 ``keys``: (n, dim + state) float32 (counters: :meth:`counters`)."""
+        return self._whole_rows(table, keys)[:, : self._info(table).state_end]
+
+    def _whole_rows(self, table: str, keys: Any) -> np.ndarray:
+        """Rows of int64 ``keys`` wherever they live: (n, width) float32 copy."""
         self._check_open()
         self._info(table)
         self._pipe.wait_writebacks()
@@ -323,8 +372,9 @@ class Store:
         self._pipe.drain()
         order = np.argsort(keys, kind="stable")
         keys = keys[order]
-        rows = np.concatenate([w[order].astype(np.float32),
-                               initial_state(info.optimizer, len(keys), info.dim)], axis=1)
+        rows = np.concatenate([w[order].astype(np.float32), initial_state(info.optimizer, len(keys), info.dim),
+                               initial_counters(len(keys), self.passes)], axis=1)
+        self.pending_keys[table].remove(keys)
         key_t = torch.from_numpy(keys).to(self.device)
         found, slots = self.device_tier.resolve(table, key_t)
         if found.any():
@@ -380,6 +430,7 @@ class Store:
         self._plan = _PassPlan(groups, cursor=0)
         self._in_pass = True
         self.stats.begin_pass(self.passes)
+        groups = [self._admitted_only(g) for g in groups]
         if self.pipeline and len(groups) == 1:
             prepared = self._pipe.take(groups[0])
             drained = rebuild(self.device_tier, groups[0], prepared, self._fetch_now)
@@ -388,7 +439,7 @@ class Store:
             self._pipe.take({})  # a read-ahead of another shape is of no use now
             self._write_back()
             if groups:
-                self._load(groups[0])
+                self._load(groups[0], create=False)
         if self._announced is not None:
             announced, self._announced = self._announced, None
             self.prefetch(announced)
@@ -407,13 +458,15 @@ class Store:
             self._announced = batches
             return
         groups = self._plan_groups([self._batch_keys(b) for b in batches])
-        if len(groups) == 1:
+        if len(groups) == 1 and not any(self.tables[t].admission.filters for t in groups[0]):
+            # (tables filtering admission are loaded at begin_pass, when admission is known)
             resident = {t: self.device_tier.resident_keys(t) for t in groups[0]}
             self._pipe.submit_prepare(groups[0], resident)
 
     def end_pass(self) -> None:
         """Close the pass. Without the pipeline its working set is written back now; with it, when
-        the next pass begins (rows it shares stay resident)."""
+        the next pass begins (rows it shares stay resident). Tables whose eviction settings ask
+        for it (``every_passes``) are shrunk here."""
         self._check_open()
         if not self.pipeline:
             self._write_back()
@@ -421,8 +474,23 @@ class Store:
         self._in_pass = False
         self.passes += 1
         self.memory.tick = self.passes
+        due = [info for info in self.tables.values()
+               if info.eviction.every_passes is not None and self.passes % info.eviction.every_passes == 0]
+        if due:
+            self._pipe.drain()
+            for info in due:
+                self._shrink(info, info.eviction)
         self._pipe.run_in_background(self._compact) if self.pipeline else self._compact()
         self.stats.end_pass(self)
+
+    def _admitted_only(self, group: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """A pass's keys without those of admission-filtering tables that have no row yet."""
+        out = {}
+        for table, keys in group.items():
+            if self.tables[table].admission.filters and len(keys):
+                keys = keys[self._has_row(table, keys)]
+            out[table] = keys
+        return out
 
     def _compact(self) -> None:
         with self._pipe.lock:
@@ -481,14 +549,20 @@ class Store:
         return (f"one mini-batch needs {need} bytes of rows in the device tier, more than its budget of "
                 f"{self.device_tier.budget} bytes. Raise device_budget or use smaller mini-batches.")
 
-    def _load(self, keys: Mapping[str, np.ndarray]) -> None:
-        """Make sorted unique keys resident in the device tier (those not resident yet)."""
+    def _load(self, keys: Mapping[str, np.ndarray], *, create: bool = True) -> None:
+        """Make sorted unique keys resident in the device tier (those not resident yet).
+
+        With ``create`` False, keys of admission-filtering tables that have no row are left out:
+        they get one only when a training gather admits them.
+        """
         self._pipe.wait_writebacks()
         for table, k in keys.items():
             if len(k) == 0:
                 continue
             found, _ = self.device_tier.resolve(table, torch.from_numpy(k).to(self.device))
             missing = k[~found.cpu().numpy()]
+            if len(missing) and not create and self.tables[table].admission.filters:
+                missing = missing[self._stored(table, missing)]
             if len(missing):
                 self.device_tier.insert(table, missing, self._fetch(table, missing, touch=True))
 
@@ -522,33 +596,72 @@ class Store:
         if self.device_tier.bytes_used + self.device_tier.bytes_for({table: len(missing)}) > self.device_tier.budget:
             self._write_back()
             load = {table: keys.cpu().numpy()}
+            self._load(load)
             plan = self._plan
             if plan.cursor + 1 < len(plan.groups):
                 plan.cursor += 1
                 nxt = plan.groups[plan.cursor]
                 merged = {t: np.union1d(nxt.get(t, _EMPTY), load.get(t, _EMPTY)) for t in nxt.keys() | load.keys()}
                 if self.device_tier.bytes_for({t: len(k) for t, k in merged.items()}) <= self.device_tier.budget:
-                    load = merged
-            self._load(load)
+                    self._load(nxt, create=False)
         else:
             self._load({table: missing})
         found, slots = self.device_tier.resolve(table, keys)
         return slots
 
     # -- training -----------------------------------------------------------------------------
-    def gather(self, table: str, keys: torch.Tensor, *, requires_grad: bool) -> torch.Tensor:
+    def gather(self, table: str, keys: torch.Tensor, *, requires_grad: bool,
+               counts: torch.Tensor | None = None) -> torch.Tensor:
         """Weights of a mini-batch's rows for a forward pass.
 
         keys: (U,) sorted unique int64 on the store's device -> (U, dim) float32. With
-        ``requires_grad`` the result is a leaf whose gradient :meth:`step` applies to the rows.
+        ``requires_grad`` (training) the result is a leaf whose gradient :meth:`step` applies to
+        the rows, and the keys count as seen: ``counts`` (U,) integer, how often each key occurs
+        in the mini-batch (default once each), goes into the rows' counters and drives admission.
+        Keys not admitted yet read as the initializer's row (or zeros) and their gradient is dropped.
         """
         self._check_open()
         info = self._info(table)
+        if info.admission.filters:
+            return self._gather_filtered(info, keys, requires_grad, counts)
         slots = self._resident_slots(table, keys)
+        if requires_grad:
+            self._count_seen(info, slots, counts)
         weights = self.device_tier.rows(table)[slots, : info.dim]
         if requires_grad:
             weights.requires_grad_(True)
             self._pending.append(_Pending(table, keys, slots, self.device_tier.generation, weights))
+        return weights
+
+    def _gather_filtered(self, info: TableInfo, keys: torch.Tensor, requires_grad: bool,
+                         counts: torch.Tensor | None) -> torch.Tensor:
+        """:meth:`gather` for a table with admission: rows only for keys that have or earn one."""
+        table = info.name
+        keys_np = keys.cpu().numpy()
+        n_seen = counts.cpu().numpy().astype(np.int64) if counts is not None else np.ones(len(keys_np), np.int64)
+        has = self._has_row(table, keys_np)
+        prior = np.zeros(len(keys_np), np.int64)
+        if requires_grad:
+            new, prior = self._admit(info, keys_np, n_seen, ~has)
+            has |= new
+        weights = torch.empty((len(keys_np), info.dim), dtype=torch.float32, device=self.device)
+        if not has.all():
+            out = np.flatnonzero(~has)
+            weights[torch.from_numpy(out).to(self.device)] = torch.from_numpy(
+                self._unadmitted_weights(info, keys_np[out])).to(self.device)
+        at = torch.from_numpy(np.flatnonzero(has)).to(self.device)
+        sub, slots = keys[at], at
+        if len(at):
+            slots = self._resident_slots(table, sub)
+            if requires_grad:
+                seen = torch.from_numpy((n_seen + prior)[has].astype(np.float32)).to(self.device)
+                self._count_seen(info, slots, seen)
+            weights[at] = self.device_tier.rows(table)[slots, : info.dim]
+        if requires_grad:
+            weights.requires_grad_(True)
+            # Recorded even without rows: the table's step count (Adam's bias correction) then
+            # advances as in an unfiltered run, so admitted rows train as unfiltered rows do.
+            self._pending.append(_Pending(table, sub, slots, self.device_tier.generation, weights, rows=at))
         return weights
 
     def step(self) -> None:
@@ -563,6 +676,7 @@ class Store:
             return
         grads = [_summed_grad(p.leaf) for p in pending]
         finite = torch.stack([torch.isfinite(g).all() for g in grads])
+        grads = [g if p.rows is None else g[p.rows] for p, g in zip(pending, grads)]
         if not bool(finite.all()):
             bad = sorted({p.table for p, ok in zip(pending, finite.tolist()) if not ok})
             raise NonFiniteGradientError(
@@ -575,26 +689,32 @@ class Store:
         for table, items in by_table.items():
             first = items[0][0]
             if len(items) == 1 and first.generation == self.device_tier.generation:
-                self._apply(table, first.slots, items[0][1])  # the common case: slots still valid
+                self.tables[table].step += 1
+                if first.keys.numel():
+                    self._apply_step(table, first.slots, items[0][1])  # the common case: slots still valid
             else:
                 self.apply_gradients(table, torch.cat([p.keys for p, _ in items]), torch.cat([g for _, g in items]))
 
     def apply_gradients(self, table: str, keys: torch.Tensor, grads: torch.Tensor) -> None:
         """One optimizer step for each distinct key, its gradients summed first.
 
-        keys: (n,) int64 on the store's device, repeats allowed; grads: (n, dim) float32.
+        keys: (n,) int64 on the store's device, repeats allowed; grads: (n, dim) float32. The
+        table's step count advances even when no key has a row yet (admission pending).
         """
         info = self._info(table)
+        info.step += 1
+        if keys.numel() == 0:
+            return
         uniq, inverse = torch.unique(keys, return_inverse=True)
         summed = torch.zeros((uniq.numel(), info.dim), dtype=torch.float32, device=self.device)
         summed.index_add_(0, inverse, grads)
-        self._apply(table, self._resident_slots(table, uniq), summed)
+        self._apply_step(table, self._resident_slots(table, uniq), summed)
 
-    def _apply(self, table: str, slots: torch.Tensor, grad: torch.Tensor) -> None:
+    def _apply_step(self, table: str, slots: torch.Tensor, grad: torch.Tensor) -> None:
+        """Apply the table's optimizer (its step count already advanced) to resident ``slots``."""
         info = self.tables[table]
         resident = self.device_tier.rows(table)
         rows = resident[slots]
-        info.step += 1
         apply_step(info.optimizer, rows, grad, info.step)
         resident[slots] = rows
         self.device_tier.mark_dirty(table, slots)
@@ -635,7 +755,8 @@ class Store:
                 for name, info in self.tables.items()
             },
         }
-        self.catalog.write(ckpt, {name: self.ssd.index[name] for name in self.tables}, body)
+        self.catalog.write(ckpt, {name: self.ssd.index[name] for name in self.tables}, body,
+                           extra={name: self.pending_keys[name].arrays() for name in self.tables})
         self.checkpoint_id = ckpt
         fault_point("checkpoint.after_manifest")
         for old in self.catalog.ids()[: -self.keep_checkpoints]:
@@ -668,15 +789,19 @@ class Store:
         for name, meta in manifest["tables"].items():
             info = TableInfo(name, int(meta["dim"]), OptimizerConfig.parse(meta["optimizer"]),
                              InitializerConfig.parse(meta["initializer"]), table_salt(int(manifest["seed"]), name),
-                             int(meta["step"]))
+                             int(meta["step"]), AdmissionConfig.parse(meta["admission"]),
+                             EvictionConfig.parse(meta["eviction"]))
             if info.width != int(meta["width"]):
                 raise StoreFormatError(f"{self.path}: checkpoint {ckpt} table {name!r} has an inconsistent width.")
             self.tables[name] = info
-            self._register(info)
+            pending = PendingKeys.from_arrays(info.admission.max_pending,
+                                              self.catalog.read_extra(ckpt, name, PENDING_ARRAYS))
+            self._register(info, pending)
             sizes = {int(s): int(n) for s, n in meta["segments"].items()}
             self.ssd.load_index(name, info.width, self.catalog.read_index(ckpt, name), sizes)
         for name in set(self.tables) - set(manifest["tables"]):  # created after that checkpoint
             self.tables[name].step = 0
+            self.pending_keys[name] = PendingKeys(self.tables[name].admission.max_pending)
             self.ssd.load_index(name, self.tables[name].width, TableIndex(), {})
         self.seed = int(manifest["seed"])
         self.passes = int(manifest.get("passes", 0))

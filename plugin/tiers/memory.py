@@ -119,6 +119,15 @@ class MemoryTier:
         s = self._slabs[table]
         return int(s.dirty[s.slots].sum()) if len(s) else 0
 
+    def contains(self, table: str, keys: np.ndarray) -> np.ndarray:
+        """keys: (n,) int64 -> (n,) bool, True where the row is cached."""
+        return self._slabs[table].find(keys)[0]
+
+    def columns(self, table: str, columns: slice) -> tuple[np.ndarray, np.ndarray]:
+        """Every cached row's ``columns``: (keys (n,) int64 sorted, values (n, k) float32 copy)."""
+        slab = self._slabs[table]
+        return slab.keys.copy(), slab.rows[slab.slots, columns]
+
     def _touch(self, slab: _Slab, slots: np.ndarray) -> None:
         if self.policy == "lru":
             slab.score[slots] = self.tick

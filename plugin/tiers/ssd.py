@@ -15,6 +15,7 @@ rows of many small or mostly-stale segments into one.
 from __future__ import annotations
 
 import shutil
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -87,6 +88,11 @@ class TableIndex:
     @property
     def nbytes(self) -> int:
         return sum(a.nbytes for a in (self._k, self._s, self._p, self._dk, self._ds, self._dp))
+
+    def find(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """keys (n,) int64 -> (found (n,) bool, positions in the merged ``keys`` / ``seg`` / ``pos``)."""
+        self._merge()
+        return _find(self._k, keys)
 
     def lookup(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """keys (n,) int64 -> (found (n,) bool, segment (n,), position (n,)); valid where found."""
@@ -190,6 +196,40 @@ class SsdTier:
         self.bytes_read += out.nbytes
         return found, out
 
+    def scan(self, table: str, columns: slice, batch: int = 1 << 18) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        """Yield ``(keys (b,) int64 sorted, values (b, k) float32)``: ``columns`` of every live row.
+
+        Reads segment after segment, each in contiguous ranges of rows (live rows of a segment
+        lie in key order, which is position order), never the whole table at once.
+        """
+        idx = self.index[table]
+        if len(idx.keys) == 0:
+            return
+        order = np.argsort(idx.seg, kind="stable")
+        bounds = np.flatnonzero(np.diff(idx.seg[order])) + 1
+        for group in np.split(order, bounds):
+            seg = int(idx.seg[group[0]])
+            rows_arr = self._open(table, seg)[1]
+            for start in range(0, len(group), batch):
+                part = group[start : start + batch]
+                pos = idx.pos[part].astype(np.int64)
+                lo, hi = int(pos[0]), int(pos[-1]) + 1
+                try:
+                    block = rows_arr[lo:hi, columns]
+                except (ValueError, RuntimeError, OSError) as exc:
+                    raise CorruptStoreError(
+                        f"{self.root / _segment_name(table, seg)}: reading rows failed ({exc}); the segment is "
+                        "damaged or missing. Restore the store from a backup or an earlier checkpoint."
+                    ) from exc
+                self.rows_read += hi - lo
+                yield idx.keys[part], block[pos - lo]
+
+    def segments_holding(self, table: str, keys: np.ndarray) -> set[int]:
+        """Segments the live index points into for ``keys`` (n,) int64."""
+        idx = self.index[table]
+        found, at = idx.find(np.asarray(keys, dtype=np.int64))
+        return {int(s) for s in np.unique(idx.seg[at[found]])}
+
     def _open(self, table: str, seg: int) -> tuple[zarr.Array, zarr.Array]:
         handles = self._arrays.get((table, seg))
         if handles is None:
@@ -260,14 +300,18 @@ class SsdTier:
         return int(len(old))
 
     # -- compaction ---------------------------------------------------------------------------
-    def compact(self, table: str, max_segments: int = 16, min_live_fraction: float = 0.5) -> int:
+    def compact(self, table: str, max_segments: int = 16, min_live_fraction: float = 0.5,
+                rewrite: Iterable[int] = ()) -> int:
         """Rewrite segments that are mostly stale, or too many, into one; returns rows rewritten.
 
-        Retired segments leave the live index only; their files go once no kept checkpoint
-        names them (see :meth:`collect_garbage`).
+        ``rewrite`` names segments to rewrite whatever their live fraction (e.g. those that held
+        deleted rows, so that the deleted rows leave the disk). Retired segments leave the live
+        index only; their files go once no kept checkpoint names them (see :meth:`collect_garbage`).
         """
+        forced = set(rewrite)
         segs = [s for (t, s) in self._live if t == table]
-        chosen = [s for s in segs if self._live[(table, s)] < min_live_fraction * self._sizes[(table, s)]]
+        chosen = [s for s in segs
+                  if s in forced or self._live[(table, s)] < min_live_fraction * self._sizes[(table, s)]]
         if len(segs) - len(chosen) + 1 > max_segments:
             # Too many segments even after merging the stale ones: merge the smallest too.
             rest = sorted(set(segs) - set(chosen), key=lambda s: self._live[(table, s)])
