@@ -109,7 +109,13 @@ class ShardedStore:
         return self.root
 
     def table(self, name: str, dim: int, **kwargs: Any) -> TableInfo:
-        return self.local.table(name, dim, **kwargs)
+        info = self.local.table(name, dim, **kwargs)
+        if info.admission.filters:
+            raise ConfigError(
+                f"table {name!r}: admission filtering (min_count / admit_probability) runs in one process; "
+                "a sharded store does not filter yet. Drop the admission setting for multi-rank training."
+            )
+        return info
 
     def write(self, table: str, keys: Any, weights: Any) -> None:
         """Set weights of ``keys``; every rank passes the same keys and keeps those it owns."""
@@ -128,18 +134,34 @@ class ShardedStore:
         received, recv_counts = self.transport.all_to_all(keys[order], send_counts)
         return _Route(order, send_counts, recv_counts), received.to(self.device)
 
-    def _owned_rows(self, table: str, keys: torch.Tensor) -> torch.Tensor:
-        """Weights of owned keys (repeats allowed): (n, dim), no gradient."""
+    def _owned_rows(self, table: str, keys: torch.Tensor, counts: torch.Tensor | None) -> torch.Tensor:
+        """Weights of owned keys (repeats allowed): (n, dim), no gradient.
+
+        With ``counts`` (n,) (training), the sightings of every rank go into the rows' counters.
+        """
         info = self.local._info(table)
         if keys.numel() == 0:
             return torch.empty((0, info.dim), dtype=torch.float32, device=self.device)
         uniq, inverse = torch.unique(keys, return_inverse=True)
-        return self.local.gather(table, uniq, requires_grad=False)[inverse]
+        slots = self.local._resident_slots(table, uniq)
+        if counts is not None:
+            seen = torch.zeros(uniq.numel(), dtype=torch.float32, device=self.device)
+            self.local._count_seen(info, slots, seen.index_add_(0, inverse, counts.to(torch.float32)))
+        return self.local.device_tier.rows(table)[slots, : info.dim][inverse]
 
-    def gather(self, table: str, keys: torch.Tensor, *, requires_grad: bool) -> torch.Tensor:
-        """keys: (U,) sorted unique int64 -> (U, dim) weights fetched from their owners (collective)."""
+    def gather(self, table: str, keys: torch.Tensor, *, requires_grad: bool,
+               counts: torch.Tensor | None = None) -> torch.Tensor:
+        """keys: (U,) sorted unique int64 -> (U, dim) weights fetched from their owners (collective).
+
+        counts: (U,) sightings of each key in the mini-batch (default 1), counted when training.
+        """
         route, asked = self._route(keys)
-        rows = self._owned_rows(table, asked)
+        seen = None
+        if requires_grad:
+            mine = counts if counts is not None else torch.ones(keys.numel(), device=keys.device)
+            seen = self.transport.all_to_all_known(mine.to(torch.float32)[route.order], route.send_counts,
+                                                   route.recv_counts).to(self.device)
+        rows = self._owned_rows(table, asked, seen)
         self._sent(rows, route.recv_counts)
         self.rows_fetched += keys.numel()
         got = self.transport.all_to_all_known(rows, route.recv_counts, route.send_counts).to(self.device)
