@@ -18,6 +18,7 @@ from typing import Any
 
 from hierps.config import InitializerConfig, OptimizerConfig, parse_size
 from hierps.errors import (
+    CheckpointRetiredError,
     ConfigError,
     CorruptStoreError,
     DeviceBudgetError,
@@ -27,6 +28,7 @@ from hierps.errors import (
     OffsetsError,
     StoreClosedError,
     StoreFormatError,
+    StoreFullError,
     StoreLockedError,
     TableMismatchError,
 )
@@ -36,6 +38,7 @@ from hierps.store import Store
 __version__ = "0.1.0"
 
 __all__ = [
+    "CheckpointRetiredError",
     "ConfigError",
     "CorruptStoreError",
     "DeviceBudgetError",
@@ -50,6 +53,7 @@ __all__ = [
     "Store",
     "StoreClosedError",
     "StoreFormatError",
+    "StoreFullError",
     "StoreLockedError",
     "TableMismatchError",
     "get_default_store",

@@ -29,8 +29,8 @@ import torch
 
 from hierps import ids as _ids
 from hierps._faults import fault_point
-from hierps._files import read_json_checked, write_json_atomic
-from hierps.checkpoint import CheckpointCatalog
+from hierps._files import write_json_atomic
+from hierps.checkpoint import FORMAT_VERSION, MARKER, CheckpointCatalog, check_marker, valid_table_name
 from hierps.config import EVICTION_POLICIES, InitializerConfig, OptimizerConfig, parse_size
 from hierps.errors import (
     ConfigError,
@@ -48,8 +48,6 @@ from hierps.tiers import DeviceTier, MemoryTier, SsdTier, TableIndex
 
 __all__ = ["FORMAT_VERSION", "Store", "TableInfo"]
 
-FORMAT_VERSION = 1
-_MARKER = "hierps.json"
 _EMPTY = np.empty(0, np.int64)
 
 
@@ -150,31 +148,36 @@ class Store:
         self.passes = 0
         self.stats = PassStats()
         self.checkpoint_id: int | None = None
-        self._recover()
+        try:
+            self._recover()
+        except BaseException:
+            self.close()  # a store that failed to open must not keep its lock
+            raise
 
     # -- opening ------------------------------------------------------------------------------
     def _open_dir(self) -> None:
-        marker = self.path / _MARKER
+        marker = self.path / MARKER
         if self.path.exists() and not self.path.is_dir():
             raise StoreFormatError(f"{self.path}: is a file, not a hierps store directory.")
-        if self.path.exists() and any(self.path.iterdir()) and not marker.exists():
+        # What a creation interrupted before its marker was committed leaves: a lock, a temp marker.
+        leftovers = {"LOCK"} | {p.name for p in self.path.glob(f".{MARKER}.tmp-*")} if self.path.exists() else set()
+        if self.path.exists() and not marker.exists() and any(p.name not in leftovers for p in self.path.iterdir()):
             raise StoreFormatError(
-                f"{self.path}: is not a hierps store (no {_MARKER}) and is not empty. "
+                f"{self.path}: is not a hierps store (no {MARKER}) and is not empty. "
                 "Point the store at an empty or new directory, or at an existing hierps store."
             )
         self.path.mkdir(parents=True, exist_ok=True)
         self._lock()
-        if marker.exists():
-            meta = read_json_checked(marker)
-            if meta.get("format") != "hierps-store":
-                raise StoreFormatError(f"{marker}: is not a hierps store marker (format={meta.get('format')!r}).")
-            if meta.get("format_version") != FORMAT_VERSION:
-                raise StoreFormatError(
-                    f"{self.path}: written by store format version {meta.get('format_version')!r}; this "
-                    f"hierps reads version {FORMAT_VERSION}. Open it with a matching hierps release."
-                )
-        else:
-            write_json_atomic(marker, {"format": "hierps-store", "format_version": FORMAT_VERSION})
+        try:
+            if marker.exists():
+                check_marker(marker)
+            else:
+                for name in leftovers - {"LOCK"}:
+                    (self.path / name).unlink(missing_ok=True)
+                write_json_atomic(marker, {"format": "hierps-store", "format_version": FORMAT_VERSION})
+        except BaseException:
+            self.close()
+            raise
 
     def _lock(self) -> None:
         fd = os.open(self.path / "LOCK", os.O_RDWR | os.O_CREAT, 0o644)
@@ -201,7 +204,7 @@ class Store:
     def table(self, name: str, dim: int, *, optimizer: Any = None, initializer: Any = None) -> TableInfo:
         """Create table ``name`` with rows of ``dim`` floats, or reopen it (checking dim and optimizer)."""
         self._check_open()
-        if not isinstance(name, str) or not name or "/" in name or name.startswith(("_", ".")):
+        if not valid_table_name(name):
             raise ConfigError(f"table name: expected a non-empty name without '/' not starting with '_' "
                               f"or '.'. Got {name!r} instead.")
         if isinstance(dim, bool) or not isinstance(dim, int) or dim < 1:
@@ -341,6 +344,7 @@ class Store:
         self.stats.begin_pass(self.passes)
         if groups:
             self._load(groups[0])
+        fault_point("pass.loaded")
 
     def end_pass(self) -> None:
         """Write the working set back to the RAM tier (dirty rows) and close the pass."""
@@ -409,11 +413,24 @@ class Store:
 
     def _write_back(self) -> None:
         fault_point("pass.write_back")
-        for table, drained in self.device_tier.drain().items():
-            if drained.dirty.any():
-                keys, rows = drained.keys[drained.dirty], drained.rows[drained.dirty]
-                order = np.argsort(keys, kind="stable")
-                self.memory.put(table, keys[order], rows[order], dirty=True)
+        drained = self.device_tier.drain().items()
+        self._put_dirty({t: (d.keys[d.dirty], d.rows[d.dirty]) for t, d in drained if d.dirty.any()})
+
+    def _put_dirty(self, rows: Mapping[str, tuple[np.ndarray, np.ndarray]]) -> None:
+        """Hand rows that left the device tier to the RAM tier, every table even if one fails.
+
+        The RAM tier keeps rows it could not evict to a full disk, so nothing is lost; the first
+        error (:class:`StoreFullError` for a full disk) is raised once every table's rows are in RAM.
+        """
+        failed: OSError | None = None
+        for table, (keys, table_rows) in rows.items():
+            order = np.argsort(keys, kind="stable")
+            try:
+                self.memory.put(table, keys[order], table_rows[order], dirty=True)
+            except OSError as exc:
+                failed = failed or exc
+        if failed is not None:
+            raise failed
 
     def _resident_slots(self, table: str, keys: torch.Tensor) -> torch.Tensor:
         """keys: (U,) sorted unique int64 on the device -> their slots, loading what is missing.
@@ -499,6 +516,7 @@ class Store:
             apply_step(info.optimizer, rows, grad, info.step)
             resident[slots] = rows
             self.device_tier.mark_dirty(table, slots)
+        fault_point("store.step")
 
     def zero_grad(self) -> None:
         """Forget gradients gathered since the last step."""
@@ -512,9 +530,7 @@ class Store:
         working set stays resident. Checkpoints beyond ``keep_checkpoints`` are retired.
         """
         self._check_open()
-        for table, (keys, rows) in self.device_tier.take_dirty().items():
-            order = np.argsort(keys, kind="stable")
-            self.memory.put(table, keys[order], rows[order], dirty=True)
+        self._put_dirty(self.device_tier.take_dirty())
         fault_point("checkpoint.after_device_flush")
         self.memory.flush()
         fault_point("checkpoint.after_memory_flush")
@@ -570,7 +586,7 @@ class Store:
             self.tables[name] = info
             self._register(info)
             sizes = {int(s): int(n) for s, n in meta["segments"].items()}
-            self.ssd.load_index(name, info.width, self.catalog.read_index(ckpt, name), sizes)
+            self.ssd.load_index(name, info.width, self.catalog.read_index(ckpt, name, sizes), sizes)
         for name in set(self.tables) - set(manifest["tables"]):  # created after that checkpoint
             self.tables[name].step = 0
             self.ssd.load_index(name, self.tables[name].width, TableIndex(), {})

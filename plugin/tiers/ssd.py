@@ -20,11 +20,11 @@ from pathlib import Path
 
 import numpy as np
 import zarr
-import zarr.codecs
 from zarr.storage import LocalStore
 
+from hierps._arrays import create_array, encoded_bytes, open_array, read_array
 from hierps._faults import fault_point
-from hierps._files import fsync_dir, fsync_tree
+from hierps._files import disk_full_as_error, fsync_dir, fsync_tree
 from hierps.errors import CorruptStoreError
 
 __all__ = ["SsdTier", "TableIndex"]
@@ -106,14 +106,20 @@ class SsdTier:
         for group in np.split(order, bounds):
             seg = int(segs[group[0]])
             positions = idx.pos[at[group]]
-            rows_arr = self._open(table, seg)[1]
-            try:
-                out[group] = rows_arr.oindex[positions.astype(np.int64)]
-            except (ValueError, RuntimeError, OSError) as exc:
+            keys_arr, rows_arr = self._open(table, seg)
+            name = _segment_name(table, seg)
+            # The segment's own keys at those positions must be the keys asked for: a damaged
+            # index or segment is reported instead of returning another key's row.
+            stored = read_array(keys_arr, self.root, f"{name}/keys", positions)
+            wanted = idx.keys[at[group]]
+            if not np.array_equal(stored, wanted):
+                bad = int(np.flatnonzero(stored != wanted)[0])
                 raise CorruptStoreError(
-                    f"{self.root / _segment_name(table, seg)}: reading rows failed ({exc}); the segment is "
-                    "damaged or missing. Restore the store from a backup or an earlier checkpoint."
-                ) from exc
+                    f"{self.root / name}: holds key {int(stored[bad])} at position {int(positions[bad])} where "
+                    f"the key index expects key {int(wanted[bad])}; the segment or the index is damaged. "
+                    "Restore the store from a backup or open an earlier checkpoint."
+                )
+            out[group] = read_array(rows_arr, self.root, f"{name}/rows", positions)
         self.rows_read += len(at)
         self.bytes_read += out.nbytes
         return found, out
@@ -122,16 +128,13 @@ class SsdTier:
         handles = self._arrays.get((table, seg))
         if handles is None:
             name = _segment_name(table, seg)
-            try:
-                handles = (
-                    zarr.open_array(self._zstore, path=f"{name}/keys", mode="r"),
-                    zarr.open_array(self._zstore, path=f"{name}/rows", mode="r"),
-                )
-            except (FileNotFoundError, ValueError, KeyError) as exc:
+            handles = (open_array(self._zstore, self.root, f"{name}/keys", "int64", 1),
+                       open_array(self._zstore, self.root, f"{name}/rows", "float32", 2))
+            if handles[0].shape[0] != handles[1].shape[0] or handles[1].shape[1] != self.widths[table]:
                 raise CorruptStoreError(
-                    f"{self.root / name}: segment named by the index cannot be opened ({exc}). "
-                    "Restore the store from a backup or an earlier checkpoint."
-                ) from exc
+                    f"{self.root / name}: keys {handles[0].shape} and rows {handles[1].shape} do not form a "
+                    f"segment of table {table!r} (width {self.widths[table]})."
+                )
             self._arrays[(table, seg)] = handles
         return handles
 
@@ -155,14 +158,19 @@ class SsdTier:
         name = _segment_name(table, seg)
         n, width = rows.shape
         chunk_rows = max(1, min(n, self._chunk_bytes // (4 * width)))
-        checksum = [zarr.codecs.Crc32cCodec()]
-        k = zarr.create_array(self._zstore, name=f"{name}/keys", shape=(n,), chunks=(min(n, 1 << 17),),
-                              dtype="int64", compressors=checksum, fill_value=0)
-        k[:] = keys
-        fault_point("ssd.segment_keys_written")
-        r = zarr.create_array(self._zstore, name=f"{name}/rows", shape=(n, width), chunks=(chunk_rows, width),
-                              dtype="float32", compressors=checksum, fill_value=0.0)
-        r[:] = rows
+        key_rows = min(n, 1 << 17)
+        fault_point("ssd.segment_begin")
+        needed = encoded_bytes(keys, key_rows) + encoded_bytes(rows, chunk_rows)
+        try:
+            with disk_full_as_error(self.root / name, f"segment {seg} of table {table!r}", needed):
+                create_array(self._zstore, f"{name}/keys", keys, key_rows)
+                fault_point("ssd.segment_keys_written")
+                create_array(self._zstore, f"{name}/rows", rows, chunk_rows, block_point="ssd.segment_rows_block")
+        except BaseException:
+            # Nothing names the segment yet: drop what was written of it (and the space it took).
+            shutil.rmtree(self.root / name, ignore_errors=True)
+            raise
+        fault_point("ssd.segment_written")
         self._sizes[(table, seg)] = n
         self._live[(table, seg)] = 0
         self._unsynced.append((table, seg))
@@ -218,6 +226,7 @@ class SsdTier:
             chosen += rest[: len(segs) - len(chosen) + 1 - max_segments + 1]
         if not chosen:
             return 0
+        fault_point("ssd.compaction_begin")
         stale = chosen
         idx = self.index[table]
         chosen = np.isin(idx.seg, np.asarray(stale, dtype=np.int32))
@@ -287,6 +296,7 @@ class SsdTier:
                     self._arrays.pop(key, None)
                     self._sizes.pop(key, None)
                     removed += 1
+                    fault_point("ssd.gc_segment")
         return removed
 
     def max_segment_on_disk(self) -> int:
