@@ -97,7 +97,8 @@ def open_array(zstore: LocalStore, root: Path, name: str, dtype: str, ndim: int)
     try:
         meta = json.loads((path / "zarr.json").read_bytes())
     except FileNotFoundError as exc:
-        raise CorruptStoreError(f"{path}: the array is missing (no zarr.json).") from exc
+        kind = "a Zarr v2 array, which hierps never writes" if (path / ".zarray").exists() else "missing"
+        raise CorruptStoreError(f"{path}: the array is {kind} (no zarr.json); refused.") from exc
     except (OSError, ValueError) as exc:
         raise CorruptStoreError(f"{path / 'zarr.json'}: cannot be read as Zarr metadata ({exc}).") from exc
     problem = _layout_problem(meta, dtype, ndim)
