@@ -335,10 +335,10 @@ class Store:
         into consecutive groups that fit, loaded one after the other as training reaches them.
         """
         self._check_open()
+        per_batch = [batches] if isinstance(batches, Mapping) else list(batches)
+        groups = self._plan_groups([self._batch_keys(b) for b in per_batch])  # bad input: raise, change nothing
         if self._in_pass:
             self.end_pass()
-        per_batch = [batches] if isinstance(batches, Mapping) else list(batches)
-        groups = self._plan_groups([self._batch_keys(b) for b in per_batch])
         self._plan = _PassPlan(groups, cursor=0)
         self._in_pass = True
         self.stats.begin_pass(self.passes)

@@ -101,6 +101,19 @@ def open_only(store_path: str, out: str, fault: str, record: bool) -> None:
     store.close()
 
 
+def hold(store_path: str, out: str, fault: str, record: bool) -> None:
+    """Open the store, checkpoint, say ``ready`` and keep it open until ``release`` appears (60 s at most)."""
+    import time
+
+    store = hierps.Store(store_path, device="cpu")
+    store.checkpoint("held")
+    (Path(out) / "ready").touch()
+    deadline = time.monotonic() + 60
+    while not (Path(out) / "release").exists() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    store.close()
+
+
 def resume(path: Path) -> tuple[str | None, dict[str, np.ndarray], dict[str, np.ndarray], dict[str, int]]:
     """Open a store the way a restarted job does and train on: (tag opened, rows then, rows after, steps)."""
     threads = torch.get_num_threads()
@@ -128,9 +141,9 @@ def _child(target: Callable[[str, str, str, bool], None], store: str, out: str, 
         raise
 
 
-def run_forked(target: Callable[[str, str, str, bool], None], store: Path, out: Path, fault: str = "",
-               record: bool = False, timeout: float = 120.0) -> int:
-    """Run ``target(store, out, fault, record)`` in a forked process; its exit code (-9: killed)."""
+def start_forked(target: Callable[[str, str, str, bool], None], store: Path, out: Path, fault: str = "",
+                 record: bool = False) -> multiprocessing.process.BaseProcess:
+    """Start ``target(store, out, fault, record)`` in a process forked from the server."""
     ctx = multiprocessing.get_context("forkserver")
     # The server imports these once; this module (not on the server's sys.path in Python 3.11)
     # is then imported by each child cheaply.
@@ -138,6 +151,13 @@ def run_forked(target: Callable[[str, str, str, bool], None], store: Path, out: 
     out.mkdir(parents=True, exist_ok=True)
     proc = ctx.Process(target=_child, args=(target, str(store), str(out), fault, record))
     proc.start()
+    return proc
+
+
+def run_forked(target: Callable[[str, str, str, bool], None], store: Path, out: Path, fault: str = "",
+               record: bool = False, timeout: float = 120.0) -> int:
+    """Run ``target(store, out, fault, record)`` in a forked process; its exit code (-9: killed)."""
+    proc = start_forked(target, store, out, fault, record)
     proc.join(timeout)
     if proc.exitcode is None:
         proc.kill()
