@@ -12,6 +12,7 @@ returns the exit code; a run killed at its fault point returns ``-SIGKILL``.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import multiprocessing
 import shutil
@@ -98,6 +99,25 @@ def open_only(store_path: str, out: str, fault: str, record: bool) -> None:
     """Just open the store (recovery: drop incomplete checkpoints, collect garbage) and close it."""
     _faults.arm(fault)
     store, _ = open_store(Path(store_path))
+    store.close()
+
+
+def digest(keys: np.ndarray, rows: np.ndarray) -> str:
+    return hashlib.sha256(np.ascontiguousarray(keys).tobytes() + np.ascontiguousarray(rows).tobytes()).hexdigest()
+
+
+def checkpoint_loop(store_path: str, out: str, fault: str, record: bool) -> None:
+    """Train and checkpoint round after round (``fault`` holds the number of rounds), logging to
+    OUT/log.jsonl what each checkpoint holds: ``{"id", "tag", "digest": {table: sha256}}``."""
+    store, bags = open_store(Path(store_path))
+    with open(Path(out) / "log.jsonl", "a", encoding="utf-8") as log:
+        for i in range(int(fault)):
+            train(store, bags, seed=100 + i, passes=1)
+            ckpt = store.checkpoint(f"r{i}")
+            keys = {t: store.ssd.index[t].keys.copy() for t in TABLES}
+            sums = {t: digest(keys[t], store.read_rows(t, keys[t])) for t in TABLES}
+            log.write(json.dumps({"id": ckpt, "tag": f"r{i}", "digest": sums}) + "\n")
+            log.flush()
     store.close()
 
 
