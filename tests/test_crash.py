@@ -10,6 +10,7 @@ reached after a given checkpoint returned. The table of cases is the one in docs
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import signal
 import tempfile
@@ -172,3 +173,13 @@ def check_reopened(path: Path, expect: str | None, reference: Reference, fast_di
         np.testing.assert_array_equal(before[t], ref_before[t], err_msg=f"{t} at reopen")
         np.testing.assert_array_equal(after[t], ref_after[t], err_msg=f"{t} after resuming")
     assert steps == ref_steps
+
+
+def test_every_fault_point_is_documented_and_tested():
+    root = Path(__file__).resolve().parent.parent
+    source = "".join(p.read_text() for p in (root / "plugin").rglob("*.py"))
+    in_code = set(re.findall(r'(?:fault_point\(|block_point=)"([a-z_.]+)"', source))
+    doc = (root / "docs" / "reliability.md").read_text()
+    documented = set(re.findall(r"^\| `([a-z_.]+)` *\|", doc, re.M))
+    assert in_code == documented
+    assert in_code == {p for p, _, _ in CASES}
