@@ -214,3 +214,30 @@ def test_simulated_full_disk_while_committing_the_manifest(make_store, enospc):
     store.close()
     with hierps.Store(path, device="cpu") as again:
         np.testing.assert_array_equal(again.read_rows("t", KEYS), rows)
+
+
+def test_failed_fsync_is_not_retried(make_store, monkeypatch):
+    """After a failed fsync the written pages may be gone: no later checkpoint may commit them."""
+    store = make_store("s", memory_budget="8KiB")
+    bag = hierps.EmbeddingBag(None, DIM, mode="sum", store=store, name="t")
+    _train(store, bag, KEYS[:200], seed=1)
+    store.checkpoint("c1")
+    c1 = store.read_rows("t", KEYS).copy()
+    _train(store, bag, KEYS[:200], seed=2)
+    real = hierps.tiers.ssd.fsync_tree
+
+    def failing(path):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(hierps.tiers.ssd, "fsync_tree", failing)
+    with pytest.raises(hierps.StoreFullError, match="fsync of new segments failed .* open it again"):
+        store.checkpoint("c2")
+    monkeypatch.setattr(hierps.tiers.ssd, "fsync_tree", real)
+    with pytest.raises(hierps.StoreFullError, match="fsync of new segments failed"):
+        store.checkpoint("c2")
+    assert store.catalog.ids() == [1]
+    path = store.path
+    store.close()
+    with hierps.Store(path, device="cpu") as again:
+        assert again.list_checkpoints()[-1]["tag"] == "c1"
+        np.testing.assert_array_equal(again.read_rows("t", KEYS), c1)

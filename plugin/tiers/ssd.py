@@ -14,6 +14,7 @@ rows of many small or mostly-stale segments into one.
 
 from __future__ import annotations
 
+import errno
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,7 +26,7 @@ from zarr.storage import LocalStore
 from hierps._arrays import create_array, encoded_bytes, open_array, read_array
 from hierps._faults import fault_point
 from hierps._files import disk_full_as_error, fsync_dir, fsync_tree
-from hierps.errors import CorruptStoreError
+from hierps.errors import CorruptStoreError, StoreFullError
 
 __all__ = ["SsdTier", "TableIndex"]
 
@@ -70,6 +71,7 @@ class SsdTier:
         self._live: dict[tuple[str, int], int] = {}  # live rows per segment of the live index
         self._sizes: dict[tuple[str, int], int] = {}
         self._unsynced: list[tuple[str, int]] = []
+        self._sync_error: OSError | None = None
         self._arrays: dict[tuple[str, int], tuple[zarr.Array, zarr.Array]] = {}
         self.bytes_read = 0
         self.bytes_written = 0
@@ -247,14 +249,30 @@ class SsdTier:
 
     # -- durability ---------------------------------------------------------------------------
     def sync(self) -> None:
-        """fsync every segment written since the last sync."""
-        for table, seg in self._unsynced:
-            path = self.root / _segment_name(table, seg)
-            if path.exists():
-                fsync_tree(path)
-        for table in {t for t, _ in self._unsynced}:
-            fsync_dir(self.root / table)
-        fsync_dir(self.root)
+        """fsync every segment written since the last sync.
+
+        A failed fsync may have lost written pages (the kernel reports a write-back error once and
+        may drop the pages), so it is not retried: this and every later sync raise, and the store
+        must be reopened, at its last checkpoint.
+        """
+        if self._sync_error is not None:
+            raise self._sync_error
+        try:
+            for table, seg in self._unsynced:
+                path = self.root / _segment_name(table, seg)
+                if path.exists():
+                    fsync_tree(path)
+            for table in {t for t, _ in self._unsynced}:
+                fsync_dir(self.root / table)
+            fsync_dir(self.root)
+        except OSError as exc:
+            why = "no space left on the device" if exc.errno in (errno.ENOSPC, errno.EDQUOT) else str(exc)
+            message = (f"{self.root}: fsync of new segments failed ({why}); rows written since the last "
+                       "checkpoint may not be on disk. Close the store and open it again: it reopens at its "
+                       "last checkpoint.")
+            full = exc.errno in (errno.ENOSPC, errno.EDQUOT)
+            self._sync_error = StoreFullError(message, str(self.root)) if full else OSError(exc.errno, message)
+            raise self._sync_error from exc
         self._unsynced.clear()
 
     def live_segments(self) -> set[tuple[str, int]]:
