@@ -25,21 +25,25 @@ KEYS = np.arange(200, dtype=np.int64) * 13
 
 @pytest.fixture(scope="module")
 def template(tmp_path_factory) -> tuple[Path, np.ndarray]:
-    """A store whose rows all live in several SSD segments, and its rows."""
+    """A store with checkpoints 1 and 2 whose rows live in several SSD segments; rows of both."""
     path = tmp_path_factory.mktemp("template") / "store"
+    rows = []
     with hierps.Store(path, memory_budget="1KiB", device="cpu") as store:
         bag = hierps.EmbeddingBag(None, 4, mode="sum", store=store, name="t")
         for i in range(4):
             with store.run_pass({"t": KEYS}):
                 bag(torch.from_numpy(KEYS[i::2]), torch.arange(0, 100, 10)).sum().backward()
                 store.step()
-        store.checkpoint()
-        return path, store.read_rows("t", KEYS).copy()
+            if i % 2:
+                store.checkpoint()
+                rows.append(store.read_rows("t", KEYS).copy())
+    return path, rows[1], rows[0]
 
 
 @pytest.fixture
 def stored(template, tmp_path) -> tuple[Path, np.ndarray]:
-    path, rows = template
+    """A copy of the template store, and the rows of its latest checkpoint."""
+    path, rows, _ = template
     shutil.copytree(path, tmp_path / "store")
     return tmp_path / "store", rows
 
@@ -111,7 +115,7 @@ def test_segment_swapped_for_another_is_caught_by_its_keys(stored):
 @pytest.mark.parametrize("name", ["keys", "seg", "pos"])
 def test_flipped_byte_in_the_checkpoint_index(stored, name):
     path, _ = stored
-    chunk = _first_chunk(path / "checkpoints" / "00000001" / "t" / name)
+    chunk = _first_chunk(path / "checkpoints" / "00000002" / "t" / name)
     _flip(chunk)
     for _ in range(2):  # the failed open released its lock: the second fails the same way
         with pytest.raises(CorruptStoreError, match=re.escape(str(chunk)) + ".*crc32c"):
@@ -123,7 +127,7 @@ def test_flipped_byte_in_the_checkpoint_index(stored, name):
 @pytest.mark.parametrize("damage", ["truncate", "flip", "empty", "not json"])
 def test_damaged_manifest(stored, damage):
     path, rows = stored
-    manifest = path / "checkpoints" / "00000001.json"
+    manifest = path / "checkpoints" / "00000002.json"
     text = manifest.read_bytes()
     if damage == "truncate":
         manifest.write_bytes(text[: len(text) // 2])
@@ -142,6 +146,19 @@ def test_damaged_manifest(stored, damage):
     manifest.write_bytes(text)
     with hierps.Store(path, device="cpu") as store:
         np.testing.assert_array_equal(store.read_rows("t", KEYS), rows)
+
+
+def test_moving_a_damaged_manifest_aside_falls_back_to_the_checkpoint_before(template, tmp_path):
+    path, _, first_rows = template
+    shutil.copytree(path, tmp_path / "store")
+    manifest = tmp_path / "store" / "checkpoints" / "00000002.json"
+    manifest.write_bytes(manifest.read_bytes()[:-20])
+    with pytest.raises(CorruptStoreError, match="moving it out of the store directory falls back"):
+        hierps.Store(tmp_path / "store", device="cpu")
+    manifest.rename(tmp_path / "damaged.json")
+    with hierps.Store(tmp_path / "store", device="cpu") as store:
+        assert store.checkpoint_id == 1
+        np.testing.assert_array_equal(store.read_rows("t", KEYS), first_rows)
 
 
 def test_damaged_store_marker(stored):
