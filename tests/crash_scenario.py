@@ -49,7 +49,7 @@ def open_store(path: Path) -> tuple[hierps.Store, dict[str, hierps.EmbeddingBag]
     return store, bags
 
 
-def train(store: hierps.Store, bags: dict[str, hierps.EmbeddingBag], seed: int, passes: int = 3) -> None:
+def train(store: hierps.Store, bags: dict[str, hierps.EmbeddingBag], seed: int, passes: int = 2) -> None:
     """``passes`` passes of 4 mini-batches, ids drawn (zipf) from KEYS with ``seed``."""
     rng = np.random.default_rng(seed)
     for _ in range(passes):
@@ -143,7 +143,7 @@ def resume(path: Path) -> tuple[str | None, dict[str, np.ndarray], dict[str, np.
         tags = store.list_checkpoints()
         opened = tags[-1]["tag"] if tags else None
         before = rows_of(store)
-        train(store, bags, seed=99, passes=2)
+        train(store, bags, seed=99, passes=1)
         store.checkpoint("resumed")
         return opened, before, rows_of(store), steps_of(store)
     finally:
