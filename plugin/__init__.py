@@ -21,6 +21,7 @@ from typing import Any
 
 from hierps.config import AdmissionConfig, EvictionConfig, InitializerConfig, OptimizerConfig, parse_size
 from hierps.errors import (
+    CheckpointRetiredError,
     ConfigError,
     CorruptStoreError,
     DeviceBudgetError,
@@ -31,6 +32,7 @@ from hierps.errors import (
     PeerLostError,
     StoreClosedError,
     StoreFormatError,
+    StoreFullError,
     StoreLockedError,
     TableMismatchError,
 )
@@ -42,6 +44,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AdmissionConfig",
+    "CheckpointRetiredError",
     "ConfigError",
     "CorruptStoreError",
     "DeviceBudgetError",
@@ -59,6 +62,7 @@ __all__ = [
     "Store",
     "StoreClosedError",
     "StoreFormatError",
+    "StoreFullError",
     "StoreLockedError",
     "TableMismatchError",
     "get_default_store",

@@ -1,16 +1,26 @@
-"""Small file-system helpers for durability: fsync of trees and atomic JSON replacement."""
+"""Small file-system helpers for durability: fsync of trees, atomic JSON replacement, full disks."""
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import shutil
 import zlib
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from hierps.errors import CorruptStoreError
+from hierps._faults import fault_point
+from hierps.errors import CorruptStoreError, StoreFullError
 
-__all__ = ["fsync_dir", "fsync_tree", "read_json_checked", "write_json_atomic"]
+__all__ = ["disk_full_as_error", "fsync_dir", "fsync_tree", "read_json_checked", "write_json_atomic"]
+
+_RESTORE = ("Restore it from a backup; for a checkpoint manifest, moving it out of the store directory "
+            "falls back to the checkpoint before it.")
+# errno values that mean "this file system has no room for the write": no space, over quota.
+_FULL = (errno.ENOSPC, errno.EDQUOT)
 
 
 def fsync_dir(path: Path) -> None:
@@ -33,19 +43,62 @@ def fsync_tree(path: Path) -> None:
         fsync_dir(Path(dirpath))
 
 
+def _free_bytes(path: Path) -> int | None:
+    for p in (path, *path.parents):
+        try:
+            return shutil.disk_usage(p).free
+        except OSError:
+            continue
+    return None
+
+
+@contextmanager
+def disk_full_as_error(path: Path, what: str, needed: int) -> Iterator[None]:
+    """Turn an ``ENOSPC`` / ``EDQUOT`` raised inside the block into :class:`StoreFullError`.
+
+    ``what`` says what was being written (``"segment 12 of table 'user'"``), ``needed`` about how
+    many bytes it takes; the message names ``path``, both numbers and what to do.
+    """
+    try:
+        yield
+    except StoreFullError:
+        raise
+    except OSError as exc:
+        if exc.errno not in _FULL:
+            raise
+        free = _free_bytes(Path(path))
+        raise StoreFullError(
+            f"{path}: no space left on the device while writing {what}: it needs about {needed} bytes, "
+            f"{'an unknown number of' if free is None else free} bytes are free. Free space on that disk "
+            "(or copy the store to a bigger one) and call checkpoint() again; the last checkpoint is "
+            "intact and rows not yet written are still held in RAM.",
+            str(path),
+            needed,
+        ) from exc
+
+
 def write_json_atomic(path: Path, body: dict[str, Any]) -> None:
     """Write ``body`` to ``path`` so that readers see the old file or the whole new one.
 
-    The body is stored with its CRC-32 so that a flipped byte is detected on read.
+    The body is stored with its CRC-32 so that a flipped byte is detected on read. On failure
+    (e.g. :class:`StoreFullError`) the temporary file is removed and ``path`` is unchanged.
     """
     text = json.dumps(body, sort_keys=True, indent=1)
     doc = {"crc32": zlib.crc32(text.encode("utf-8")), "body": body}
+    data = json.dumps(doc, sort_keys=True, indent=1).encode("utf-8")
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(doc, f, sort_keys=True, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
+    try:
+        with disk_full_as_error(path, f"the manifest {path.name}", len(data)):
+            with open(tmp, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    fault_point("json.before_replace")
     os.replace(tmp, path)
+    fault_point("json.after_replace")
     fsync_dir(path.parent)
 
 
@@ -58,12 +111,13 @@ def read_json_checked(path: Path) -> dict[str, Any]:
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise CorruptStoreError(
             f"{path}: cannot be read as a hierps manifest ({exc}); the file is truncated or damaged. "
-            "Restore it from a backup or open an earlier checkpoint."
+            f"{_RESTORE}"
         ) from exc
     text = json.dumps(body, sort_keys=True, indent=1)
     if zlib.crc32(text.encode("utf-8")) != crc:
         raise CorruptStoreError(
-            f"{path}: checksum mismatch (the file was modified or damaged). "
-            "Restore it from a backup or open an earlier checkpoint."
+            f"{path}: checksum mismatch (the file was modified or damaged). {_RESTORE}"
         )
+    if not isinstance(body, dict):
+        raise CorruptStoreError(f"{path}: expected a JSON object as body. Got {type(body).__name__} instead.")
     return body

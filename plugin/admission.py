@@ -24,7 +24,7 @@ from hierps.initializers import key_uniform
 
 __all__ = ["PENDING_ARRAYS", "PendingKeys", "admitted"]
 
-PENDING_ARRAYS = ("pending_keys", "pending_count", "pending_pass")
+PENDING_ARRAYS = {"pending_keys": "int64", "pending_count": "int32", "pending_pass": "int32"}
 # After forgetting, the table holds this fraction of its capacity: forgetting runs in batches.
 _KEEP_FRACTION = 0.875
 _COUNT_MAX = np.iinfo(np.int32).max

@@ -10,7 +10,9 @@ Every message says what happened, the value found, and what to do next::
     ├── NonFiniteGradientError a NaN / inf gradient reached the sparse step
     ├── TableMismatchError     a table reopened with another dim / optimizer
     ├── StoreFormatError       a directory that is not a hierps store, or of another format version
-    ├── CorruptStoreError      a checksum or manifest that does not verify
+    ├── CorruptStoreError      a checksum, manifest or array layout that does not verify
+    ├── StoreFullError         the disk under the store ran out of space (OSError, errno ENOSPC)
+    ├── CheckpointRetiredError a reader's checkpoint was retired by the training process
     ├── StoreLockedError       a second writer on the same store
     ├── StoreClosedError       a store used after close()
     └── PeerLostError          a collective with the other ranks failed: a rank died or hung
@@ -18,7 +20,10 @@ Every message says what happened, the value found, and what to do next::
 
 from __future__ import annotations
 
+import errno
+
 __all__ = [
+    "CheckpointRetiredError",
     "ConfigError",
     "CorruptStoreError",
     "DeviceBudgetError",
@@ -29,6 +34,7 @@ __all__ = [
     "PeerLostError",
     "StoreClosedError",
     "StoreFormatError",
+    "StoreFullError",
     "StoreLockedError",
     "TableMismatchError",
 ]
@@ -68,6 +74,26 @@ class StoreFormatError(HierpsError):
 
 class CorruptStoreError(HierpsError):
     """A file of the store failed its checksum or could not be parsed."""
+
+
+class StoreFullError(HierpsError, OSError):
+    """The file system under the store has no space left (``errno`` is ``ENOSPC``).
+
+    Nothing committed is lost: the last checkpoint stays intact, and rows not yet written stay in
+    RAM, so ``checkpoint()`` may be called again once space is freed.
+    """
+
+    def __init__(self, message: str, path: str | None = None, needed: int | None = None) -> None:
+        super().__init__(errno.ENOSPC, message)
+        self.filename = path
+        self.needed = needed
+
+    def __str__(self) -> str:
+        return str(self.strerror)
+
+
+class CheckpointRetiredError(HierpsError):
+    """A reader's checkpoint was retired (and its files collected) by the process training the store."""
 
 
 class StoreLockedError(HierpsError):

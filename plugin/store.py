@@ -33,9 +33,9 @@ import torch
 
 from hierps import ids as _ids
 from hierps._faults import fault_point
-from hierps._files import read_json_checked, write_json_atomic
+from hierps._files import write_json_atomic
 from hierps.admission import PENDING_ARRAYS, PendingKeys
-from hierps.checkpoint import CheckpointCatalog
+from hierps.checkpoint import FORMAT_VERSION, MARKER, CheckpointCatalog, check_marker, valid_table_name
 from hierps.config import (
     EVICTION_POLICIES,
     AdmissionConfig,
@@ -64,9 +64,6 @@ from hierps.tiers.device import DrainedRows, rebuild
 
 __all__ = ["FORMAT_VERSION", "Store", "TableInfo"]
 
-# 2: rows end with counters; checkpoints carry admission / eviction settings and pending keys.
-FORMAT_VERSION = 2
-_MARKER = "hierps.json"
 _EMPTY = np.empty(0, np.int64)
 
 
@@ -168,6 +165,7 @@ class Store(LifeCycle):
         memory_bytes = parse_size(memory_budget, "memory_budget")
         device_bytes = parse_size(device_budget, "device_budget")
         self._lock_fd: int | None = None
+        self._pipe = PassPipeline(self)
         self._open_dir()
         self.ssd = SsdTier(self.path / "segments")
         self.memory = MemoryTier(memory_bytes, self.ssd, eviction)
@@ -179,36 +177,40 @@ class Store(LifeCycle):
         self._plan = _PassPlan()
         self._in_pass = False
         self.pipeline = bool(pipeline)
-        self._pipe = PassPipeline(self)
         self._announced: list[dict[str, np.ndarray]] | None = None
         self.passes = 0
         self.stats = PassStats()
         self.checkpoint_id: int | None = None
-        self._recover()
+        try:
+            self._recover()
+        except BaseException:
+            self.close()  # a store that failed to open must not keep its lock
+            raise
 
     # -- opening ------------------------------------------------------------------------------
     def _open_dir(self) -> None:
-        marker = self.path / _MARKER
+        marker = self.path / MARKER
         if self.path.exists() and not self.path.is_dir():
             raise StoreFormatError(f"{self.path}: is a file, not a hierps store directory.")
-        if self.path.exists() and any(self.path.iterdir()) and not marker.exists():
+        # What a creation interrupted before its marker was committed leaves: a lock, a temp marker.
+        leftovers = {"LOCK"} | {p.name for p in self.path.glob(f".{MARKER}.tmp-*")} if self.path.exists() else set()
+        if self.path.exists() and not marker.exists() and any(p.name not in leftovers for p in self.path.iterdir()):
             raise StoreFormatError(
-                f"{self.path}: is not a hierps store (no {_MARKER}) and is not empty. "
+                f"{self.path}: is not a hierps store (no {MARKER}) and is not empty. "
                 "Point the store at an empty or new directory, or at an existing hierps store."
             )
         self.path.mkdir(parents=True, exist_ok=True)
         self._lock()
-        if marker.exists():
-            meta = read_json_checked(marker)
-            if meta.get("format") != "hierps-store":
-                raise StoreFormatError(f"{marker}: is not a hierps store marker (format={meta.get('format')!r}).")
-            if meta.get("format_version") != FORMAT_VERSION:
-                raise StoreFormatError(
-                    f"{self.path}: written by store format version {meta.get('format_version')!r}; this "
-                    f"hierps reads version {FORMAT_VERSION}. Open it with a matching hierps release."
-                )
-        else:
-            write_json_atomic(marker, {"format": "hierps-store", "format_version": FORMAT_VERSION})
+        try:
+            if marker.exists():
+                check_marker(marker)
+            else:
+                for name in leftovers - {"LOCK"}:
+                    (self.path / name).unlink(missing_ok=True)
+                write_json_atomic(marker, {"format": "hierps-store", "format_version": FORMAT_VERSION})
+        except BaseException:
+            self.close()
+            raise
 
     def _lock(self) -> None:
         fd = os.open(self.path / "LOCK", os.O_RDWR | os.O_CREAT, 0o644)
@@ -242,7 +244,7 @@ class Store(LifeCycle):
         to keeping every key; given on reopening, they replace the stored settings.
         """
         self._check_open()
-        if not isinstance(name, str) or not name or "/" in name or name.startswith(("_", ".")):
+        if not valid_table_name(name):
             raise ConfigError(f"table name: expected a non-empty name without '/' not starting with '_' "
                               f"or '.'. Got {name!r} instead.")
         if isinstance(dim, bool) or not isinstance(dim, int) or dim < 1:
@@ -424,15 +426,19 @@ class Store(LifeCycle):
         read ahead (see :meth:`prefetch`), and the rows leaving are written back in the background.
         """
         self._check_open()
+        per_batch = [batches] if isinstance(batches, Mapping) else list(batches)
+        groups = self._plan_groups([self._batch_keys(b) for b in per_batch])  # bad input: raise, change nothing
         if self._in_pass:
             self.end_pass()
-        groups = self._plan_groups([self._batch_keys(b) for b in self._as_batches(batches)])
         self._plan = _PassPlan(groups, cursor=0)
         self._in_pass = True
         self.stats.begin_pass(self.passes)
         groups = [self._admitted_only(g) for g in groups]
         if self.pipeline and len(groups) == 1:
             prepared = self._pipe.take(groups[0])
+            # The last write-back had a whole pass to finish; waiting for it bounds the queue to one
+            # and reports its failure (e.g. a full disk) at this pass, not some later one.
+            self._pipe.wait_writebacks()
             drained = rebuild(self.device_tier, groups[0], prepared, self._fetch_now)
             self._pipe.submit_writeback(drained)
         else:
@@ -440,6 +446,7 @@ class Store(LifeCycle):
             self._write_back()
             if groups:
                 self._load(groups[0], create=False)
+        fault_point("pass.loaded")
         if self._announced is not None:
             announced, self._announced = self._announced, None
             self.prefetch(announced)
@@ -573,12 +580,24 @@ class Store(LifeCycle):
             self._put_dirty(self.device_tier.drain())
 
     def _put_dirty(self, drained: dict[str, DrainedRows]) -> None:
+        """Hand dirty rows that left the device tier to the RAM tier, every table even if one fails.
+
+        The RAM tier keeps rows it could not evict to a full disk, so nothing is lost; the first
+        error (:class:`StoreFullError` for a full disk) is raised once every table's rows are in RAM.
+        """
         fault_point("pass.write_back")
+        failed: OSError | None = None
         for table, d in drained.items():
-            if d.dirty.any():
-                keys, rows = d.keys[d.dirty], d.rows[d.dirty]
-                order = np.argsort(keys, kind="stable")
+            if not d.dirty.any():
+                continue
+            keys, rows = d.keys[d.dirty], d.rows[d.dirty]
+            order = np.argsort(keys, kind="stable")
+            try:
                 self.memory.put(table, keys[order], rows[order], dirty=True)
+            except OSError as exc:
+                failed = failed or exc
+        if failed is not None:
+            raise failed
 
     def _resident_slots(self, table: str, keys: torch.Tensor) -> torch.Tensor:
         """keys: (U,) sorted unique int64 on the device -> their slots, loading what is missing.
@@ -694,6 +713,7 @@ class Store(LifeCycle):
                     self._apply_step(table, first.slots, items[0][1])  # the common case: slots still valid
             else:
                 self.apply_gradients(table, torch.cat([p.keys for p, _ in items]), torch.cat([g for _, g in items]))
+        fault_point("store.step")
 
     def apply_gradients(self, table: str, keys: torch.Tensor, grads: torch.Tensor) -> None:
         """One optimizer step for each distinct key, its gradients summed first.
@@ -733,9 +753,7 @@ class Store(LifeCycle):
         """
         self._check_open()
         self._pipe.drain()
-        for table, (keys, rows) in self.device_tier.take_dirty().items():
-            order = np.argsort(keys, kind="stable")
-            self.memory.put(table, keys[order], rows[order], dirty=True)
+        self._put_dirty({t: DrainedRows(k, r, np.ones(len(k), bool)) for t, (k, r) in self.device_tier.take_dirty().items()})
         fault_point("checkpoint.after_device_flush")
         self.memory.flush()
         fault_point("checkpoint.after_memory_flush")
@@ -798,7 +816,7 @@ class Store(LifeCycle):
                                               self.catalog.read_extra(ckpt, name, PENDING_ARRAYS))
             self._register(info, pending)
             sizes = {int(s): int(n) for s, n in meta["segments"].items()}
-            self.ssd.load_index(name, info.width, self.catalog.read_index(ckpt, name), sizes)
+            self.ssd.load_index(name, info.width, self.catalog.read_index(ckpt, name, sizes), sizes)
         for name in set(self.tables) - set(manifest["tables"]):  # created after that checkpoint
             self.tables[name].step = 0
             self.pending_keys[name] = PendingKeys(self.tables[name].admission.max_pending)

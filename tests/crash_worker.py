@@ -1,6 +1,6 @@
-"""Trains a table through two checkpoints; run as a subprocess by the crash tests.
+"""Trains a table through two checkpoints; run as a subprocess by test_checkpoint.py.
 
-usage: python crash_worker.py STORE OUT   (HIERPS_FAULT may kill it at a named point)
+usage: python crash_worker.py STORE OUT
 Writes OUT/ref1.npy after the first checkpoint and OUT/ref2.npy after the second: every row
 (weights and optimizer state) of keys KEYS, as the process sees them.
 """

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import signal
+import time
+
 import numpy as np
 import pytest
 import torch
@@ -165,3 +169,105 @@ def test_closed_store(trained):
     store.close()
     with pytest.raises(errors.StoreClosedError):
         bag.lookup(torch.tensor([1]))
+
+
+# -- more bad input, each refused before anything changes -------------------------------------
+
+
+def test_ids_outside_int64_through_every_entry_point(trained):
+    store, bag = trained
+    before = _snapshot(store)
+    with pytest.raises(errors.InvalidIdsError, match="dtype torch.uint64"):
+        bag(torch.tensor([2**63], dtype=torch.uint64), torch.tensor([0]))
+    for call in (lambda: store.read_rows("t", [2**64]), lambda: store.begin_pass({"t": [2**63]}),
+                 lambda: store.write("t", [-(2**63) - 1], np.zeros((1, 4), np.float32))):
+        with pytest.raises(errors.InvalidIdsError, match="outside int64"):
+            call()
+    _unchanged(store, before)
+
+
+@pytest.mark.parametrize("ids", [np.array([1.0, 2.0]), np.array([np.nan]), np.array([True]), ["1", "2"]])
+def test_non_integer_ids_in_a_pass_or_a_write(trained, ids):
+    store, _ = trained
+    before = _snapshot(store)
+    with pytest.raises(errors.InvalidIdsError, match="expected integer ids"):
+        store.begin_pass([{"t": ids}])
+    with pytest.raises(errors.InvalidIdsError, match="expected integer ids"):
+        store.write("t", ids, np.zeros((len(ids), 4), np.float32))
+    _unchanged(store, before)
+
+
+def test_bad_pass_leaves_the_running_pass_alone(trained):
+    store, bag = trained
+    store.begin_pass({"t": torch.arange(0, 10)})
+    resident = store.num_rows("t")["device"]
+    with pytest.raises(errors.InvalidIdsError):
+        store.begin_pass([{"t": np.array([0.5])}])
+    with pytest.raises(errors.ConfigError, match="unknown table 'nope'"):
+        store.begin_pass({"nope": [1]})
+    assert store.num_rows("t")["device"] == resident and store.passes == 0
+    bag(torch.arange(0, 10), torch.tensor([0, 5])).sum().backward()
+    store.step()
+    store.end_pass()
+
+
+def test_bad_writes(trained):
+    store, _ = trained
+    before = _snapshot(store)
+    with pytest.raises(errors.ConfigError, match="keys must be unique"):
+        store.write("t", [1, 1], np.zeros((2, 4), np.float32))
+    with pytest.raises(errors.ConfigError, match=r"weights of shape \(2, 5\) for 2 keys of dim 4"):
+        store.write("t", [1, 2], np.zeros((2, 5), np.float32))
+    _unchanged(store, before)
+
+
+def test_mismatched_bags_and_weights(trained):
+    store, bag = trained
+    before = _snapshot(store)
+    with pytest.raises(errors.OffsetsError, match="offsets must be None when input is 2D"):
+        bag(torch.arange(0, 8).reshape(2, 4), torch.tensor([0]))
+    with pytest.raises(errors.OffsetsError, match="per_sample_weights of shape"):
+        bag(torch.arange(0, 8), torch.tensor([0, 4]), per_sample_weights=torch.ones(5))
+    with pytest.raises(errors.OffsetsError, match="input must be 1D"):
+        bag(torch.arange(0, 8).reshape(2, 2, 2), None)
+    _unchanged(store, before)
+
+
+def test_non_finite_gradient_in_one_table_updates_no_table(make_store):
+    store = make_store(memory_budget="1KiB")
+    good = hierps.EmbeddingBag(None, 4, mode="sum", store=store, name="good")
+    bad = hierps.Embedding(None, 3, store=store, name="bad")
+    ids = torch.arange(0, 12)
+    rows = {t: store.read_rows(t, KEYS).copy() for t in ("good", "bad")}
+    loss = good(ids, torch.tensor([0, 6])).sum() + bad(ids).sum() * torch.tensor(float("inf"))
+    loss.backward()
+    with pytest.raises(errors.NonFiniteGradientError, match=r"table\(s\) \['bad'\]"):
+        store.step()
+    for t in ("good", "bad"):
+        np.testing.assert_array_equal(store.read_rows(t, KEYS), rows[t])
+        assert store.tables[t].step == 0
+
+
+def test_second_writer_in_another_process_is_refused(tmp_path):
+    import crash_scenario as cs
+
+    from hierps.reader import CheckpointReader
+
+    path, out = tmp_path / "s", tmp_path / "holder"
+    holder = cs.start_forked(cs.hold, path, out)
+    try:
+        for _ in range(3000):
+            if (out / "ready").exists() or not holder.is_alive():
+                break
+            time.sleep(0.01)
+        assert (out / "ready").exists(), "the holding process did not open the store"
+        listing = sorted(p.relative_to(path) for p in path.rglob("*"))
+        with pytest.raises(errors.StoreLockedError, match="another process has this store open for writing"):
+            hierps.Store(path, device="cpu")
+        assert sorted(p.relative_to(path) for p in path.rglob("*")) == listing
+        assert CheckpointReader(path).manifest["tag"] == "held"  # readers take no lock
+    finally:
+        os.kill(holder.pid, signal.SIGKILL)  # a killed writer leaves no stale lock behind
+        holder.join()
+    with hierps.Store(path, device="cpu") as store:
+        assert store.list_checkpoints()[-1]["tag"] == "held"

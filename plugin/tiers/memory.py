@@ -13,6 +13,7 @@ import mmap
 
 import numpy as np
 
+from hierps._faults import fault_point
 from hierps.tiers.ssd import SsdTier
 
 __all__ = ["MemoryTier"]
@@ -166,21 +167,29 @@ class MemoryTier:
         row_bytes = self.row_bytes(table)
         want = min(n_new, self.budget // row_bytes)
         overflow = self.bytes_used + want * row_bytes - self.budget
-        if overflow > 0:
-            self._evict(overflow + int((1 - _EVICT_TO) * self.budget))
-        fit = min(n_new, max(0, self.budget - self.bytes_used) // row_bytes)
-        if fit < n_new and dirty:
-            # More than the cache holds: the surplus goes straight to the SSD tier.
-            self.lower.write(table, new_keys[fit:], new_rows[fit:])
-        if fit == 0:
+        try:
+            if overflow > 0:
+                self._evict(overflow + int((1 - _EVICT_TO) * self.budget))
+            fit = min(n_new, max(0, self.budget - self.bytes_used) // row_bytes)
+            if fit < n_new and dirty:
+                # More than the cache holds: the surplus goes straight to the SSD tier.
+                self.lower.write(table, new_keys[fit:], new_rows[fit:])
+        except OSError:
+            # The SSD tier took nothing (e.g. the disk is full): keep every row here, over budget,
+            # so that none is lost, and let the caller see the error.
+            self._insert(slab, new_keys, new_rows, dirty)
+            raise
+        self._insert(slab, new_keys[:fit], new_rows[:fit], dirty)
+
+    def _insert(self, slab: _Slab, keys: np.ndarray, rows: np.ndarray, dirty: bool) -> None:
+        if len(keys) == 0:
             return
-        new_keys, new_rows = new_keys[:fit], new_rows[:fit]
-        slots = slab.take_slots(fit)
-        slab.rows[slots] = new_rows
+        slots = slab.take_slots(len(keys))
+        slab.rows[slots] = rows
         slab.dirty[slots] = dirty
         slab.score[slots] = 0
         self._touch(slab, slots)
-        slab.insert(new_keys, slots)
+        slab.insert(keys, slots)
 
     def _evict(self, nbytes: int) -> None:
         """Evict at least ``nbytes`` of the lowest-scored rows across tables, in one batch."""
@@ -206,6 +215,7 @@ class MemoryTier:
         if write_dirty:
             dirty = slab.dirty[slots]
             if dirty.any():
+                fault_point("memory.evict")
                 self.lower.write(table, slab.keys[positions[dirty]], slab.rows[slots[dirty]])
         slab.remove(positions)
         self.evicted_rows += len(positions)
@@ -219,6 +229,7 @@ class MemoryTier:
             if dirty.any():
                 self.lower.write(table, slab.keys[dirty], slab.rows[slab.slots[dirty]])
                 slab.dirty[slab.slots[dirty]] = False
+                fault_point("memory.flush_table")
 
     def discard(self, table: str, keys: np.ndarray | None = None) -> None:
         """Forget rows without writing them anywhere (all of the table when ``keys`` is None)."""

@@ -14,18 +14,19 @@ rows of many small or mostly-stale segments into one.
 
 from __future__ import annotations
 
+import errno
 import shutil
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import numpy as np
 import zarr
-import zarr.codecs
 from zarr.storage import LocalStore
 
+from hierps._arrays import create_array, encoded_bytes, open_array, read_array
 from hierps._faults import fault_point
-from hierps._files import fsync_dir, fsync_tree
-from hierps.errors import CorruptStoreError
+from hierps._files import disk_full_as_error, fsync_dir, fsync_tree
+from hierps.errors import CorruptStoreError, StoreFullError
 
 __all__ = ["SsdTier", "TableIndex"]
 
@@ -151,6 +152,7 @@ class SsdTier:
         self._live: dict[tuple[str, int], int] = {}  # live rows per segment of the live index
         self._sizes: dict[tuple[str, int], int] = {}
         self._unsynced: list[tuple[str, int]] = []
+        self._sync_error: OSError | None = None
         self._arrays: dict[tuple[str, int], tuple[zarr.Array, zarr.Array]] = {}
         self.bytes_read = 0
         self.bytes_written = 0
@@ -175,7 +177,7 @@ class SsdTier:
         Reads each segment once, at sorted positions (segments are sorted by key).
         """
         found, seg_of, pos_of = self.index[table].lookup(keys)
-        segs, pos_found = seg_of[found], pos_of[found]
+        segs, pos_found, found_keys = seg_of[found], pos_of[found], keys[found]
         out = np.empty((len(segs), self.widths[table]), dtype=np.float32)
         if len(segs) == 0:
             return found, out
@@ -184,14 +186,20 @@ class SsdTier:
         for group in np.split(order, bounds):
             seg = int(segs[group[0]])
             positions = pos_found[group]
-            rows_arr = self._open(table, seg)[1]
-            try:
-                out[group] = rows_arr.oindex[positions.astype(np.int64)]
-            except (ValueError, RuntimeError, OSError) as exc:
+            keys_arr, rows_arr = self._open(table, seg)
+            name = _segment_name(table, seg)
+            # The segment's own keys at those positions must be the keys asked for: a damaged
+            # index or segment is reported instead of returning another key's row.
+            stored = read_array(keys_arr, self.root, f"{name}/keys", positions)
+            wanted = found_keys[group]
+            if not np.array_equal(stored, wanted):
+                bad = int(np.flatnonzero(stored != wanted)[0])
                 raise CorruptStoreError(
-                    f"{self.root / _segment_name(table, seg)}: reading rows failed ({exc}); the segment is "
-                    "damaged or missing. Restore the store from a backup or an earlier checkpoint."
-                ) from exc
+                    f"{self.root / name}: holds key {int(stored[bad])} at position {int(positions[bad])} where "
+                    f"the key index expects key {int(wanted[bad])}; the segment or the index is damaged. "
+                    "Restore the store from a backup or open an earlier checkpoint."
+                )
+            out[group] = read_array(rows_arr, self.root, f"{name}/rows", positions)
         self.rows_read += len(segs)
         self.bytes_read += out.nbytes
         return found, out
@@ -234,16 +242,13 @@ class SsdTier:
         handles = self._arrays.get((table, seg))
         if handles is None:
             name = _segment_name(table, seg)
-            try:
-                handles = (
-                    zarr.open_array(self._zstore, path=f"{name}/keys", mode="r"),
-                    zarr.open_array(self._zstore, path=f"{name}/rows", mode="r"),
-                )
-            except (FileNotFoundError, ValueError, KeyError) as exc:
+            handles = (open_array(self._zstore, self.root, f"{name}/keys", "int64", 1),
+                       open_array(self._zstore, self.root, f"{name}/rows", "float32", 2))
+            if handles[0].shape[0] != handles[1].shape[0] or handles[1].shape[1] != self.widths[table]:
                 raise CorruptStoreError(
-                    f"{self.root / name}: segment named by the index cannot be opened ({exc}). "
-                    "Restore the store from a backup or an earlier checkpoint."
-                ) from exc
+                    f"{self.root / name}: keys {handles[0].shape} and rows {handles[1].shape} do not form a "
+                    f"segment of table {table!r} (width {self.widths[table]})."
+                )
             self._arrays[(table, seg)] = handles
         return handles
 
@@ -267,14 +272,19 @@ class SsdTier:
         name = _segment_name(table, seg)
         n, width = rows.shape
         chunk_rows = max(1, min(n, self._chunk_bytes // (4 * width)))
-        checksum = [zarr.codecs.Crc32cCodec()]
-        k = zarr.create_array(self._zstore, name=f"{name}/keys", shape=(n,), chunks=(min(n, 1 << 17),),
-                              dtype="int64", compressors=checksum, fill_value=0)
-        k[:] = keys
-        fault_point("ssd.segment_keys_written")
-        r = zarr.create_array(self._zstore, name=f"{name}/rows", shape=(n, width), chunks=(chunk_rows, width),
-                              dtype="float32", compressors=checksum, fill_value=0.0)
-        r[:] = rows
+        key_rows = min(n, 1 << 17)
+        fault_point("ssd.segment_begin")
+        needed = encoded_bytes(keys, key_rows) + encoded_bytes(rows, chunk_rows)
+        try:
+            with disk_full_as_error(self.root / name, f"segment {seg} of table {table!r}", needed):
+                create_array(self._zstore, f"{name}/keys", keys, key_rows)
+                fault_point("ssd.segment_keys_written")
+                create_array(self._zstore, f"{name}/rows", rows, chunk_rows, block_point="ssd.segment_rows_block")
+        except BaseException:
+            # Nothing names the segment yet: drop what was written of it (and the space it took).
+            shutil.rmtree(self.root / name, ignore_errors=True)
+            raise
+        fault_point("ssd.segment_written")
         self._sizes[(table, seg)] = n
         self._live[(table, seg)] = 0
         self._unsynced.append((table, seg))
@@ -318,6 +328,7 @@ class SsdTier:
             chosen += rest[: len(segs) - len(chosen) + 1 - max_segments + 1]
         if not chosen:
             return 0
+        fault_point("ssd.compaction_begin")
         stale = chosen
         keys = self.index[table].entries_in(np.asarray(stale, dtype=np.int32))
         rewritten = 0
@@ -335,14 +346,30 @@ class SsdTier:
 
     # -- durability ---------------------------------------------------------------------------
     def sync(self) -> None:
-        """fsync every segment written since the last sync."""
-        for table, seg in self._unsynced:
-            path = self.root / _segment_name(table, seg)
-            if path.exists():
-                fsync_tree(path)
-        for table in {t for t, _ in self._unsynced}:
-            fsync_dir(self.root / table)
-        fsync_dir(self.root)
+        """fsync every segment written since the last sync.
+
+        A failed fsync may have lost written pages (the kernel reports a write-back error once and
+        may drop the pages), so it is not retried: this and every later sync raise, and the store
+        must be reopened, at its last checkpoint.
+        """
+        if self._sync_error is not None:
+            raise self._sync_error
+        try:
+            for table, seg in self._unsynced:
+                path = self.root / _segment_name(table, seg)
+                if path.exists():
+                    fsync_tree(path)
+            for table in {t for t, _ in self._unsynced}:
+                fsync_dir(self.root / table)
+            fsync_dir(self.root)
+        except OSError as exc:
+            why = "no space left on the device" if exc.errno in (errno.ENOSPC, errno.EDQUOT) else str(exc)
+            message = (f"{self.root}: fsync of new segments failed ({why}); rows written since the last "
+                       "checkpoint may not be on disk. Close the store and open it again: it reopens at its "
+                       "last checkpoint.")
+            full = exc.errno in (errno.ENOSPC, errno.EDQUOT)
+            self._sync_error = StoreFullError(message, str(self.root)) if full else OSError(exc.errno, message)
+            raise self._sync_error from exc
         self._unsynced.clear()
 
     def live_segments(self) -> set[tuple[str, int]]:
@@ -384,6 +411,7 @@ class SsdTier:
                     self._arrays.pop(key, None)
                     self._sizes.pop(key, None)
                     removed += 1
+                    fault_point("ssd.gc_segment")
         return removed
 
     def max_segment_on_disk(self) -> int:

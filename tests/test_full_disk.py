@@ -1,0 +1,254 @@
+"""A full disk: a clear StoreFullError naming the path and the space needed, the last checkpoint
+intact, no row lost, and the next checkpoint succeeding once there is space again.
+
+The real test puts the store on a 2 MiB tmpfs (needs the right to mount; skipped otherwise). The
+simulated ones make the writes fail with ENOSPC in-process, so they run everywhere.
+"""
+
+from __future__ import annotations
+
+import errno
+import shutil
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import hierps
+import hierps._files
+import hierps.tiers.ssd
+from hierps.counters import NUM_COUNTERS
+from hierps.reader import CheckpointReader
+
+DIM = 16  # adagrad: 32 floats, 128 bytes a row
+KEYS = np.arange(3000, dtype=np.int64) * 31 - 40_000
+
+
+def _open(path: Path) -> tuple[hierps.Store, hierps.EmbeddingBag]:
+    # Unpipelined: the write-back happens at the end of each pass, where these tests expect it.
+    store = hierps.Store(path, memory_budget="8KiB", device="cpu", keep_checkpoints=1, pipeline=False)
+    return store, hierps.EmbeddingBag(None, DIM, mode="sum", store=store, name="t")
+
+
+def _train(store: hierps.Store, bag: hierps.EmbeddingBag, keys: np.ndarray, seed: int) -> None:
+    """One pass of 4 mini-batches over ``keys``."""
+    rng = np.random.default_rng(seed)
+    batches = [torch.from_numpy(rng.permutation(keys)[:64]) for _ in range(4)]
+    with store.run_pass([{"t": b} for b in batches]):
+        for b in batches:
+            (bag(b, torch.arange(0, 64, 8)) ** 2).sum().backward()
+            store.step()
+
+
+def _segments_on_disk(path: Path) -> set[tuple[str, int]]:
+    return {(p.parent.name, int(p.name)) for p in (path / "segments").glob("*/*") if p.name.isdigit()}
+
+
+def _assert_no_leftovers(store: hierps.Store, just_failed: bool = False) -> None:
+    """Nothing a failed write left behind: no temp file, no uncommitted checkpoint, no stray segment.
+
+    Right after a real ENOSPC a stray directory may reappear: zarr writes the metadata and chunks
+    of an array concurrently and does not wait for the others when one write fails, so one of them
+    can recreate what hierps removed. Nothing names it, and the next checkpoint (or open) removes it.
+    """
+    path = store.path
+    assert not list(path.rglob(".*tmp-*"))
+    if not just_failed:
+        assert {int(p.name) for p in (path / "checkpoints").iterdir() if p.is_dir()} == set(store.catalog.ids())
+        assert _segments_on_disk(path) <= store.catalog.referenced_segments() | store.ssd.live_segments()
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 2 MiB tmpfs mounted under tmp_path."""
+    mnt = tmp_path / "disk"
+    mnt.mkdir()
+    try:
+        proc = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mnt)],
+                              capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        pytest.skip(f"cannot run mount to make a small file system: {exc}")
+    if proc.returncode != 0:
+        pytest.skip(f"cannot mount a 2 MiB tmpfs (needs CAP_SYS_ADMIN): {proc.stderr.strip()}")
+    yield mnt
+    if subprocess.run(["umount", str(mnt)], capture_output=True).returncode != 0:
+        subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
+
+
+def _fill(disk: Path) -> Path:
+    """Fill ``disk`` to the last byte with one file; returns it (delete it to free the space)."""
+    filler = disk / "filler"
+    block = b"\0" * 4096
+    with open(filler, "wb", buffering=0) as f:
+        try:
+            while True:
+                f.write(block)
+        except OSError as exc:
+            assert exc.errno == errno.ENOSPC
+    return filler
+
+
+def test_real_full_disk_during_write_back_and_checkpoint(small_disk, tmp_path):
+    store, bag = _open(small_disk / "store")
+    ref, ref_bag = _open(tmp_path / "ref")  # the same work on a big disk
+    try:
+        for s, b in ((store, bag), (ref, ref_bag)):
+            _train(s, b, KEYS[:500], seed=1)
+            s.checkpoint("c1")
+        c1 = store.read_rows("t", KEYS).copy()
+        filler = _fill(small_disk)
+
+        # Write-back at the end of a pass evicts rows to SSD: no space.
+        with pytest.raises(hierps.StoreFullError) as info:
+            _train(store, bag, KEYS[500:], seed=2)
+        _train(ref, ref_bag, KEYS[500:], seed=2)
+        err = info.value
+        assert isinstance(err, OSError) and err.errno == errno.ENOSPC
+        assert str(small_disk / "store" / "segments" / "t") in str(err)
+        assert f"it needs about {err.needed} bytes" in str(err) and err.needed > 0
+        assert "no space left on the device" in str(err)
+        # No row was lost: the store still holds exactly what the big-disk run holds.
+        np.testing.assert_array_equal(store.read_rows("t", KEYS), ref.read_rows("t", KEYS))
+
+        # A checkpoint on the full disk fails the same way and leaves no half state.
+        with pytest.raises(hierps.StoreFullError):
+            store.checkpoint("c2")
+        assert store.catalog.ids() == [1]
+        _assert_no_leftovers(store, just_failed=True)
+        # The last checkpoint is intact: readable in place, and reopenable from a copy on a bigger disk.
+        reader = CheckpointReader(small_disk / "store")
+        assert reader.checkpoint_id == 1
+        keys = reader.keys("t")
+        np.testing.assert_array_equal(reader.read("t", keys)[1][:, :-NUM_COUNTERS], c1[np.searchsorted(KEYS, keys)])
+        shutil.copytree(small_disk / "store", tmp_path / "copy", ignore=shutil.ignore_patterns("LOCK"))
+        with hierps.Store(tmp_path / "copy", device="cpu") as copy:
+            copy.table("t", DIM)
+            np.testing.assert_array_equal(copy.read_rows("t", KEYS), c1)
+
+        # Space again: the next checkpoint succeeds and holds every row.
+        filler.unlink()
+        assert store.checkpoint("c2") == 2
+        ref.checkpoint("c2")
+        _assert_no_leftovers(store)
+    finally:
+        store.close()
+        ref.close()
+    with hierps.Store(small_disk / "store", device="cpu") as again, hierps.Store(tmp_path / "ref", device="cpu") as r:
+        np.testing.assert_array_equal(again.read_rows("t", KEYS), r.read_rows("t", KEYS))
+        assert again.tables["t"].step == r.tables["t"].step
+
+
+def test_real_full_disk_while_writing_the_checkpoint_index(small_disk):
+    store, bag = _open(small_disk / "store")
+    try:
+        _train(store, bag, KEYS[:300], seed=1)
+        store.checkpoint("c1")
+        filler = _fill(small_disk)
+        with pytest.raises(hierps.StoreFullError, match=r"checkpoints/00000002: no space left .* key index of checkpoint 2"):
+            store.checkpoint("c2")  # nothing dirty: only the index and the manifest are written
+        assert store.catalog.ids() == [1]
+        _assert_no_leftovers(store, just_failed=True)
+        filler.unlink()
+        assert store.checkpoint("c2") == 2
+        _assert_no_leftovers(store)
+    finally:
+        store.close()
+    with hierps.Store(small_disk / "store", device="cpu") as again:
+        assert [c["tag"] for c in again.list_checkpoints()] == ["c2"]
+
+
+@pytest.fixture
+def enospc(monkeypatch):
+    """Add ``("segment" | "manifest", store path)``: those writes under that store fail with ENOSPC."""
+    armed: set[tuple[str, Path]] = set()
+
+    def full(what: str, path: object) -> bool:
+        return any(w == what and Path(str(path)).is_relative_to(p) for w, p in armed)
+
+    real_create = hierps.tiers.ssd.create_array
+
+    def create(zstore, *args, **kwargs):
+        if full("segment", zstore.root):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_create(zstore, *args, **kwargs)
+
+    def fake_open(path, mode="r", *args, **kwargs):
+        if "w" in mode and ".tmp-" in str(path) and full("manifest", path):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return open(path, mode, *args, **kwargs)
+
+    monkeypatch.setattr(hierps.tiers.ssd, "create_array", create)
+    monkeypatch.setattr(hierps._files, "open", fake_open, raising=False)
+    return armed
+
+
+@pytest.mark.parametrize("pipeline", [False, True])
+def test_simulated_full_disk_keeps_every_row(make_store, enospc, pipeline):
+    store = make_store("s", memory_budget="8KiB", keep_checkpoints=1, pipeline=pipeline)
+    ref = make_store("r", memory_budget="8KiB", keep_checkpoints=1, pipeline=pipeline)
+    bags = [hierps.EmbeddingBag(None, DIM, mode="sum", store=s, name="t") for s in (store, ref)]
+    for s, b in zip((store, ref), bags):
+        _train(s, b, KEYS[:400], seed=1)
+        s.checkpoint()
+    enospc.add(("segment", store.path))
+    with pytest.raises(hierps.StoreFullError, match="no space left on the device while writing segment"):
+        _train(store, bags[0], KEYS[400:], seed=2)
+        store.flush()  # pipelined, the write-back ran in the background: its error surfaces here
+    _train(ref, bags[1], KEYS[400:], seed=2)
+    np.testing.assert_array_equal(store.read_rows("t", KEYS), ref.read_rows("t", KEYS))
+    with pytest.raises(hierps.StoreFullError):
+        store.checkpoint()
+    _assert_no_leftovers(store)
+    enospc.clear()
+    store.checkpoint()
+    ref.checkpoint()
+    np.testing.assert_array_equal(store.read_rows("t", KEYS), ref.read_rows("t", KEYS))
+
+
+def test_simulated_full_disk_while_committing_the_manifest(make_store, enospc):
+    store = make_store("s", memory_budget="8KiB")
+    bag = hierps.EmbeddingBag(None, DIM, mode="sum", store=store, name="t")
+    _train(store, bag, KEYS[:200], seed=1)
+    assert store.checkpoint() == 1
+    _train(store, bag, KEYS[:200], seed=2)
+    rows = store.read_rows("t", KEYS).copy()
+    enospc.add(("manifest", store.path))
+    with pytest.raises(hierps.StoreFullError, match=r"00000002.json: no space left .* the manifest 00000002.json"):
+        store.checkpoint()
+    assert store.catalog.ids() == [1]
+    _assert_no_leftovers(store)  # the index of checkpoint 2 and the temp manifest are gone
+    enospc.clear()
+    assert store.checkpoint() == 2
+    path = store.path
+    store.close()
+    with hierps.Store(path, device="cpu") as again:
+        np.testing.assert_array_equal(again.read_rows("t", KEYS), rows)
+
+
+def test_failed_fsync_is_not_retried(make_store, monkeypatch):
+    """After a failed fsync the written pages may be gone: no later checkpoint may commit them."""
+    store = make_store("s", memory_budget="8KiB")
+    bag = hierps.EmbeddingBag(None, DIM, mode="sum", store=store, name="t")
+    _train(store, bag, KEYS[:200], seed=1)
+    store.checkpoint("c1")
+    c1 = store.read_rows("t", KEYS).copy()
+    _train(store, bag, KEYS[:200], seed=2)
+    real = hierps.tiers.ssd.fsync_tree
+
+    def failing(path):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(hierps.tiers.ssd, "fsync_tree", failing)
+    with pytest.raises(hierps.StoreFullError, match="fsync of new segments failed .* open it again"):
+        store.checkpoint("c2")
+    monkeypatch.setattr(hierps.tiers.ssd, "fsync_tree", real)
+    with pytest.raises(hierps.StoreFullError, match="fsync of new segments failed"):
+        store.checkpoint("c2")
+    assert store.catalog.ids() == [1]
+    path = store.path
+    store.close()
+    with hierps.Store(path, device="cpu") as again:
+        assert again.list_checkpoints()[-1]["tag"] == "c1"
+        np.testing.assert_array_equal(again.read_rows("t", KEYS), c1)
