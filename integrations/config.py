@@ -7,21 +7,18 @@
                         "optimizer": {"type": "adagrad", "params": {"lr": 0.05}},
                         "dense_allreduce": "auto"}
 
-:func:`split_config` takes the section out of a config (a dict or a JSON file) and validates it;
+:func:`split_config` takes the section out of a config (as a dict) and validates it;
 every bad key or value becomes one :class:`hierps.errors.ConfigError` naming the key and the
 value, raised before any model is touched. :func:`select_modules` resolves ``modules`` against a
-model, and :func:`rank_store_path` / :func:`resolve_dense_allreduce` resolve the rest against the
-process it runs in. Nothing here imports DeepSpeed.
+model, and :func:`resolve_dense_allreduce` resolves ``dense_allreduce`` against the process it
+runs in. Nothing here imports DeepSpeed.
 """
 
 from __future__ import annotations
 
 import importlib.util
-import json
-import os
 from collections.abc import Mapping
 from enum import Enum
-from pathlib import Path
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
@@ -29,6 +26,7 @@ from torch import nn
 
 from hierps.config import InitializerConfig, OptimizerConfig, parse_size
 from hierps.errors import ConfigError
+from hierps.integrations.horovod import launched_by_horovodrun
 
 __all__ = [
     "SECTION",
@@ -36,7 +34,6 @@ __all__ = [
     "Eviction",
     "HierarchicalPSConfig",
     "parse_section",
-    "rank_store_path",
     "resolve_dense_allreduce",
     "select_modules",
     "split_config",
@@ -69,8 +66,10 @@ def _modules(value: Any) -> Any:
     if value == "auto":
         return value
     if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) and v for v in value):
-        raise ConfigError(f"modules: expected \"auto\" or a list of qualified module names like [\"user\", "
-                          f"\"tables.3\"]. Got {value!r} instead.")
+        raise ConfigError(
+            f'modules: expected "auto" or a list of qualified module names like ["user", '
+            f'"tables.3"]. Got {value!r} instead.'
+        )
     dupes = sorted({v for v in value if list(value).count(v) > 1})
     if dupes:
         raise ConfigError(f"modules: {dupes[0]!r} is listed more than once. Got {value!r}.")
@@ -80,10 +79,13 @@ def _modules(value: Any) -> Any:
 def _batch_ids(value: Any) -> Any:
     if value is None:
         return value
-    if not isinstance(value, Mapping) or not all(isinstance(k, str) and isinstance(v, (str, int))
-                                                 and not isinstance(v, bool) for k, v in value.items()):
-        raise ConfigError(f"batch_ids: expected a mapping of module name to batch key, like {{\"user\": "
-                          f"\"user_ids\"}}. Got {value!r} instead.")
+    if not isinstance(value, Mapping) or not all(
+        isinstance(k, str) and isinstance(v, (str, int)) and not isinstance(v, bool) for k, v in value.items()
+    ):
+        raise ConfigError(
+            f'batch_ids: expected a mapping of module name to batch key, like {{"user": '
+            f'"user_ids"}}. Got {value!r} instead.'
+        )
     return dict(value)
 
 
@@ -96,8 +98,9 @@ StrictInt = Annotated[int, Field(strict=True)]
 class HierarchicalPSConfig(BaseModel):
     """The ``"hierarchical_ps"`` section: which embeddings go to the store, and the store's settings."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True,
-                              arbitrary_types_allowed=True)
+    model_config = ConfigDict(
+        extra="forbid", frozen=True, use_attribute_docstrings=True, arbitrary_types_allowed=True
+    )
 
     enabled: bool = Field(True, strict=True)
     """Swap embeddings into the store; false leaves the model and DeepSpeed exactly as without the section."""
@@ -131,8 +134,10 @@ class HierarchicalPSConfig(BaseModel):
     @model_validator(mode="after")
     def _path_when_enabled(self) -> HierarchicalPSConfig:
         if self.enabled and not self.path:
-            raise ConfigError("path: required when the section is enabled; set it to a directory on a local "
-                              f"SSD, e.g. \"/local/ssd/hierps\". Got {self.path!r} instead.")
+            raise ConfigError(
+                "path: required when the section is enabled; set it to a directory on a local "
+                f'SSD, e.g. "/local/ssd/hierps". Got {self.path!r} instead.'
+            )
         return self
 
 
@@ -153,7 +158,9 @@ def _describe(exc: ValidationError) -> list[str]:
     lines, seen = [], set()
     valid = ", ".join(HierarchicalPSConfig.model_fields)
     for err in exc.errors():
-        loc = [str(p) for p in err["loc"] if not isinstance(p, str) or not p.startswith(("literal[", "tuple["))]
+        loc = [
+            str(p) for p in err["loc"] if not isinstance(p, str) or not p.startswith(("literal[", "tuple["))
+        ]
         key = loc[0] if loc else ""
         if key in seen:
             continue
@@ -169,63 +176,58 @@ def _describe(exc: ValidationError) -> list[str]:
     return lines
 
 
-def split_config(config: Any) -> tuple[Any, HierarchicalPSConfig | None]:
-    """``(config for DeepSpeed, section or None)``; the caller's dict is never modified.
+def split_config(
+    config: Mapping[str, Any] | None,
+) -> tuple[dict[str, Any] | None, HierarchicalPSConfig | None]:
+    """A DeepSpeed config as a mapping -> ``(a copy without the section, the section or None)``.
 
-    ``config`` is a dict, a path of a JSON file, or None. Without a section, ``config`` comes back
-    as it was (the same object); with one, a shallow copy without the section comes back.
+    The caller's mapping is never modified.
     """
     if config is None:
         return None, None
-    loaded = config
-    if isinstance(config, (str, os.PathLike)):
-        try:
-            loaded = json.loads(Path(config).read_text(encoding="utf-8"))
-        except (OSError, ValueError) as exc:
-            raise ConfigError(f"config: cannot read {str(config)!r} as a JSON DeepSpeed config ({exc}).") from None
-    if not isinstance(loaded, Mapping) or SECTION not in loaded:
-        return config, None
-    rest = {k: v for k, v in loaded.items() if k != SECTION}
-    return rest, parse_section(loaded[SECTION])
+    rest = {k: v for k, v in config.items() if k != SECTION}
+    return rest, parse_section(config[SECTION]) if SECTION in config else None
 
 
 def select_modules(model: nn.Module, cfg: HierarchicalPSConfig) -> dict[str, nn.Module]:
     """Qualified name -> the ``nn.Embedding`` / ``nn.EmbeddingBag`` the section swaps, in model order."""
     named = dict(model.named_modules())
     if cfg.modules == "auto":
-        return {name: m for name, m in named.items()
-                if name and isinstance(m, _EMBEDDINGS) and m.num_embeddings >= cfg.auto_min_rows}
+        return {
+            name: m
+            for name, m in named.items()
+            if name and isinstance(m, _EMBEDDINGS) and m.num_embeddings >= cfg.auto_min_rows
+        }
     found = sorted(name for name, m in named.items() if isinstance(m, _EMBEDDINGS))
     out = {}
     for name in cfg.modules:
         module = named.get(name) if name else None
         if module is None:
-            raise ConfigError(f"{SECTION}.modules: the model has no module {name!r}; its embedding modules "
-                              f"are {found}.")
+            raise ConfigError(
+                f"{SECTION}.modules: the model has no module {name!r}; its embedding modules are {found}."
+            )
         if not isinstance(module, _EMBEDDINGS):
-            raise ConfigError(f"{SECTION}.modules: {name!r} is a {type(module).__name__}, not an nn.Embedding "
-                              f"or nn.EmbeddingBag; its embedding modules are {found}.")
+            raise ConfigError(
+                f"{SECTION}.modules: {name!r} is a {type(module).__name__}, not an nn.Embedding "
+                f"or nn.EmbeddingBag; its embedding modules are {found}."
+            )
         out[name] = module
     return out
 
 
-def rank_store_path(cfg: HierarchicalPSConfig, rank: int) -> Path:
-    """``<path>/rank-00003``: each rank owns one store directory, ready to hold its shard of the keys."""
-    return Path(cfg.path or "") / f"rank-{rank:05d}"
-
-
-def resolve_dense_allreduce(choice: DenseAllreduce, environ: Mapping[str, str] = os.environ) -> DenseAllreduce:
-    """``auto`` -> ``horovod`` under horovodrun (``HOROVOD_RANK`` set), else ``deepspeed``.
+def resolve_dense_allreduce(choice: DenseAllreduce, under_horovodrun: bool | None = None) -> DenseAllreduce:
+    """``auto`` -> ``horovod`` when launched by horovodrun, else ``deepspeed``.
 
     Raises ``ConfigError`` when Horovod is chosen but ``horovod.torch`` cannot be imported.
     """
+    if under_horovodrun is None:
+        under_horovodrun = launched_by_horovodrun()
     if choice is DenseAllreduce.AUTO:
-        choice = DenseAllreduce.HOROVOD if "HOROVOD_RANK" in environ else DenseAllreduce.DEEPSPEED
+        choice = DenseAllreduce.HOROVOD if under_horovodrun else DenseAllreduce.DEEPSPEED
     if choice is DenseAllreduce.HOROVOD and not _importable("horovod.torch"):
         raise ConfigError(
-            f"{SECTION}.dense_allreduce: 'horovod' (launched by horovodrun, or asked for) needs "
-            "horovod.torch, which cannot be imported here. Install Horovod with PyTorch support, or set "
-            "\"dense_allreduce\": \"deepspeed\"."
+            f"{SECTION}.dense_allreduce: 'horovod' (launched by horovodrun, or asked for) needs horovod.torch, "
+            'which cannot be imported here. Run `make horovod`, or set "dense_allreduce": "deepspeed".'
         )
     return choice
 

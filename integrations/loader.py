@@ -1,14 +1,15 @@
-"""Pass-aware data loading: read a pass of mini-batches ahead and load its rows before it runs.
+"""Pass-aware data loading: read passes of mini-batches ahead and load their rows before they run.
 
 The paper trains in passes: the distinct ids of the next ``pass_batches`` mini-batches (the
 working set) are pulled from RAM / SSD into the device tier in one sorted batch, then the
-mini-batches run against the device tier alone. :class:`PassLoader` wraps any iterable of
-batches (a ``DataLoader``, DeepSpeed's loader, a list) to do exactly that::
+mini-batches run against the device tier alone, while the next pass's rows are read in the
+background. :class:`PassLoader` wraps any iterable of batches (a ``DataLoader``, DeepSpeed's
+loader, a list) to do exactly that::
 
     loader = PassLoader(train_loader, lambda b: {"user": b["user_ids"]}, engine)
-    for batch in loader:          # begin_pass(next 16 batches) happened before the first
-        loss = engine(batch)      # end_pass() happens once the 16th batch was trained on
-        engine.backward(loss)
+    for batch in loader:          # begin_pass(these 16 batches) happened before the first,
+        loss = engine(batch)      # prefetch(the next 16) right after it;
+        engine.backward(loss)     # end_pass() happens once the 16th batch was trained on
         engine.step()
 
 Without it, training is still correct: rows are fetched on demand, one mini-batch at a time.
@@ -21,6 +22,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 from hierps.errors import ConfigError, StoreClosedError
+from hierps.sharded import ShardedStore
 from hierps.store import Store
 
 __all__ = ["PassLoader"]
@@ -38,16 +40,25 @@ class PassLoader:
             feature ids for that module's table), or a mapping ``{module_name: key}`` read as
             ``batch[key]`` (dict batches with str keys, tuple batches with int keys), or None to
             use the ``batch_ids`` mapping of the engine's ``hierarchical_ps`` section.
-        target: the :class:`hierps.Store`, or an engine from ``hierps.deepspeed.initialize``.
+        target: the :class:`hierps.Store` (or :class:`hierps.ShardedStore`: then every rank iterates
+            its own loader, with as many batches), or an engine from ``hierps.deepspeed.initialize``.
         pass_batches: mini-batches per pass; default the section's ``pass_batches`` (16 for a store).
 
-    Each pass: ``pass_batches`` batches are read, ``store.begin_pass`` gets their ids (one dict
-    per batch, in order), they are yielded one by one, and ``store.end_pass`` runs when the
-    next batch is asked for (so after the last one's optimizer step), or when iteration stops.
+    Each pass: ``store.begin_pass`` gets the ids of its ``pass_batches`` batches (one dict per
+    batch, in order); the batches of the pass after it are read too and announced with
+    ``store.prefetch`` (so their rows are read in the background while this pass trains; a
+    store without ``prefetch`` skips that); the pass's batches are yielded one by one; and
+    ``store.end_pass`` runs when the batch after them is asked for (so after the last one's
+    optimizer step), or when iteration stops. At most ``2 * pass_batches`` batches are held.
     """
 
-    def __init__(self, loader: Iterable[Any], ids: IdsFn | Mapping[str, Any] | None, target: Any,
-                 pass_batches: int | None = None) -> None:
+    def __init__(
+        self,
+        loader: Iterable[Any],
+        ids: IdsFn | Mapping[str, Any] | None,
+        target: Any,
+        pass_batches: int | None = None,
+    ) -> None:
         self.loader = loader
         self.store = _store_of(target)
         section = getattr(target, "hierps_config", None)
@@ -61,7 +72,7 @@ class PassLoader:
             if ids is None:
                 raise ConfigError(
                     "PassLoader: no ids given. Pass a function batch -> {module_name: ids}, a mapping "
-                    "{module_name: batch key}, or set \"batch_ids\" in the hierarchical_ps section."
+                    '{module_name: batch key}, or set "batch_ids" in the hierarchical_ps section.'
                 )
         self.ids_of: IdsFn = ids if callable(ids) else _by_key(dict(ids))
 
@@ -70,30 +81,38 @@ class PassLoader:
 
     def __iter__(self) -> Iterator[Any]:
         batches = iter(self.loader)
+        prefetch = getattr(self.store, "prefetch", None)
+        group = self._read(batches)
         in_pass = False
         try:
-            while True:
-                group = list(itertools.islice(batches, self.pass_batches))
-                if not group:
-                    return
-                self.store.begin_pass([self.ids_of(b) for b in group])
+            while group:
+                self.store.begin_pass([ids for _, ids in group])
                 in_pass = True
-                yield from group
+                upcoming = self._read(batches)
+                if upcoming and prefetch is not None:
+                    prefetch([ids for _, ids in upcoming])
+                for batch, _ in group:
+                    yield batch
                 in_pass = False
                 self.store.end_pass()
+                group = upcoming
         finally:
-            if in_pass:  # the consumer stopped mid-pass: write its rows back all the same
+            if in_pass:  # the consumer stopped mid-pass: close the pass all the same
                 try:
                     self.store.end_pass()
                 except StoreClosedError:
                     pass
 
+    def _read(self, batches: Iterator[Any]) -> list[tuple[Any, Mapping[str, Any]]]:
+        """The next ``pass_batches`` batches (fewer at the end), each with its ids."""
+        return [(b, self.ids_of(b)) for b in itertools.islice(batches, self.pass_batches)]
 
-def _store_of(target: Any) -> Store:
-    if isinstance(target, Store):
+
+def _store_of(target: Any) -> Store | ShardedStore:
+    if isinstance(target, (Store, ShardedStore)):
         return target
     store = getattr(target, "hierps_store", None)
-    if isinstance(store, Store):
+    if isinstance(store, (Store, ShardedStore)):
         return store
     raise ConfigError(
         f"PassLoader: expected a hierps.Store or an engine from hierps.deepspeed.initialize (with "

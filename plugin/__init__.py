@@ -70,7 +70,7 @@ __all__ = [
     "set_default_store",
 ]
 
-_LAZY = {"deepspeed": "hierps.integrations.deepspeed", "serving": "hierps.serving"}
+_LAZY = {"deepspeed": "hierps.deepspeed", "serving": "hierps.serving"}
 
 
 def __getattr__(name: str) -> Any:
