@@ -21,6 +21,7 @@ deleted; by default every id gets a row at first sight and none is ever deleted.
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch
@@ -53,6 +54,9 @@ def get_default_store() -> Store:
 
 class _StoreEmbedding(nn.Module):
     """What both modules share: the table in the store, id handling and the gather."""
+
+    # (weakref to the last offsets tensor that passed the checks, its version, the ids count)
+    _offsets_checked: tuple[weakref.ref[torch.Tensor], int, int] | None = None
 
     def __init__(self, num_embeddings: int | None, embedding_dim: int, padding_idx: int | None,
                  max_norm: float | None, scale_grad_by_freq: bool, store: Store | None, name: str | None,
@@ -245,8 +249,11 @@ class EmbeddingBag(_StoreEmbedding):
         if offsets.dim() != 1 or not same_device(offsets.device, ids.device):
             raise OffsetsError(f"offsets must be 1D and on the device of the ids ({ids.device}). Got shape "
                                f"{tuple(offsets.shape)} on {offsets.device}.")
+        n = ids.numel()
+        seen = _StoreEmbedding._offsets_checked
+        if seen is not None and seen[0]() is offsets and seen[1:] == (offsets._version, n):
+            return offsets.long()  # the same offsets object, unchanged, checked for as many ids
         if offsets.numel():
-            n = ids.numel()
             checks = torch.stack([offsets[0] != 0, (offsets[1:] < offsets[:-1]).any(), offsets[-1] > n])
             bad = checks.tolist()
             if bad[0]:
@@ -255,4 +262,6 @@ class EmbeddingBag(_StoreEmbedding):
                 raise OffsetsError("offsets must be non-decreasing (each bag starts where the last one ended).")
             if bad[2]:
                 raise OffsetsError(f"offsets point past the end of input: last offset {int(offsets[-1])} > {n} ids.")
+        # A model usually hands one offsets tensor to all its tables: check it once.
+        _StoreEmbedding._offsets_checked = (weakref.ref(offsets), offsets._version, n)
         return offsets.long()

@@ -178,6 +178,7 @@ class Store(LifeCycle):
         self._in_pass = False
         self.pipeline = bool(pipeline)
         self._announced: list[dict[str, np.ndarray]] | None = None
+        self._last_plan: tuple[list[dict[str, np.ndarray]], list[dict[str, np.ndarray]]] | None = None
         self.passes = 0
         self.stats = PassStats()
         self.checkpoint_id: int | None = None
@@ -427,7 +428,8 @@ class Store(LifeCycle):
         """
         self._check_open()
         per_batch = [batches] if isinstance(batches, Mapping) else list(batches)
-        groups = self._plan_groups([self._batch_keys(b) for b in per_batch])  # bad input: raise, change nothing
+        raw = [self._batch_keys(b) for b in per_batch]
+        groups = self._planned(raw)  # bad input: raise, change nothing
         if self._in_pass:
             self.end_pass()
         self._plan = _PassPlan(groups, cursor=0)
@@ -464,7 +466,7 @@ class Store(LifeCycle):
         if not self._in_pass:
             self._announced = batches
             return
-        groups = self._plan_groups([self._batch_keys(b) for b in batches])
+        groups = self._planned([self._batch_keys(b) for b in batches])
         if len(groups) == 1 and not any(self.tables[t].admission.filters for t in groups[0]):
             # (tables filtering admission are loaded at begin_pass, when admission is known)
             resident = {t: self.device_tier.resident_keys(t) for t in groups[0]}
@@ -528,6 +530,17 @@ class Store(LifeCycle):
             self._info(table)
             out[table] = _ids.as_int64_array(ids, what=f"ids for table {table!r}")
         return out
+
+    def _planned(self, batches: list[dict[str, np.ndarray]]) -> list[dict[str, np.ndarray]]:
+        """:meth:`_plan_groups`, reusing the plan of the same batches (announced, then begun)."""
+        last = self._last_plan
+        if last is not None and len(last[0]) == len(batches) and all(
+            a.keys() == b.keys() and all(np.array_equal(a[t], b[t]) for t in a) for a, b in zip(last[0], batches)
+        ):
+            return last[1]
+        groups = self._plan_groups(batches)
+        self._last_plan = (batches, groups)
+        return groups
 
     def _plan_groups(self, batches: list[dict[str, np.ndarray]]) -> list[dict[str, np.ndarray]]:
         """Consecutive mini-batches merged while their distinct rows fit the device budget."""

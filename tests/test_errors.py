@@ -271,3 +271,14 @@ def test_second_writer_in_another_process_is_refused(tmp_path):
         holder.join()
     with hierps.Store(path, device="cpu") as store:
         assert store.list_checkpoints()[-1]["tag"] == "held"
+
+
+def test_offsets_changed_in_place_are_checked_again(trained):
+    store, bag = trained
+    offsets = torch.tensor([0, 4])
+    bag(torch.arange(0, 8), offsets)  # checked once, then remembered
+    offsets[0] = 3  # same object, changed: must be checked again
+    with pytest.raises(errors.OffsetsError, match="offsets must start at 0"):
+        bag(torch.arange(0, 8), offsets)
+    with pytest.raises(errors.OffsetsError, match="past the end of input"):
+        bag(torch.arange(0, 3), torch.tensor([0, 4]))
