@@ -231,8 +231,8 @@ class ShardedStore:
         self._pending = []
 
     # -- passes --------------------------------------------------------------------------------
-    def begin_pass(self, batches: Any) -> None:
-        """Owners load the union of every rank's pass keys (collective)."""
+    def _owned_pass_keys(self, batches: Any) -> dict[str, np.ndarray]:
+        """Every rank's pass keys, routed to their owners: the keys this rank must hold (collective)."""
         per_batch = [batches] if isinstance(batches, dict) else list(batches)
         wanted: dict[str, np.ndarray] = {}
         for name in sorted(self.local.tables):
@@ -240,11 +240,25 @@ class ShardedStore:
             keys = np.unique(np.concatenate(parts)) if parts else np.empty(0, np.int64)
             _, owned = self._route(torch.from_numpy(keys).to(self.device))
             wanted[name] = np.unique(owned.cpu().numpy())
+        return wanted
+
+    def _fits(self, wanted: dict[str, np.ndarray]) -> bool:
         dev = self.local.device_tier
-        if dev.bytes_for({t: len(k) for t, k in wanted.items()}) <= dev.budget:
+        return dev.bytes_for({t: len(k) for t, k in wanted.items()}) <= dev.budget
+
+    def begin_pass(self, batches: Any) -> None:
+        """Owners load the union of every rank's pass keys (collective)."""
+        wanted = self._owned_pass_keys(batches)
+        if self._fits(wanted):
             self.local.begin_pass(wanted)
         else:
             self.local.begin_pass([])  # too large to preload: rows come on demand, passes split as they fill
+
+    def prefetch(self, batches: Any) -> None:
+        """Owners read the next pass's rows in the background (collective; see ``Store.prefetch``)."""
+        wanted = self._owned_pass_keys(batches)
+        if self._fits(wanted):
+            self.local.prefetch(wanted)
 
     def end_pass(self) -> None:
         self.local.end_pass()

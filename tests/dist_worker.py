@@ -93,18 +93,22 @@ def main() -> None:
     for start in range(0, STEPS, PASS):
         group = batches[start : start + PASS]
         local = [(ids[rank * share : (rank + 1) * share], y[rank * share : (rank + 1) * share]) for ids, y in group]
-        with store.run_pass([{"t": ids} for ids, _ in local]):
-            for i, (ids, y) in enumerate(local):
-                if start + i == args.die_after and rank == 1:
-                    os.kill(os.getpid(), signal.SIGKILL)
-                logits = head(bag(ids.reshape(-1), torch.arange(0, ids.numel(), BAG))).squeeze(-1)
-                loss = nn.functional.binary_cross_entropy_with_logits(logits, y)
-                loss.backward()
-                average(list(head.parameters()))
-                opt.step()
-                opt.zero_grad()
-                store.step()
-                losses.append(float(transport.all_reduce_sum(loss.detach().reshape(1))[0]) / world)
+        store.begin_pass([{"t": ids} for ids, _ in local])
+        if start + PASS < STEPS:  # read the next pass ahead (collective, like begin_pass)
+            nxt = batches[start + PASS : start + 2 * PASS]
+            store.prefetch([{"t": ids[rank * share : (rank + 1) * share]} for ids, _ in nxt])
+        for i, (ids, y) in enumerate(local):
+            if start + i == args.die_after and rank == 1:
+                os.kill(os.getpid(), signal.SIGKILL)
+            logits = head(bag(ids.reshape(-1), torch.arange(0, ids.numel(), BAG))).squeeze(-1)
+            loss = nn.functional.binary_cross_entropy_with_logits(logits, y)
+            loss.backward()
+            average(list(head.parameters()))
+            opt.step()
+            opt.zero_grad()
+            store.step()
+            losses.append(float(transport.all_reduce_sum(loss.detach().reshape(1))[0]) / world)
+        store.end_pass()
     store.checkpoint("final")
     rows = store.lookup("t", torch.from_numpy(ALL_KEYS)).numpy()
     owned = ALL_KEYS[hierps.sharded.owner_of(ALL_KEYS, world) == rank]
