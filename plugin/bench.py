@@ -31,22 +31,36 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["ALL_VARIANTS", "BenchConfig", "add_arguments", "quick_config", "run_bench", "run_from_args"]
+__all__ = [
+    "ALL_VARIANTS",
+    "BenchConfig",
+    "add_arguments",
+    "config_from_args",
+    "quick_config",
+    "run_bench",
+    "run_from_args",
+]
 
-ALL_VARIANTS = ("torch-sparse", "torch-dense", "deepspeed-dense", "mmap",
-                *(f"hierps-ram{pct}-{mode}" for pct in (100, 25, 5) for mode in ("pipe", "sync")))
+ALL_VARIANTS = (
+    "mlp-only",
+    "torch-sparse",
+    "torch-dense",
+    "deepspeed-dense",
+    "mmap",
+    *(f"hierps-ram{pct}-{mode}" for pct in (100, 25, 5) for mode in ("pipe", "sync")),
+)
 FULL_VARIANTS = ("deepspeed-dense", "hierps-ram100-pipe")
 
 
 @dataclass
 class BenchConfig:
-    """Settings of one ``hierps bench`` run; the defaults take about ten minutes on two cores."""
+    """Settings of one ``hierps bench`` run; the defaults take four to eight minutes on two cores."""
 
     rows: int = 1_000_000  # id population over the 26 features (torch tables have this many rows)
     dim: int = 16
     batch_size: int = 4096
-    examples: int = 131_072  # per epoch; each variant trains a warm-up epoch, then a measured one
-    pass_batches: int = 4  # mini-batches per hierps pass: 8 passes per epoch by default
+    examples: int = 65_536  # per epoch; each variant trains a warm-up epoch, then a measured one
+    pass_batches: int = 4  # mini-batches per hierps pass: 4 passes per epoch by default
     repeats: int = 3
     seed: int = 0
     threads: int = 1  # torch intra-op threads: on two cores the pipeline's worker needs the other
@@ -68,9 +82,15 @@ class BenchConfig:
 
 
 def quick_config(**overrides: Any) -> BenchConfig:
-    """About a minute and a half: one repeat of a quarter-size workload, no scaling experiment."""
-    base = {"examples": 32_768, "pass_batches": 2, "repeats": 1, "dense_steps": 3, "dense_warmup_steps": 1,
-            "disk_bytes": 256 << 20, "scaling": ()}
+    """About a minute and a half on two cores: one repeat of a half-size workload, a smaller disk probe."""
+    base = {
+        "examples": 32_768,
+        "pass_batches": 2,
+        "repeats": 1,
+        "dense_steps": 3,
+        "dense_warmup_steps": 1,
+        "disk_bytes": 256 << 20,
+    }
     return BenchConfig(**{**base, **overrides})
 
 
@@ -80,26 +100,26 @@ def _worker(spec: dict[str, Any]) -> dict[str, Any]:
     import torch
 
     torch.set_num_threads(spec["config"]["threads"])
-    from hierps import bench_machine
+    from hierps import bench_machine, bench_variants
     from hierps.bench_variants import peak_rss_bytes, run_variant
 
     cfg, tmp, task = spec["config"], Path(spec["tmp"]), spec["task"]
     t0 = time.perf_counter()
     profiler = cProfile.Profile() if spec.get("profile") else None
-    if profiler:
-        profiler.enable()
+    bench_variants.PROFILER = profiler
     if task == "variant":
         record = run_variant(spec["name"], cfg, tmp)
     elif task == "machine":
-        record = {"ram_copy": bench_machine.ram_copy(),
-                  "disk_read": bench_machine.disk_read(tmp, cfg["disk_bytes"]),
-                  "ssd_tier_read": bench_machine.ssd_tier_read(cfg, tmp)}
+        record = {
+            "ram_copy": bench_machine.ram_copy(),
+            "disk_read": bench_machine.disk_read(tmp, cfg["disk_bytes"]),
+            "ssd_tier_read": bench_machine.ssd_tier_read(cfg, tmp),
+        }
     elif task == "scaling":
         record = bench_machine.ssd_scaling(spec["rows"], cfg, tmp)
     else:
         raise ValueError(f"unknown bench task {task!r}")
     if profiler:
-        profiler.disable()
         text = io.StringIO()
         stats = pstats.Stats(profiler, stream=text).strip_dirs()
         stats.sort_stats("tottime").print_stats(35)
@@ -115,8 +135,11 @@ def _spawn(spec: dict[str, Any], timeout: float) -> dict[str, Any]:
     """Run ``spec`` in a fresh ``python -m hierps.bench --worker`` process; its record or ``{"error"}``."""
     out = Path(spec["tmp"]) / "result.json"
     Path(spec["tmp"]).mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, "DS_ACCELERATOR": os.environ.get("DS_ACCELERATOR", "cpu"),
-           "OMP_NUM_THREADS": str(spec["config"]["threads"])}
+    env = {
+        **os.environ,
+        "DS_ACCELERATOR": os.environ.get("DS_ACCELERATOR", "cpu"),
+        "OMP_NUM_THREADS": str(spec["config"]["threads"]),
+    }
     cmd = [sys.executable, "-m", "hierps.bench", "--worker", json.dumps(spec), "--out", str(out)]
     try:
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, check=False)
@@ -142,7 +165,9 @@ def _median_record(runs: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 # -- the run ------------------------------------------------------------------------------------------
-def run_bench(cfg: BenchConfig, out: Callable[[str], Any] = print, only_scaling: bool = False) -> dict[str, Any]:
+def run_bench(
+    cfg: BenchConfig, out: Callable[[str], Any] = print, only_scaling: bool = False
+) -> dict[str, Any]:
     """Run every measurement of ``cfg``; print progress and the report; return the JSON-ready results."""
     from hierps.bench_report import check_goals, format_report
     from hierps.bench_variants import make_workload
@@ -153,15 +178,23 @@ def run_bench(cfg: BenchConfig, out: Callable[[str], Any] = print, only_scaling:
     conf = asdict(cfg)
     conf["variants"], conf["scaling"] = list(cfg.variants), list(cfg.scaling)
     started = time.perf_counter()
-    results: dict[str, Any] = {"config": conf, "variants": {}, "machine": {}, "scaling": [],
-                               "load_average_start": os.getloadavg(), "cpu_count": os.cpu_count()}
+    results: dict[str, Any] = {
+        "config": conf,
+        "variants": {},
+        "machine": {},
+        "scaling": [],
+        "load_average_start": os.getloadavg(),
+        "cpu_count": os.cpu_count(),
+    }
     if not only_scaling:
         work = make_workload(conf)
         results["distinct_ids"] = work.distinct_ids
-        out(f"hierps bench: {cfg.examples} examples per epoch in {len(work.passes)} passes of {cfg.pass_batches} "
+        out(
+            f"hierps bench: {cfg.examples} examples per epoch in {len(work.passes)} passes of {cfg.pass_batches} "
             f"batches of {cfg.batch_size}; {work.distinct_ids:,} distinct ids of a {cfg.rows:,}-id population; "
             f"dim {cfg.dim}; torch threads {cfg.threads}; {cfg.repeats} repeats; load average "
-            f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
+            f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs"
+        )
         del work
     with tempfile.TemporaryDirectory(prefix="hierps-bench-", dir=cfg.tmp) as tmp_dir:
         tmp = Path(tmp_dir)
@@ -171,9 +204,16 @@ def run_bench(cfg: BenchConfig, out: Callable[[str], Any] = print, only_scaling:
             spec = {"task": task, "config": config, "tmp": str(tmp / f"{next(counter):03d}-{label}"), **extra}
             t0 = time.perf_counter()
             record = _spawn(spec, cfg.worker_timeout)
-            status = (f"{record['examples_per_s']:.0f} examples/s" if "examples_per_s" in record
-                      else "failed" if "error" in record else "done")
-            out(f"  [{time.perf_counter() - started:6.0f} s] {label}: {status} ({time.perf_counter() - t0:.0f} s)")
+            status = (
+                f"{record['examples_per_s']:.0f} examples/s"
+                if "examples_per_s" in record
+                else "failed"
+                if "error" in record
+                else "done"
+            )
+            out(
+                f"  [{time.perf_counter() - started:6.0f} s] {label}: {status} ({time.perf_counter() - t0:.0f} s)"
+            )
             return record
 
         if cfg.machine and not only_scaling:
@@ -187,14 +227,21 @@ def run_bench(cfg: BenchConfig, out: Callable[[str], Any] = print, only_scaling:
             if cfg.profile:
                 Path(cfg.profile).mkdir(parents=True, exist_ok=True)
                 for name in cfg.variants:
-                    spawn("variant", conf, f"{name}-profiled", name=name,
-                          profile=str(Path(cfg.profile).resolve() / f"{name}.txt"))
+                    spawn(
+                        "variant",
+                        conf,
+                        f"{name}-profiled",
+                        name=name,
+                        profile=str(Path(cfg.profile).resolve() / f"{name}.txt"),
+                    )
         if cfg.full and not only_scaling:
             big = {**conf, "rows": cfg.full_rows, "dense_steps": cfg.full_dense_steps}
             full_runs: dict[str, list[dict[str, Any]]] = {name: [] for name in FULL_VARIANTS}
             for r in range(cfg.repeats):
                 for name in FULL_VARIANTS:
-                    full_runs[name].append(spawn("variant", big, f"{name}@{cfg.full_rows:.0e}#{r + 1}", name=name))
+                    full_runs[name].append(
+                        spawn("variant", big, f"{name}@{cfg.full_rows:.0e}#{r + 1}", name=name)
+                    )
             results["full_comparison"] = {name: _median_record(rs) for name, rs in full_runs.items()}
         for n in cfg.scaling:
             record = spawn("scaling", conf, f"ssd-scaling-{n:.0e}", rows=n)
@@ -208,38 +255,64 @@ def run_bench(cfg: BenchConfig, out: Callable[[str], Any] = print, only_scaling:
 
 
 # -- command line -------------------------------------------------------------------------------------
+def _count(text: str) -> int:
+    """An int >= 1 from the command line."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1. Got {text!r} instead.")
+    return value
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of ``hierps bench``."""
     a = parser.add_argument
-    a("--examples", type=int, help="examples per epoch (default 131072; --quick 32768)")
-    a("--rows", type=int, help="id population over the 26 features (default 1000000)")
-    a("--dim", type=int, help="embedding dim (default 16)")
-    a("--batch-size", type=int, help="default 4096")
-    a("--pass-batches", type=int, help="mini-batches per hierps pass (default 4; --quick 2)")
-    a("--repeats", type=int, help="runs per variant, the median is reported (default 3; --quick 1)")
-    a("--threads", type=int, help="torch intra-op threads of each run (default 1)")
-    a("--dense-steps", type=int, help="measured steps of the dense variants (default 8)")
+    a("--examples", type=_count, help="examples per epoch (default 65536; --quick 32768)")
+    a("--rows", type=_count, help="id population over the 26 features (default 1000000)")
+    a("--dim", type=_count, help="embedding dim (default 16)")
+    a("--batch-size", type=_count, help="default 4096")
+    a("--pass-batches", type=_count, help="mini-batches per hierps pass (default 4; --quick 2)")
+    a("--repeats", type=_count, help="runs per variant, the median is reported (default 3; --quick 1)")
+    a("--threads", type=_count, help="torch intra-op threads of each run (default 1)")
+    a("--dense-steps", type=_count, help="measured steps of the dense variants (default 8)")
     a("--variants", help=f"comma-separated subset of {','.join(ALL_VARIANTS)}")
-    a("--quick", action="store_true", help="a quarter-size workload, one repeat, no scaling experiment")
-    a("--full", action="store_true", help="also the 10M-row comparison with deepspeed-dense, and 10^7 rows "
-      "in the scaling experiment")
+    a("--quick", action="store_true", help="a half-size workload, one repeat, a 256MiB disk probe")
+    a(
+        "--full",
+        action="store_true",
+        help="also the 10M-row comparison with deepspeed-dense, and 10^7 rows in the scaling experiment",
+    )
     a("--scaling", action="store_true", help="run only the SSD scaling experiment")
     a("--no-scaling", action="store_true", help="skip the SSD scaling experiment")
     a("--no-machine", action="store_true", help="skip the RAM / disk / SSD tier bandwidth probes")
     a("--disk-bytes", help="size of the disk probe file (default 1GiB; --quick 256MiB)")
     a("--tmp", help="directory for stores and probe files (default: the system temp dir; put it on the SSD)")
-    a("--profile", metavar="DIR", help="also write a cProfile summary of one extra run per variant into DIR")
+    a(
+        "--profile",
+        metavar="DIR",
+        help="also write a cProfile summary of the measured epoch of one extra run per variant into DIR",
+    )
     a("--json", metavar="PATH", help="write the results as JSON here")
     a("--plot", metavar="PATH", help="write a PNG chart here")
 
 
 def config_from_args(args: argparse.Namespace) -> BenchConfig:
+    """The :class:`BenchConfig` of parsed ``hierps bench`` options (``--quick`` defaults under given ones)."""
     from hierps.config import parse_size
 
     given = {
-        "examples": args.examples, "rows": args.rows, "dim": args.dim, "batch_size": args.batch_size,
-        "pass_batches": args.pass_batches, "repeats": args.repeats, "threads": args.threads,
-        "dense_steps": args.dense_steps, "tmp": args.tmp, "profile": args.profile,
+        "examples": args.examples,
+        "rows": args.rows,
+        "dim": args.dim,
+        "batch_size": args.batch_size,
+        "pass_batches": args.pass_batches,
+        "repeats": args.repeats,
+        "threads": args.threads,
+        "dense_steps": args.dense_steps,
+        "tmp": args.tmp,
+        "profile": args.profile,
         "disk_bytes": parse_size(args.disk_bytes, "--disk-bytes") if args.disk_bytes else None,
         "variants": tuple(v for v in args.variants.split(",") if v) if args.variants else None,
         "machine": False if args.no_machine else None,
@@ -258,7 +331,10 @@ def run_from_args(args: argparse.Namespace) -> int:
     cfg = config_from_args(args)
     unknown = sorted(set(cfg.variants) - set(ALL_VARIANTS))
     if unknown:
-        print(f"hierps bench: unknown variant(s) {unknown}; choose among {','.join(ALL_VARIANTS)}.", file=sys.stderr)
+        print(
+            f"hierps bench: unknown variant(s) {unknown}; choose among {','.join(ALL_VARIANTS)}.",
+            file=sys.stderr,
+        )
         return 2
     results = run_bench(cfg, only_scaling=args.scaling)
     if args.json:
@@ -271,7 +347,9 @@ def run_from_args(args: argparse.Namespace) -> int:
 
 
 def _main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m hierps.bench", description="one hierps bench measurement")
+    parser = argparse.ArgumentParser(
+        prog="python -m hierps.bench", description="one hierps bench measurement"
+    )
     parser.add_argument("--worker", required=True, help="JSON spec of the measurement")
     parser.add_argument("--out", required=True, help="write the JSON record here")
     args = parser.parse_args(argv)

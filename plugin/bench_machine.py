@@ -69,7 +69,9 @@ def ram_copy(nbytes: int = 256 * _MiB, repeats: int = 5) -> dict[str, Any]:
     return {"bytes": nbytes, "seconds": times, "bytes_per_s": nbytes / statistics.median(times)}
 
 
-def disk_read(directory: Path, nbytes: int = 1 << 30, repeats: int = 3, block: int = 8 * _MiB) -> dict[str, Any]:
+def disk_read(
+    directory: Path, nbytes: int = 1 << 30, repeats: int = 3, block: int = 8 * _MiB
+) -> dict[str, Any]:
     """Write ``nbytes`` to a file in ``directory``, fsync, then time cold sequential reads (and one warm)."""
     path = directory / "disk-probe.bin"
     chunk = np.random.default_rng(0).integers(0, 256, 16 * _MiB, dtype=np.uint8).tobytes()
@@ -103,9 +105,14 @@ def disk_read(directory: Path, nbytes: int = 1 << 30, repeats: int = 3, block: i
         warm, _ = read_all()
     finally:
         path.unlink(missing_ok=True)
-    return {"bytes": nbytes, "write_bytes_per_s": nbytes / write_seconds, "cold_seconds": cold,
-            "bytes_per_s": nbytes / statistics.median(cold), "warm_bytes_per_s": nbytes / warm,
-            "device_bytes_per_read": fetched}
+    return {
+        "bytes": nbytes,
+        "write_bytes_per_s": nbytes / write_seconds,
+        "cold_seconds": cold,
+        "bytes_per_s": nbytes / statistics.median(cold),
+        "warm_bytes_per_s": nbytes / warm,
+        "device_bytes_per_read": fetched,
+    }
 
 
 def ssd_tier_read(cfg: dict[str, Any], tmp: Path, passes: int = 3) -> dict[str, Any]:
@@ -130,22 +137,36 @@ def ssd_tier_read(cfg: dict[str, Any], tmp: Path, passes: int = 3) -> dict[str, 
         store.checkpoint()
         runs = []
         for group in work.passes[:passes]:
-            wanted = {n: np.unique(np.concatenate([s[:, i].numpy() for _, s, _ in group])) for i, n in enumerate(names)}
+            wanted = {
+                n: np.unique(np.concatenate([s[:, i].numpy() for _, s, _ in group]))
+                for i, n in enumerate(names)
+            }
             drop_from_page_cache(store.path / "segments")
             r0, io0 = store.ssd.bytes_read, io_read_bytes()
             t0 = time.perf_counter()
             for name, keys in wanted.items():
                 store.ssd.read(name, keys)
             seconds = time.perf_counter() - t0
-            runs.append({"seconds": seconds, "row_bytes": store.ssd.bytes_read - r0,
-                         "device_bytes": io_read_bytes() - io0, "rows": int(sum(len(k) for k in wanted.values()))})
+            runs.append(
+                {
+                    "seconds": seconds,
+                    "row_bytes": store.ssd.bytes_read - r0,
+                    "device_bytes": io_read_bytes() - io0,
+                    "rows": int(sum(len(k) for k in wanted.values())),
+                }
+            )
         disk = store.ssd.disk_bytes()
     finally:
         store.close()
     best = sorted(runs, key=lambda r: r["row_bytes"] / r["seconds"])[len(runs) // 2]
-    return {"runs": runs, "bytes_per_s": best["row_bytes"] / best["seconds"], "rows_per_pass": best["rows"],
-            "read_amplification": best["device_bytes"] / max(best["row_bytes"], 1), "segment_bytes": disk,
-            "rows_stored": work.distinct_ids}
+    return {
+        "runs": runs,
+        "bytes_per_s": best["row_bytes"] / best["seconds"],
+        "rows_per_pass": best["rows"],
+        "read_amplification": best["device_bytes"] / max(best["row_bytes"], 1),
+        "segment_bytes": disk,
+        "rows_stored": work.distinct_ids,
+    }
 
 
 def _keys(n: int) -> np.ndarray:
@@ -153,20 +174,68 @@ def _keys(n: int) -> np.ndarray:
     return splitmix64(np.arange(n, dtype=np.uint64) + np.uint64(12345)).view(np.int64)
 
 
-def ssd_scaling(n_rows: int, cfg: dict[str, Any], tmp: Path, working_set: int = 16_384,
-                batches: int = 4, timed_passes: int = 3) -> dict[str, Any]:
-    """Time passes over ``working_set`` keys drawn from the first 100k keys with ``n_rows`` rows on SSD.
+def _timed_pass(
+    store: hierps.Store, bag: hierps.EmbeddingBag, keys: np.ndarray, batches: int
+) -> dict[str, Any]:
+    """One pass over ``keys`` (split into ``batches`` mini-batches), segments dropped from the page cache first."""
+    mini = list(torch.from_numpy(keys.copy()).chunk(batches))
+    drop_from_page_cache(store.path / "segments")
+    io0 = io_read_bytes()
+    t1 = time.perf_counter()
+    store.begin_pass([{"t": ids} for ids in mini])
+    t2 = time.perf_counter()
+    for ids in mini:
+        bag(ids, torch.arange(ids.numel())).sum().backward()
+        store.step()
+    t3 = time.perf_counter()
+    store.end_pass()
+    t4 = time.perf_counter()
+    return {
+        "seconds": t4 - t1,
+        "begin_seconds": t2 - t1,
+        "train_seconds": t3 - t2,
+        "end_seconds": t4 - t3,
+        "device_bytes": io_read_bytes() - io0,
+    }
+
+
+def _summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    return {
+        "runs": runs,
+        **{k: statistics.median(r[k] for r in runs) for k in ("seconds", "begin_seconds", "device_bytes")},
+    }
+
+
+def ssd_scaling(
+    n_rows: int,
+    cfg: dict[str, Any],
+    tmp: Path,
+    working_set: int = 16_384,
+    batches: int = 4,
+    timed_passes: int = 5,
+) -> dict[str, Any]:
+    """Pass times over a working set of keys drawn from the first 100k keys, with ``n_rows`` rows on SSD.
 
     The rows are written through ``Store.write_rows`` with a 1 MiB RAM budget and checkpointed.
-    One untimed pass lets compaction settle; then each timed pass (fresh keys, never touched
-    before, the same keys whatever ``n_rows``) starts with the segments dropped from the page
-    cache and runs begin_pass / ``batches`` training steps / end_pass.
+    Every pass starts with the segments dropped from the page cache and runs begin_pass /
+    ``batches`` training steps / end_pass. ``fixed``: the same working set pass after pass (one
+    untimed pass first, which also lets compaction of the bulk write settle), the steady state of
+    a pipeline whose passes share their keys. ``fresh``: keys never read before in each pass, the
+    worst case (every row comes out of the bulk segments). The keys are the same whatever ``n_rows``.
     """
     dim = cfg["dim"]
-    store = hierps.Store(tmp / "store", memory_budget="1MiB", device_budget=cfg["device_budget"], pipeline=False)
+    store = hierps.Store(
+        tmp / "store", memory_budget="1MiB", device_budget=cfg["device_budget"], pipeline=False
+    )
     try:
-        bag = hierps.EmbeddingBag(None, dim, mode="sum", store=store, name="t",
-                                  optimizer={"type": "adagrad", "params": {"lr": 0.05}})
+        bag = hierps.EmbeddingBag(
+            None,
+            dim,
+            mode="sum",
+            store=store,
+            name="t",
+            optimizer={"type": "adagrad", "params": {"lr": 0.05}},
+        )
         width = store.tables["t"].width
         rng = np.random.default_rng(cfg["seed"])
         t0 = time.perf_counter()
@@ -177,36 +246,33 @@ def ssd_scaling(n_rows: int, cfg: dict[str, Any], tmp: Path, working_set: int = 
         store.checkpoint()
         write_seconds = time.perf_counter() - t0
         pool = rng.permutation(all_keys[:100_000])
-        need = (timed_passes + 1) * working_set
-        if need > len(pool):
-            raise ValueError(f"ssd scaling: {timed_passes + 1} passes of {working_set} fresh keys need "
-                             f"{need} keys; n_rows={n_rows} gives {len(pool)}.")
-        runs = []
-        for p in range(timed_passes + 1):
-            ws = torch.from_numpy(pool[p * working_set : (p + 1) * working_set].copy())
-            mini = list(ws.chunk(batches))
-            drop_from_page_cache(store.path / "segments")
-            io0 = io_read_bytes()
-            t1 = time.perf_counter()
-            store.begin_pass([{"t": ids} for ids in mini])
-            t2 = time.perf_counter()
-            for ids in mini:
-                bag(ids, torch.arange(ids.numel())).sum().backward()
-                store.step()
-            t3 = time.perf_counter()
-            store.end_pass()
-            t4 = time.perf_counter()
-            if p:  # the first pass only lets compaction of the bulk write settle
-                runs.append({"seconds": t4 - t1, "begin_seconds": t2 - t1, "train_seconds": t3 - t2,
-                             "end_seconds": t4 - t3, "device_bytes": io_read_bytes() - io0})
+        if (timed_passes + 1) * working_set > len(pool):
+            raise ValueError(
+                f"ssd scaling: {timed_passes + 1} working sets of {working_set} keys need "
+                f"{(timed_passes + 1) * working_set} keys; n_rows={n_rows} gives {len(pool)}."
+            )
+        fixed = pool[:working_set]
+        _timed_pass(store, bag, fixed, batches)
+        fixed_runs = [_timed_pass(store, bag, fixed, batches) for _ in range(timed_passes)]
+        fresh_runs = [
+            _timed_pass(store, bag, pool[(p + 1) * working_set : (p + 2) * working_set], batches)
+            for p in range(timed_passes)
+        ]
         index = store.ssd.index["t"]
         rows = store.ssd.num_rows("t")
-        result = {"rows": n_rows, "rows_on_ssd": rows, "working_set": working_set, "write_seconds": write_seconds,
-                  "runs": runs, "seconds": statistics.median(r["seconds"] for r in runs),
-                  "begin_seconds": statistics.median(r["begin_seconds"] for r in runs),
-                  "device_bytes": statistics.median(r["device_bytes"] for r in runs),
-                  "index_bytes": index.nbytes, "index_bytes_per_row": index.nbytes / max(rows, 1),
-                  "segments": len(store.ssd.segments("t")), "segment_bytes": store.ssd.disk_bytes()}
+        result = {
+            "rows": n_rows,
+            "rows_on_ssd": rows,
+            "working_set": working_set,
+            "write_seconds": write_seconds,
+            "fixed": _summary(fixed_runs),
+            "fresh": _summary(fresh_runs),
+            "seconds": statistics.median(r["seconds"] for r in fixed_runs),
+            "index_bytes": index.nbytes,
+            "index_bytes_per_row": index.nbytes / max(rows, 1),
+            "segments": len(store.ssd.segments("t")),
+            "segment_bytes": store.ssd.disk_bytes(),
+        }
     finally:
         store.close()
     return result

@@ -14,20 +14,22 @@ deepspeed-dense     the same model as torch-dense, trained by a DeepSpeed engine
 mmap                rows ``[w | g2sum]`` in a numpy memmap per table, Adagrad applied with numpy
 hierps-ramN-pipe    ``hierps.EmbeddingBag`` over a store with a RAM budget of N% of the table
 hierps-ramN-sync    the same without the pass pipeline
+mlp-only            no embedding work at all (fixed embedding outputs): the ceiling of any store
 ==================  ==========================================================================
 """
 
 from __future__ import annotations
 
+import cProfile
 import math
 import os
 import resource
 import socket
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
@@ -38,13 +40,12 @@ import hierps
 from hierps.data import CriteoData, CriteoSpec, generate
 from hierps.demo import DemoConfig, build_model, table_names
 from hierps.models import DLRM, remap_ids
-from hierps.optim import state_width
 
-__all__ = ["VARIANTS", "Workload", "hierps_row_bytes", "make_workload", "peak_rss_bytes", "run_variant"]
+__all__ = ["PROFILER", "VARIANTS", "Workload", "make_workload", "peak_rss_bytes", "run_variant"]
 
 Batch = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
-_ADAGRAD = hierps.OptimizerConfig("adagrad")
 _ADAGRAD_EPS = 1e-10  # torch.optim.Adagrad's default, also the store's
+T = TypeVar("T")
 
 
 @dataclass
@@ -69,19 +70,64 @@ def make_workload(cfg: dict[str, Any]) -> Workload:
     return Workload(spec, data, batches, passes, distinct)
 
 
-def hierps_row_bytes(dim: int) -> int:
-    """Bytes the RAM tier charges per Adagrad row of ``dim`` weights: floats plus bookkeeping."""
-    return (dim + state_width(_ADAGRAD, dim)) * 4 + 25
-
-
 def peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def _timed(fn: Callable[[], None]) -> float:
+# Set by the bench worker to profile the measured part of a run (the training thread only).
+PROFILER: cProfile.Profile | None = None
+
+
+def _timed(fn: Callable[[], T]) -> T:
+    """Run the measured part of a variant, under PROFILER when one is set."""
+    if PROFILER is None:
+        return fn()
+    PROFILER.enable()
+    try:
+        return fn()
+    finally:
+        PROFILER.disable()
+
+
+def _clock(fn: Callable[[], None]) -> float:
     t0 = time.perf_counter()
-    fn()
+    _timed(fn)
     return time.perf_counter() - t0
+
+
+def _measure(step: Callable[[Batch], None], warm_up: list[Batch], measured: list[Batch]) -> dict[str, Any]:
+    """Run ``step`` over ``warm_up``, then time it over ``measured``."""
+    for b in warm_up:
+        step(b)
+
+    def run() -> None:
+        for b in measured:
+            step(b)
+
+    return {"seconds": _clock(run), "examples": sum(len(b[2]) for b in measured)}
+
+
+def _measure_epoch(step: Callable[[Batch], None], batches: list[Batch]) -> dict[str, Any]:
+    """A warm-up epoch, then a timed one."""
+    return _measure(step, batches, batches)
+
+
+def _measure_dense(
+    step: Callable[[Batch], None], batches: list[Batch], cfg: dict[str, Any]
+) -> dict[str, Any]:
+    """Warm-up steps, then ``dense_steps`` timed ones: dense Adam over every row makes epochs too slow."""
+    warm, steps = cfg["dense_warmup_steps"], cfg["dense_steps"]
+    order = [batches[i % len(batches)] for i in range(warm + steps)]
+    return {**_measure(step, order[:warm], order[warm:]), "steps": steps}
+
+
+def _folded_batches(work: Workload) -> list[Batch]:
+    """The workload's batches with raw ids folded into each torch table's range (``remap_ids``)."""
+    folded = torch.from_numpy(remap_ids(work.data.sparse, work.spec.vocab_sizes))
+    return [(d, folded[i * len(d) : (i + 1) * len(d)], y) for i, (d, _, y) in enumerate(work.batches)]
+
+
+_LOSS = nn.BCEWithLogitsLoss()
 
 
 # -- torch-sparse ---------------------------------------------------------------------------------
@@ -90,64 +136,38 @@ def _torch_sparse(work: Workload, cfg: dict[str, Any], tmp: Path, params: dict[s
     model = DLRM(work.spec.vocab_sizes, embedding_dim=cfg["dim"])
     sparse_opt = torch.optim.Adagrad(list(model.sparse_parameters()), lr=cfg["lr_sparse"])
     dense_opt = torch.optim.Adam(list(model.dense_parameters()), lr=cfg["lr_dense"])
-    loss_fn = nn.BCEWithLogitsLoss()
-    folded = torch.from_numpy(remap_ids(work.data.sparse, work.spec.vocab_sizes))
-    batches = [(d, folded[i * len(d) : (i + 1) * len(d)], y) for i, (d, _, y) in enumerate(work.batches)]
 
-    def epoch() -> None:
-        for dense, sparse, labels in batches:
-            loss_fn(model(dense, sparse), labels).backward()
-            sparse_opt.step()
-            dense_opt.step()
-            sparse_opt.zero_grad()
-            dense_opt.zero_grad()
+    def step(b: Batch) -> None:
+        dense, sparse, labels = b
+        _LOSS(model(dense, sparse), labels).backward()
+        sparse_opt.step()
+        dense_opt.step()
+        sparse_opt.zero_grad()
+        dense_opt.zero_grad()
 
-    epoch()
-    return {"seconds": _timed(epoch), "examples": len(work.data)}
+    return _measure_epoch(step, _folded_batches(work))
 
 
 # -- dense: torch Adam and DeepSpeed ----------------------------------------------------------------
-def _dense_model(work: Workload, cfg: dict[str, Any]) -> tuple[DLRM, list[Batch]]:
+def _dense_model(work: Workload, cfg: dict[str, Any]) -> DLRM:
     torch.manual_seed(cfg["seed"])
     model = DLRM(work.spec.vocab_sizes, embedding_dim=cfg["dim"])
     for table in model.tables:
         table.sparse = False  # dense (rows, dim) gradients: what a model without sparse support trains
-    folded = torch.from_numpy(remap_ids(work.data.sparse, work.spec.vocab_sizes))
-    batches = [(d, folded[i * len(d) : (i + 1) * len(d)], y) for i, (d, _, y) in enumerate(work.batches)]
-    return model, batches
-
-
-def _cycle(batches: list[Batch], n: int) -> Iterator[Batch]:
-    for i in range(n):
-        yield batches[i % len(batches)]
-
-
-def _dense_steps(step: Callable[[Batch], None], batches: list[Batch], cfg: dict[str, Any]) -> dict[str, Any]:
-    """Warm up, then time ``dense_steps`` steps: dense Adam over every row makes whole epochs too slow."""
-    warm, steps = cfg["dense_warmup_steps"], cfg["dense_steps"]
-    for b in _cycle(batches, warm):
-        step(b)
-    measured = list(_cycle(batches[warm % len(batches) :] + batches[: warm % len(batches)], steps))
-
-    def run() -> None:
-        for b in measured:
-            step(b)
-
-    return {"seconds": _timed(run), "examples": sum(len(b[2]) for b in measured), "steps": steps}
+    return model
 
 
 def _torch_dense(work: Workload, cfg: dict[str, Any], tmp: Path, params: dict[str, Any]) -> dict[str, Any]:
-    model, batches = _dense_model(work, cfg)
+    model = _dense_model(work, cfg)
     opt = torch.optim.Adam(model.parameters(), lr=cfg["lr_dense"])
-    loss_fn = nn.BCEWithLogitsLoss()
 
     def step(b: Batch) -> None:
         dense, sparse, labels = b
-        loss_fn(model(dense, sparse), labels).backward()
+        _LOSS(model(dense, sparse), labels).backward()
         opt.step()
         opt.zero_grad()
 
-    return _dense_steps(step, batches, cfg)
+    return _measure_dense(step, _folded_batches(work), cfg)
 
 
 def _free_port() -> int:
@@ -156,15 +176,23 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _deepspeed_dense(work: Workload, cfg: dict[str, Any], tmp: Path, params: dict[str, Any]) -> dict[str, Any]:
+def _deepspeed_dense(
+    work: Workload, cfg: dict[str, Any], tmp: Path, params: dict[str, Any]
+) -> dict[str, Any]:
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    for key, value in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "RANK": "0",
-                       "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_SIZE": "1"}.items():
+    for key, value in {
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(_free_port()),
+        "RANK": "0",
+        "WORLD_SIZE": "1",
+        "LOCAL_RANK": "0",
+        "LOCAL_SIZE": "1",
+    }.items():
         os.environ.setdefault(key, value)
     import deepspeed
     import torch.distributed as dist
 
-    model, batches = _dense_model(work, cfg)
+    model = _dense_model(work, cfg)
     deepspeed.init_distributed(dist_backend="gloo")
     ds_config = {
         "train_batch_size": cfg["batch_size"],
@@ -172,22 +200,23 @@ def _deepspeed_dense(work: Workload, cfg: dict[str, Any], tmp: Path, params: dic
         "gradient_accumulation_steps": 1,
         # torch_adam: DeepSpeed's own Adam kernels need a CUDA or compiled CPU op; this is the
         # engine around torch.optim.Adam, as on any machine without those ops.
-        "optimizer": {"type": "Adam", "params": {"lr": cfg["lr_dense"], "torch_adam": True, "adam_w_mode": False}},
+        "optimizer": {
+            "type": "Adam",
+            "params": {"lr": cfg["lr_dense"], "torch_adam": True, "adam_w_mode": False},
+        },
         "zero_optimization": {"stage": 0},
         "steps_per_print": 1 << 30,
         "wall_clock_breakdown": False,
     }
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config)
-    loss_fn = nn.BCEWithLogitsLoss()
 
     def step(b: Batch) -> None:
         dense, sparse, labels = b
-        loss = loss_fn(engine(dense, sparse), labels)
-        engine.backward(loss)
+        engine.backward(_LOSS(engine(dense, sparse), labels))
         engine.step()
 
     try:
-        return _dense_steps(step, batches, cfg)
+        return _measure_dense(step, _folded_batches(work), cfg)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -231,32 +260,66 @@ class _MmapBag(nn.Module):
         self._pending = []
 
 
-def _mmap(work: Workload, cfg: dict[str, Any], tmp: Path, params: dict[str, Any]) -> dict[str, Any]:
+def _with_tables(work: Workload, cfg: dict[str, Any], tables: list[nn.Module]) -> DLRM:
+    """The DLRM with ``tables`` in place of its torch embedding tables."""
     torch.manual_seed(cfg["seed"])
     model = DLRM([1] * len(work.spec.vocab_sizes), embedding_dim=cfg["dim"])
+    for i, table in enumerate(tables):
+        model.tables[i] = table
+    return model
+
+
+def _mmap(work: Workload, cfg: dict[str, Any], tmp: Path, params: dict[str, Any]) -> dict[str, Any]:
     rng = np.random.default_rng(cfg["seed"])
     tmp.mkdir(parents=True, exist_ok=True)
-    bags = [_MmapBag(tmp / f"table-{i}.f32", n, cfg["dim"], cfg["lr_sparse"], rng)
-            for i, n in enumerate(work.spec.vocab_sizes)]
-    for i, bag in enumerate(bags):
-        model.tables[i] = bag
+    bags = [
+        _MmapBag(tmp / f"table-{i}.f32", n, cfg["dim"], cfg["lr_sparse"], rng)
+        for i, n in enumerate(work.spec.vocab_sizes)
+    ]
+    model = _with_tables(work, cfg, bags)
     dense_opt = torch.optim.Adam(model.parameters(), lr=cfg["lr_dense"])
-    loss_fn = nn.BCEWithLogitsLoss()
-    folded = torch.from_numpy(remap_ids(work.data.sparse, work.spec.vocab_sizes))
-    batches = [(d, folded[i * len(d) : (i + 1) * len(d)], y) for i, (d, _, y) in enumerate(work.batches)]
 
-    def epoch() -> None:
-        for dense, sparse, labels in batches:
-            loss_fn(model(dense, sparse), labels).backward()
-            dense_opt.step()
-            dense_opt.zero_grad()
-            for bag in bags:
-                bag.step()
+    def step(b: Batch) -> None:
+        dense, sparse, labels = b
+        _LOSS(model(dense, sparse), labels).backward()
+        dense_opt.step()
+        dense_opt.zero_grad()
+        for bag in bags:
+            bag.step()
 
-    epoch()
-    seconds = _timed(epoch)
-    return {"seconds": seconds, "examples": len(work.data),
-            "file_bytes": int(sum(b.rows.nbytes for b in bags))}
+    return {
+        **_measure_epoch(step, _folded_batches(work)),
+        "file_bytes": int(sum(b.rows.nbytes for b in bags)),
+    }
+
+
+# -- mlp-only -----------------------------------------------------------------------------------
+class _NoLookup(nn.Module):
+    """Returns the same (B, dim) leaf for every batch: the model runs, no embedding work is done."""
+
+    def __init__(self, batch: int, dim: int, gen: torch.Generator) -> None:
+        super().__init__()
+        self.out = (0.01 * torch.randn(batch, dim, generator=gen)).requires_grad_(True)  # not a Parameter
+
+    def forward(self, ids: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        return self.out[: offsets.numel()]
+
+
+def _mlp_only(work: Workload, cfg: dict[str, Any], tmp: Path, params: dict[str, Any]) -> dict[str, Any]:
+    gen = torch.Generator().manual_seed(cfg["seed"])
+    bags = [_NoLookup(cfg["batch_size"], cfg["dim"], gen) for _ in work.spec.vocab_sizes]
+    model = _with_tables(work, cfg, bags)
+    dense_opt = torch.optim.Adam(model.parameters(), lr=cfg["lr_dense"])
+
+    def step(b: Batch) -> None:
+        dense, sparse, labels = b
+        _LOSS(model(dense, sparse), labels).backward()
+        dense_opt.step()
+        dense_opt.zero_grad()
+        for bag in bags:
+            bag.out.grad = None
+
+    return _measure_epoch(step, work.batches)
 
 
 # -- hierps -------------------------------------------------------------------------------------
@@ -286,69 +349,123 @@ class _SsdClock:
         ssd.read, ssd.write = timed_read, timed_write  # instance attributes shadow the methods
 
 
-def _hierps_epoch(store: hierps.Store, model: nn.Module, dense_opt: torch.optim.Optimizer,
-                  passes: list[list[Batch]], names: list[str], pipeline: bool, clock: _SsdClock) -> dict[str, Any]:
-    """One epoch pass by pass (reading each next pass ahead when pipelined), then a flush."""
-    loss_fn = nn.BCEWithLogitsLoss()
+def _hierps_run(
+    store: hierps.Store,
+    model: nn.Module,
+    dense_opt: torch.optim.Optimizer,
+    passes: list[list[Batch]],
+    names: list[str],
+    pipeline: bool,
+    clock: _SsdClock,
+) -> dict[str, Any]:
+    """A warm-up epoch then a measured one, pass by pass, as one stream of passes.
+
+    Pipelined, each pass reads the next one ahead, across the epoch boundary too, so the measured
+    epoch sees the steady state of a long run: its first pass was read ahead during the warm-up,
+    and the write-back of its last pass overlaps what would come next (the write-back of the
+    warm-up's last pass falls in the measured epoch instead).
+    """
     pipe = store._pipe
-    ids = [[{n: sparse[:, i] for i, n in enumerate(names)} for _, sparse, _ in group] for group in passes]
-    before = (pipe.prepare_seconds, pipe.writeback_seconds, pipe.wait_seconds, store.ssd.bytes_read,
-              store.ssd.bytes_written, clock.read_seconds, clock.write_seconds)
+    stream = passes + passes
+    ids = [[{n: sparse[:, i] for i, n in enumerate(names)} for _, sparse, _ in group] for group in stream]
+
+    def counters() -> tuple[float, ...]:
+        return (
+            pipe.prepare_seconds,
+            pipe.writeback_seconds,
+            pipe.wait_seconds,
+            store.ssd.bytes_read,
+            store.ssd.bytes_written,
+            clock.read_seconds,
+            clock.write_seconds,
+        )
+
     begin = train = end = 0.0
-    t0 = time.perf_counter()
-    for p, group in enumerate(passes):
+    before: tuple[float, ...] = ()
+    t0 = 0.0
+    for p, group in enumerate(stream):
+        if p == len(passes):
+            before, t0 = counters(), time.perf_counter()
+            if PROFILER is not None:
+                PROFILER.enable()
         t1 = time.perf_counter()
         store.begin_pass(ids[p])
-        if pipeline and p + 1 < len(passes):
+        if pipeline and p + 1 < len(stream):
             store.prefetch(ids[p + 1])
         t2 = time.perf_counter()
         for dense, sparse, labels in group:
-            loss_fn(model(dense, sparse), labels).backward()
+            _LOSS(model(dense, sparse), labels).backward()
             dense_opt.step()
             dense_opt.zero_grad()
             store.step()
         t3 = time.perf_counter()
         store.end_pass()
         t4 = time.perf_counter()
-        begin, train, end = begin + t2 - t1, train + t3 - t2, end + t4 - t3
-    t5 = time.perf_counter()
-    store.flush()  # the last write-back belongs to this epoch, pipelined or not
+        if p >= len(passes):
+            begin, train, end = begin + t2 - t1, train + t3 - t2, end + t4 - t3
     seconds = time.perf_counter() - t0
-    after = (pipe.prepare_seconds, pipe.writeback_seconds, pipe.wait_seconds, store.ssd.bytes_read,
-             store.ssd.bytes_written, clock.read_seconds, clock.write_seconds)
-    d = [a - b for a, b in zip(after, before)]
-    return {"seconds": seconds, "begin_seconds": begin, "train_seconds": train, "end_seconds": end,
-            "flush_seconds": seconds - (t5 - t0), "prepare_seconds": d[0], "writeback_seconds": d[1],
-            "wait_seconds": d[2], "ssd_bytes_read": int(d[3]), "ssd_bytes_written": int(d[4]),
-            "ssd_read_seconds": d[5], "ssd_write_seconds": d[6]}
+    if PROFILER is not None:
+        PROFILER.disable()
+    d = [a - b for a, b in zip(counters(), before)]
+    store.flush()
+    return {
+        "seconds": seconds,
+        "begin_seconds": begin,
+        "train_seconds": train,
+        "end_seconds": end,
+        "prepare_seconds": d[0],
+        "writeback_seconds": d[1],
+        "wait_seconds": d[2],
+        "ssd_bytes_read": int(d[3]),
+        "ssd_bytes_written": int(d[4]),
+        "ssd_read_seconds": d[5],
+        "ssd_write_seconds": d[6],
+    }
 
 
 def _hierps(work: Workload, cfg: dict[str, Any], tmp: Path, params: dict[str, Any]) -> dict[str, Any]:
     pipeline = bool(params["pipeline"])
-    table_bytes = work.distinct_ids * hierps_row_bytes(cfg["dim"])
-    budget = int(params["budget"] * table_bytes)
-    store = hierps.Store(tmp / "store", memory_budget=budget, device_budget=cfg["device_budget"],
-                         pipeline=pipeline, seed=cfg["seed"])
+    store = hierps.Store(
+        tmp / "store",
+        memory_budget=0,
+        device_budget=cfg["device_budget"],
+        pipeline=pipeline,
+        seed=cfg["seed"],
+    )
     try:
-        model = build_model(store, DemoConfig(embedding_dim=cfg["dim"], seed=cfg["seed"], lr_sparse=cfg["lr_sparse"]))
-        dense_opt = torch.optim.Adam(model.parameters(), lr=cfg["lr_dense"])
+        model = build_model(
+            store, DemoConfig(embedding_dim=cfg["dim"], seed=cfg["seed"], lr_sparse=cfg["lr_sparse"])
+        )
         names = table_names(len(work.spec.vocab_sizes))
+        # The table: every row the workload creates, at what the RAM tier charges per row (floats
+        # of weights, optimizer state and counters, plus its bookkeeping). Set before any row exists.
+        table_bytes = work.distinct_ids * store.memory.row_bytes(names[0])
+        budget = int(params["budget"] * table_bytes)
+        store.memory.budget = budget
+        dense_opt = torch.optim.Adam(model.parameters(), lr=cfg["lr_dense"])
         clock = _SsdClock(store)
-        _hierps_epoch(store, model, dense_opt, work.passes, names, pipeline, clock)
-        record = _hierps_epoch(store, model, dense_opt, work.passes, names, pipeline, clock)
+        record = _hierps_run(store, model, dense_opt, work.passes, names, pipeline, clock)
         n = len(work.passes)
         stages = {"prepare": record["prepare_seconds"], "writeback": record["writeback_seconds"]}
         if not pipeline:  # without the pipeline both stages run on the training thread
-            stages = {"prepare": record["begin_seconds"], "writeback": record["end_seconds"] + record["flush_seconds"]}
+            stages = {"prepare": record["begin_seconds"], "writeback": record["end_seconds"]}
         background = record["prepare_seconds"] + record["writeback_seconds"]
         record.update(
-            examples=len(work.data), passes=n, memory_budget=budget, table_bytes=table_bytes,
-            pipeline=pipeline, budget_fraction=params["budget"],
+            examples=len(work.data),
+            passes=n,
+            memory_budget=budget,
+            table_bytes=table_bytes,
+            pipeline=pipeline,
+            budget_fraction=params["budget"],
             ssd_bytes_read_per_pass=record["ssd_bytes_read"] / n,
             ssd_bytes_written_per_pass=record["ssd_bytes_written"] / n,
-            prepare_per_pass=stages["prepare"] / n, writeback_per_pass=stages["writeback"] / n,
-            train_per_pass=record["train_seconds"] / n, wait_per_pass=record["wait_seconds"] / n,
-            hidden_fraction=(1.0 - record["wait_seconds"] / background) if pipeline and background > 0 else 0.0,
+            prepare_per_pass=stages["prepare"] / n,
+            writeback_per_pass=stages["writeback"] / n,
+            train_per_pass=record["train_seconds"] / n,
+            wait_per_pass=record["wait_seconds"] / n,
+            hidden_fraction=(1.0 - record["wait_seconds"] / background)
+            if pipeline and background > 0
+            else 0.0,
             rows_memory=sum(store.memory.num_rows(t) for t in names),
             rows_ssd=sum(store.ssd.num_rows(t) for t in names),
         )
@@ -362,8 +479,12 @@ VARIANTS: dict[str, tuple[Callable[..., dict[str, Any]], dict[str, Any]]] = {
     "torch-dense": (_torch_dense, {}),
     "deepspeed-dense": (_deepspeed_dense, {}),
     "mmap": (_mmap, {}),
-    **{f"hierps-ram{pct}-{mode}": (_hierps, {"budget": pct / 100, "pipeline": mode == "pipe"})
-       for pct in (100, 25, 5) for mode in ("pipe", "sync")},
+    "mlp-only": (_mlp_only, {}),
+    **{
+        f"hierps-ram{pct}-{mode}": (_hierps, {"budget": pct / 100, "pipeline": mode == "pipe"})
+        for pct in (100, 25, 5)
+        for mode in ("pipe", "sync")
+    },
 }
 
 

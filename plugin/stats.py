@@ -37,8 +37,9 @@ class PassStats:
         ram = sum(c[0] for c in self._loads.values())
         ssd = sum(c[1] for c in self._loads.values())
         new = sum(c[2] for c in self._loads.values())
-        with store._pipe.lock:  # the pipeline's worker may be changing the tiers
-            return self._record(store, ram, ssd, new)
+        # No lock: each figure is one length or counter read (atomic under the GIL), so the training
+        # thread never waits here for the pipeline's worker; figures may be a write-back apart.
+        return self._record(store, ram, ssd, new)
 
     def _record(self, store: Store, ram: int, ssd: int, new: int) -> dict[str, Any]:
         loaded = max(ram + ssd + new, 1)
