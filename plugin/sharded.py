@@ -1,6 +1,6 @@
 """The store sharded over ranks: every key has one owner rank; rows and gradients travel by all-to-all.
 
-Each rank keeps a :class:`~hierps.store.Store` of the rows it owns under ``<path>/rank-XXXXX``.
+Each rank keeps a :class:`~hierps.store.Store` of the rows it owns under ``<path>/rank-NNNNN``.
 Per pass, ranks send their pass's distinct keys to the owners, which load them into their device
 tier. Per mini-batch, rows travel from owners to the ranks that need them; at the step, gradients
 travel back, each owner sums a row's gradients from all ranks and takes one optimizer step. Sparse
