@@ -50,6 +50,7 @@ demo: $(STAMP)
 
 test: $(STAMP) horovod
 	$(BIN)/ruff check plugin integrations tests examples
+	$(BIN)/ruff format --check plugin integrations tests examples
 	$(BIN)/python -m pytest -q
 
 test-all: $(STAMP)

@@ -50,7 +50,9 @@ def map_horovod_env() -> dict[str, str]:
         try:
             import horovod.torch as hvd
         except ImportError as exc:
-            raise ConfigError("launched by horovodrun but Horovod does not import: run `make horovod`.") from exc
+            raise ConfigError(
+                "launched by horovodrun but Horovod does not import: run `make horovod`."
+            ) from exc
         if not hvd.is_initialized():
             hvd.init()
         packed = torch.zeros(5, dtype=torch.int64)

@@ -44,28 +44,40 @@ class TorchDistributedTransport:
         import torch.distributed as dist
 
         if not dist.is_available() or not dist.is_initialized():
-            raise ConfigError("torch.distributed is not initialised: call deepspeed.init_distributed() or "
-                              "torch.distributed.init_process_group() before building a sharded store.")
+            raise ConfigError(
+                "torch.distributed is not initialised: call deepspeed.init_distributed() or "
+                "torch.distributed.init_process_group() before building a sharded store."
+            )
         self._dist = dist
         self.group = group
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
         backend = dist.get_backend(group)
-        self.device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+        self.device = (
+            torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+        )
 
     def all_to_all(self, send: torch.Tensor, send_counts: list[int]) -> tuple[torch.Tensor, list[int]]:
         counts = torch.tensor(send_counts, dtype=torch.int64, device=self.device)
         recv = torch.empty_like(counts)
-        _guard(self.rank, "exchanging all-to-all sizes",
-               lambda: self._dist.all_to_all_single(recv, counts, group=self.group))
+        _guard(
+            self.rank,
+            "exchanging all-to-all sizes",
+            lambda: self._dist.all_to_all_single(recv, counts, group=self.group),
+        )
         recv_counts = recv.tolist()
         return self.all_to_all_known(send, send_counts, recv_counts), recv_counts
 
-    def all_to_all_known(self, send: torch.Tensor, send_counts: list[int], recv_counts: list[int]) -> torch.Tensor:
+    def all_to_all_known(
+        self, send: torch.Tensor, send_counts: list[int], recv_counts: list[int]
+    ) -> torch.Tensor:
         send = send.detach().to(self.device).contiguous()
         out = torch.empty((sum(recv_counts), *send.shape[1:]), dtype=send.dtype, device=self.device)
-        _guard(self.rank, "an all-to-all of rows",
-               lambda: self._dist.all_to_all_single(out, send, recv_counts, send_counts, group=self.group))
+        _guard(
+            self.rank,
+            "an all-to-all of rows",
+            lambda: self._dist.all_to_all_single(out, send, recv_counts, send_counts, group=self.group),
+        )
         return out
 
     def all_reduce_sum(self, t: torch.Tensor) -> torch.Tensor:
@@ -85,8 +97,10 @@ class HorovodTransport:
         try:
             import horovod.torch as hvd
         except ImportError as exc:
-            raise ConfigError("dense_allreduce 'horovod' needs Horovod: run `make horovod` (builds and caches "
-                              "Horovod 0.28.1 for this torch).") from exc
+            raise ConfigError(
+                "dense_allreduce 'horovod' needs Horovod: run `make horovod` (builds and caches "
+                "Horovod 0.28.1 for this torch)."
+            ) from exc
         if not hvd.is_initialized():
             hvd.init()
         self._hvd = hvd
@@ -100,16 +114,26 @@ class HorovodTransport:
 
     def all_to_all(self, send: torch.Tensor, send_counts: list[int]) -> tuple[torch.Tensor, list[int]]:
         splits = torch.tensor(send_counts, dtype=torch.int32)
-        out, recv_splits = _guard(self.rank, "an all-to-all of rows", lambda: self._hvd.alltoall(
-            send.detach().cpu().contiguous(), splits=splits, name=self._name("alltoall")))
+        out, recv_splits = _guard(
+            self.rank,
+            "an all-to-all of rows",
+            lambda: self._hvd.alltoall(
+                send.detach().cpu().contiguous(), splits=splits, name=self._name("alltoall")
+            ),
+        )
         return out, [int(x) for x in recv_splits.tolist()]
 
-    def all_to_all_known(self, send: torch.Tensor, send_counts: list[int], recv_counts: list[int]) -> torch.Tensor:
+    def all_to_all_known(
+        self, send: torch.Tensor, send_counts: list[int], recv_counts: list[int]
+    ) -> torch.Tensor:
         return self.all_to_all(send, send_counts)[0]
 
     def all_reduce_sum(self, t: torch.Tensor) -> torch.Tensor:
-        return _guard(self.rank, "an all-reduce", lambda: self._hvd.allreduce(
-            t.cpu(), op=self._hvd.Sum, name=self._name("allreduce"))).to(t.device)
+        return _guard(
+            self.rank,
+            "an all-reduce",
+            lambda: self._hvd.allreduce(t.cpu(), op=self._hvd.Sum, name=self._name("allreduce")),
+        ).to(t.device)
 
     def barrier(self) -> None:
         self.all_reduce_sum(torch.zeros(1))
@@ -119,8 +143,13 @@ class HorovodTransport:
         grads = [p.grad for p in params if p.grad is not None]
         if not grads:
             return
-        reduced = _guard(self.rank, "the dense gradient all-reduce", lambda: self._hvd.grouped_allreduce(
-            [g.detach().cpu() for g in grads], op=self._hvd.Average, name=self._name("dense")))
+        reduced = _guard(
+            self.rank,
+            "the dense gradient all-reduce",
+            lambda: self._hvd.grouped_allreduce(
+                [g.detach().cpu() for g in grads], op=self._hvd.Average, name=self._name("dense")
+            ),
+        )
         for g, r in zip(grads, reduced):
             g.copy_(r.to(g.device))
 

@@ -32,8 +32,18 @@ __all__ = ["create_array", "encoded_bytes", "open_array", "read_array"]
 
 _CODECS = [{"name": "bytes", "configuration": {"endian": "little"}}, {"name": "crc32c"}]
 _KEY_ENCODING = {"name": "default", "configuration": {"separator": "/"}}
-_META_KEYS = {"zarr_format", "node_type", "shape", "data_type", "chunk_grid", "chunk_key_encoding",
-              "fill_value", "codecs", "attributes", "storage_transformers"}
+_META_KEYS = {
+    "zarr_format",
+    "node_type",
+    "shape",
+    "data_type",
+    "chunk_grid",
+    "chunk_key_encoding",
+    "fill_value",
+    "codecs",
+    "attributes",
+    "storage_transformers",
+}
 # Rows are written this many chunks at a time (64 MiB with 1 MiB chunks): zarr writes the chunks
 # of one call concurrently, and a crash test can stop between two blocks.
 _BLOCK_CHUNKS = 64
@@ -46,13 +56,21 @@ def encoded_bytes(data: np.ndarray, chunk_rows: int) -> int:
     return n_chunks * (chunk_rows * per_row + 4) + 1024
 
 
-def create_array(zstore: LocalStore, name: str, data: np.ndarray, chunk_rows: int,
-                 block_point: str | None = None) -> None:
+def create_array(
+    zstore: LocalStore, name: str, data: np.ndarray, chunk_rows: int, block_point: str | None = None
+) -> None:
     """Write ``data`` (n, ...) as the array ``name``, chunked by ``chunk_rows`` rows."""
     chunk_rows = max(1, chunk_rows)
-    arr = zarr.create_array(zstore, name=name, shape=data.shape, chunks=(chunk_rows, *data.shape[1:]),
-                            dtype=data.dtype, compressors=[zarr.codecs.Crc32cCodec()], fill_value=0,
-                            config={"write_empty_chunks": True})
+    arr = zarr.create_array(
+        zstore,
+        name=name,
+        shape=data.shape,
+        chunks=(chunk_rows, *data.shape[1:]),
+        dtype=data.dtype,
+        compressors=[zarr.codecs.Crc32cCodec()],
+        fill_value=0,
+        config={"write_empty_chunks": True},
+    )
     block = chunk_rows * _BLOCK_CHUNKS
     for start in range(0, len(data), block):
         arr[start : start + block] = data[start : start + block]
@@ -79,7 +97,12 @@ def _layout_problem(meta: Any, dtype: str, ndim: int) -> str | None:
         return f"chunk key encoding {meta.get('chunk_key_encoding')!r}"
     shape, grid = meta.get("shape"), meta.get("chunk_grid")
     chunks = grid.get("configuration", {}).get("chunk_shape") if isinstance(grid, dict) else None
-    if not (isinstance(grid, dict) and grid.get("name") == "regular" and _ints(shape, ndim, 0) and _ints(chunks, ndim, 1)):
+    if not (
+        isinstance(grid, dict)
+        and grid.get("name") == "regular"
+        and _ints(shape, ndim, 0)
+        and _ints(chunks, ndim, 1)
+    ):
         return f"shape {shape!r} / chunk grid {grid!r} is not a regular {ndim}-d grid"
     if not isinstance(meta.get("fill_value"), (int, float)) or isinstance(meta.get("fill_value"), bool):
         return f"fill value {meta.get('fill_value')!r}"
@@ -87,8 +110,11 @@ def _layout_problem(meta: Any, dtype: str, ndim: int) -> str | None:
 
 
 def _ints(value: Any, n: int, low: int) -> bool:
-    return (isinstance(value, list) and len(value) == n
-            and all(isinstance(v, int) and not isinstance(v, bool) and v >= low for v in value))
+    return (
+        isinstance(value, list)
+        and len(value) == n
+        and all(isinstance(v, int) and not isinstance(v, bool) and v >= low for v in value)
+    )
 
 
 def open_array(zstore: LocalStore, root: Path, name: str, dtype: str, ndim: int) -> zarr.Array:
@@ -112,8 +138,10 @@ def open_array(zstore: LocalStore, root: Path, name: str, dtype: str, ndim: int)
     present = _files_under(path / "c")
     missing = sorted(expected - present)
     if missing:
-        raise CorruptStoreError(f"{path / 'c' / missing[0]}: chunk missing ({len(missing)} of {len(expected)} "
-                                "missing); the array was damaged or deleted while in use.")
+        raise CorruptStoreError(
+            f"{path / 'c' / missing[0]}: chunk missing ({len(missing)} of {len(expected)} "
+            "missing); the array was damaged or deleted while in use."
+        )
     try:
         return zarr.open_array(zstore, path=name, mode="r", zarr_format=3)
     except Exception as exc:  # zarr raises many types for damaged metadata; all mean the same here

@@ -17,8 +17,10 @@ from hierps.errors import CorruptStoreError, StoreFullError
 
 __all__ = ["disk_full_as_error", "fsync_dir", "fsync_tree", "read_json_checked", "write_json_atomic"]
 
-_RESTORE = ("Restore it from a backup; for a checkpoint manifest, moving it out of the store directory "
-            "falls back to the checkpoint before it.")
+_RESTORE = (
+    "Restore it from a backup; for a checkpoint manifest, moving it out of the store directory "
+    "falls back to the checkpoint before it."
+)
 # errno values that mean "this file system has no room for the write": no space, over quota.
 _FULL = (errno.ENOSPC, errno.EDQUOT)
 
@@ -115,9 +117,7 @@ def read_json_checked(path: Path) -> dict[str, Any]:
         ) from exc
     text = json.dumps(body, sort_keys=True, indent=1)
     if zlib.crc32(text.encode("utf-8")) != crc:
-        raise CorruptStoreError(
-            f"{path}: checksum mismatch (the file was modified or damaged). {_RESTORE}"
-        )
+        raise CorruptStoreError(f"{path}: checksum mismatch (the file was modified or damaged). {_RESTORE}")
     if not isinstance(body, dict):
         raise CorruptStoreError(f"{path}: expected a JSON object as body. Got {type(body).__name__} instead.")
     return body

@@ -103,7 +103,11 @@ class PendingKeys:
         return int(old.sum())
 
     def _keep(self, positions: np.ndarray) -> None:
-        self.keys, self.count, self.last_pass = self.keys[positions], self.count[positions], self.last_pass[positions]
+        self.keys, self.count, self.last_pass = (
+            self.keys[positions],
+            self.count[positions],
+            self.last_pass[positions],
+        )
 
     def arrays(self) -> dict[str, np.ndarray]:
         """The arrays a checkpoint saves, named as in :data:`PENDING_ARRAYS`."""
@@ -115,12 +119,17 @@ class PendingKeys:
         out = cls(capacity)
         if arrays:
             keys, count, last = (np.asarray(arrays[name]) for name in PENDING_ARRAYS)
-            out.keys, out.count, out.last_pass = keys.astype(np.int64), count.astype(np.int32), last.astype(np.int32)
+            out.keys, out.count, out.last_pass = (
+                keys.astype(np.int64),
+                count.astype(np.int32),
+                last.astype(np.int32),
+            )
         return out
 
 
-def admitted(cfg: AdmissionConfig, salt: np.uint64, keys: np.ndarray, before: np.ndarray,
-             after: np.ndarray) -> np.ndarray:
+def admitted(
+    cfg: AdmissionConfig, salt: np.uint64, keys: np.ndarray, before: np.ndarray, after: np.ndarray
+) -> np.ndarray:
     """Which pending keys a mini-batch admits: keys (n,) int64 seen ``after - before`` times in it
     (counts before and after, (n,) int64) -> (n,) bool.
 

@@ -54,8 +54,14 @@ def _worker(args: argparse.Namespace) -> None:
         nonlocal minimum
         t0 = time.perf_counter()
         for p in range(0, len(batches), args.pass_batches):
-            group = [(d[rank * share:(rank + 1) * share], s[rank * share:(rank + 1) * share],
-                      y[rank * share:(rank + 1) * share]) for d, s, y in batches[p:p + args.pass_batches]]
+            group = [
+                (
+                    d[rank * share : (rank + 1) * share],
+                    s[rank * share : (rank + 1) * share],
+                    y[rank * share : (rank + 1) * share],
+                )
+                for d, s, y in batches[p : p + args.pass_batches]
+            ]
             with store.run_pass([{n: s[:, i] for i, n in enumerate(names)} for _, s, _ in group]):
                 for d, s, y in group:
                     loss_fn(model(d, s), y).backward()
@@ -74,16 +80,23 @@ def _worker(args: argparse.Namespace) -> None:
     epoch(False)
     sent0 = store.bytes_sent
     seconds = epoch(True)
-    totals = transport.all_reduce_sum(torch.tensor([float(store.bytes_sent - sent0), float(minimum)],
-                                                   dtype=torch.float64))
+    totals = transport.all_reduce_sum(
+        torch.tensor([float(store.bytes_sent - sent0), float(minimum)], dtype=torch.float64)
+    )
     slowest = transport.all_reduce_sum(torch.tensor([seconds], dtype=torch.float64)) / world
     if rank == 0:
         examples = len(batches) * share * world
-        Path(args.out).write_text(json.dumps({
-            "world_size": world, "seconds": float(slowest[0]), "examples_per_s": examples / float(slowest[0]),
-            "bytes_sent_per_example": float(totals[0]) / examples,
-            "minimum_bytes_per_example": float(totals[1]) / examples,
-        }))
+        Path(args.out).write_text(
+            json.dumps(
+                {
+                    "world_size": world,
+                    "seconds": float(slowest[0]),
+                    "examples_per_s": examples / float(slowest[0]),
+                    "bytes_sent_per_example": float(totals[0]) / examples,
+                    "minimum_bytes_per_example": float(totals[1]) / examples,
+                }
+            )
+        )
     store.close()
     dist.destroy_process_group()
 
@@ -94,28 +107,61 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def run_distributed_bench(examples: int = 65_536, rows: int = 200_000, dim: int = 16, batch_size: int = 4096,
-                          pass_batches: int = 8, memory_budget: str = "64MiB", out=print) -> dict[str, Any]:
+def run_distributed_bench(
+    examples: int = 65_536,
+    rows: int = 200_000,
+    dim: int = 16,
+    batch_size: int = 4096,
+    pass_batches: int = 8,
+    memory_budget: str = "64MiB",
+    out=print,
+) -> dict[str, Any]:
     """Run 1 and 2 ranks with torchrun; returns ``{"1": {...}, "2": {...}}`` and prints a summary."""
     results: dict[str, Any] = {}
     torchrun = str(Path(sys.executable).parent / "torchrun")
     with tempfile.TemporaryDirectory(prefix="hierps-bench-dist-") as tmp:
         for world in (1, 2):
             result = Path(tmp) / f"result-{world}.json"
-            cmd = [torchrun, f"--nproc_per_node={world}", "--master_addr=127.0.0.1", f"--master_port={_free_port()}",
-                   "-m", "hierps.bench_dist", "--worker", "--store", str(Path(tmp) / f"store-{world}"),
-                   "--out", str(result), "--examples", str(examples), "--rows", str(rows), "--dim", str(dim),
-                   "--batch-size", str(batch_size), "--pass-batches", str(pass_batches),
-                   "--memory-budget", memory_budget]
+            cmd = [
+                torchrun,
+                f"--nproc_per_node={world}",
+                "--master_addr=127.0.0.1",
+                f"--master_port={_free_port()}",
+                "-m",
+                "hierps.bench_dist",
+                "--worker",
+                "--store",
+                str(Path(tmp) / f"store-{world}"),
+                "--out",
+                str(result),
+                "--examples",
+                str(examples),
+                "--rows",
+                str(rows),
+                "--dim",
+                str(dim),
+                "--batch-size",
+                str(batch_size),
+                "--pass-batches",
+                str(pass_batches),
+                "--memory-budget",
+                memory_budget,
+            ]
             env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_PORT")}
             subprocess.run(cmd, check=True, env=env, capture_output=True, text=True)
             results[str(world)] = json.loads(result.read_text())
     base = results["1"]["examples_per_s"]
     for world, r in results.items():
-        ratio = r["bytes_sent_per_example"] / r["minimum_bytes_per_example"] if r["minimum_bytes_per_example"] else 0
-        out(f"{world} rank(s): {r['examples_per_s']:9.0f} examples/s ({r['examples_per_s'] / base:.2f}x 1 rank); "
+        ratio = (
+            r["bytes_sent_per_example"] / r["minimum_bytes_per_example"]
+            if r["minimum_bytes_per_example"]
+            else 0
+        )
+        out(
+            f"{world} rank(s): {r['examples_per_s']:9.0f} examples/s ({r['examples_per_s'] / base:.2f}x 1 rank); "
             f"all-to-all {r['bytes_sent_per_example']:.0f} B/example, minimum {r['minimum_bytes_per_example']:.0f} "
-            f"B/example" + (f" ({ratio:.2f}x)" if ratio else ""))
+            f"B/example" + (f" ({ratio:.2f}x)" if ratio else "")
+        )
     return results
 
 
@@ -135,8 +181,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.worker:
         _worker(args)
         return 0
-    results = run_distributed_bench(args.examples, args.rows, args.dim, args.batch_size, args.pass_batches,
-                                    args.memory_budget)
+    results = run_distributed_bench(
+        args.examples, args.rows, args.dim, args.batch_size, args.pass_batches, args.memory_budget
+    )
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
     return 0

@@ -59,8 +59,10 @@ def _check_manifest(path: Path, ckpt: int, body: dict[str, Any]) -> None:
         value = body
         for part in field.split("."):
             value = value.get(part) if isinstance(value, dict) else None
-        return CorruptStoreError(f"{path}: field {field}: expected {expected}. Got {value!r} instead. "
-                                 "The manifest is damaged or was not written by hierps.")
+        return CorruptStoreError(
+            f"{path}: field {field}: expected {expected}. Got {value!r} instead. "
+            "The manifest is damaged or was not written by hierps."
+        )
 
     if body.get("format_version") != FORMAT_VERSION:
         raise StoreFormatError(
@@ -154,8 +156,13 @@ class CheckpointCatalog:
                 return ckpt
         return None
 
-    def write(self, ckpt: int, indexes: dict[str, TableIndex], body: dict[str, Any],
-              extra: dict[str, dict[str, np.ndarray]] | None = None) -> None:
+    def write(
+        self,
+        ckpt: int,
+        indexes: dict[str, TableIndex],
+        body: dict[str, Any],
+        extra: dict[str, dict[str, np.ndarray]] | None = None,
+    ) -> None:
         """Write the index arrays (and ``extra`` 1-D arrays per table), make them durable, then
         commit the manifest.
 
@@ -166,8 +173,10 @@ class CheckpointCatalog:
         if path.exists():
             shutil.rmtree(path)
         chunk = 1 << 20
-        arrays = {table: {**{name: getattr(idx, name) for name in _INDEX_DTYPES}, **(extra or {}).get(table, {})}
-                  for table, idx in indexes.items()}
+        arrays = {
+            table: {**{name: getattr(idx, name) for name in _INDEX_DTYPES}, **(extra or {}).get(table, {})}
+            for table, idx in indexes.items()
+        }
         needed = sum(encoded_bytes(data, chunk) for named in arrays.values() for data in named.values())
         try:
             with disk_full_as_error(path, f"the key index of checkpoint {ckpt}", needed):
@@ -188,8 +197,10 @@ class CheckpointCatalog:
         """The key index of ``table`` in ``ckpt``, checked against the manifest's ``segments`` sizes."""
         path = self._index_path(ckpt)
         zstore = LocalStore(str(path), read_only=True)
-        keys, seg, pos = (read_array(open_array(zstore, path, f"{table}/{name}", dtype, 1), path, f"{table}/{name}")
-                          for name, dtype in _INDEX_DTYPES.items())
+        keys, seg, pos = (
+            read_array(open_array(zstore, path, f"{table}/{name}", dtype, 1), path, f"{table}/{name}")
+            for name, dtype in _INDEX_DTYPES.items()
+        )
         where = f"{path / table}: the key index of checkpoint {ckpt}"
         if not (len(keys) == len(seg) == len(pos)) or (len(keys) > 1 and not np.all(keys[1:] > keys[:-1])):
             raise CorruptStoreError(f"{where} is inconsistent (lengths differ or keys are not sorted).")
@@ -208,8 +219,10 @@ class CheckpointCatalog:
         if not (path / table / first).exists():
             return None
         zstore = LocalStore(str(path), read_only=True)
-        return {name: read_array(open_array(zstore, path, f"{table}/{name}", dtype, 1), path, f"{table}/{name}")
-                for name, dtype in names.items()}
+        return {
+            name: read_array(open_array(zstore, path, f"{table}/{name}", dtype, 1), path, f"{table}/{name}")
+            for name, dtype in names.items()
+        }
 
     def delete(self, ckpt: int) -> None:
         """Retire a checkpoint: the manifest first (so it stops counting), then its index."""

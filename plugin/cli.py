@@ -16,9 +16,16 @@ def _demo(args: argparse.Namespace) -> int:
     from hierps.demo import DemoConfig, run_demo
 
     cfg = DemoConfig(
-        examples=args.examples, data=args.data, max_rows=args.max_rows, batch_size=args.batch_size,
-        pass_batches=args.pass_batches, memory_budget=args.memory_budget, device_budget=args.device_budget,
-        store=args.store, seed=args.seed, progress=not args.no_progress,
+        examples=args.examples,
+        data=args.data,
+        max_rows=args.max_rows,
+        batch_size=args.batch_size,
+        pass_batches=args.pass_batches,
+        memory_budget=args.memory_budget,
+        device_budget=args.device_budget,
+        store=args.store,
+        seed=args.seed,
+        progress=not args.no_progress,
     )
     result = run_demo(cfg)
     if args.json:
@@ -72,19 +79,26 @@ def _shrink(args: argparse.Namespace) -> int:
             if args.table is not None and args.table not in store.tables:
                 print(f"{path}: no table {args.table!r}; it has {sorted(store.tables)}", file=sys.stderr)
                 return 2
-            deleted = store.shrink(args.table, ttl_passes=args.ttl_passes, min_decayed_count=args.min_decayed_count)
+            deleted = store.shrink(
+                args.table, ttl_passes=args.ttl_passes, min_decayed_count=args.min_decayed_count
+            )
             ckpt = store.checkpoint("shrink")
             for name, n in deleted.items():
                 active = args.ttl_passes is not None or args.min_decayed_count is not None
-                rule = "" if active or store.tables[name].eviction.active else (
-                    " (no eviction settings: pass --ttl-passes or --min-decayed-count)")
+                rule = (
+                    ""
+                    if active or store.tables[name].eviction.active
+                    else (" (no eviction settings: pass --ttl-passes or --min-decayed-count)")
+                )
                 print(f"{path}: {name}: {n} rows deleted, {store.ssd.num_rows(name)} left{rule}")
             print(f"{path}: checkpoint {ckpt}")
     return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="hierps", description="Hierarchical parameter store for sparse embeddings.")
+    parser = argparse.ArgumentParser(
+        prog="hierps", description="Hierarchical parameter store for sparse embeddings."
+    )
     sub = parser.add_subparsers(dest="command", required=True)
 
     demo = sub.add_parser("demo", help="train a DLRM click model through the store (rows spill to SSD)")
@@ -103,13 +117,17 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     from hierps.bench import add_arguments
 
-    bench = sub.add_parser("bench", help="training throughput of hierps against PyTorch, DeepSpeed and a memmap")
+    bench = sub.add_parser(
+        "bench", help="training throughput of hierps against PyTorch, DeepSpeed and a memmap"
+    )
     add_arguments(bench)
     bench.set_defaults(func=_bench)
 
     insp = sub.add_parser("inspect", help="tables, rows, bytes on disk, checkpoints and counters of a store")
     insp.add_argument("path", help="store directory (or a directory of rank-* stores)")
-    insp.add_argument("--no-counts", action="store_true", help="skip the histogram of counters (reads every row)")
+    insp.add_argument(
+        "--no-counts", action="store_true", help="skip the histogram of counters (reads every row)"
+    )
     insp.add_argument("--json", help="also write the report as JSON here")
     insp.set_defaults(func=_inspect)
 
@@ -121,10 +139,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     exp.set_defaults(func=_export)
 
     shr = sub.add_parser("shrink", help="delete rows unseen for long from every tier, then checkpoint")
-    shr.add_argument("path", help="store directory (or a directory of rank-* stores); nothing else may have it open")
+    shr.add_argument(
+        "path", help="store directory (or a directory of rank-* stores); nothing else may have it open"
+    )
     shr.add_argument("--ttl-passes", type=int, default=None, help="delete rows unseen for this many passes")
-    shr.add_argument("--min-decayed-count", type=float, default=None,
-                     help="delete rows whose decayed count is below this")
+    shr.add_argument(
+        "--min-decayed-count", type=float, default=None, help="delete rows whose decayed count is below this"
+    )
     shr.add_argument("--table", default=None, help="only this table (default: all)")
     shr.set_defaults(func=_shrink)
 

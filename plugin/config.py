@@ -47,7 +47,9 @@ def parse_size(value: Any, name: str = "size") -> int:
     2048
     """
     if isinstance(value, bool):
-        raise ConfigError(f"{name}: expected a size in bytes or a string like '512MiB'. Got {value!r} instead.")
+        raise ConfigError(
+            f"{name}: expected a size in bytes or a string like '512MiB'. Got {value!r} instead."
+        )
     if isinstance(value, int):
         n = value
     elif isinstance(value, float) and math.isfinite(value) and value.is_integer():
@@ -62,14 +64,17 @@ def parse_size(value: Any, name: str = "size") -> int:
             )
         n = int(float(m.group(1)) * _UNITS[unit])
     else:
-        raise ConfigError(f"{name}: expected a size in bytes or a string like '512MiB'. Got {value!r} instead.")
+        raise ConfigError(
+            f"{name}: expected a size in bytes or a string like '512MiB'. Got {value!r} instead."
+        )
     if n < 0:
         raise ConfigError(f"{name}: a size must not be negative. Got {value!r} instead.")
     return n
 
 
-def _check_number(name: str, value: Any, *, low: float | None = None, high: float | None = None,
-                  low_open: bool = False) -> float:
+def _check_number(
+    name: str, value: Any, *, low: float | None = None, high: float | None = None, low_open: bool = False
+) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
         raise ConfigError(f"{name}: expected a finite number. Got {value!r} instead.")
     if low is not None and (value < low or (low_open and value == low)):
@@ -119,8 +124,9 @@ class OptimizerConfig:
         if "lr_decay" in merged:
             _check_number("optimizer.params.lr_decay", merged["lr_decay"], low=0.0)
         if "initial_accumulator_value" in merged:
-            _check_number("optimizer.params.initial_accumulator_value",
-                          merged["initial_accumulator_value"], low=0.0)
+            _check_number(
+                "optimizer.params.initial_accumulator_value", merged["initial_accumulator_value"], low=0.0
+            )
         if "betas" in merged:
             betas = merged["betas"]
             if not isinstance(betas, (list, tuple)) or len(betas) != 2:
@@ -147,7 +153,9 @@ class OptimizerConfig:
             if not isinstance(params, dict):
                 raise ConfigError(f"optimizer.params: expected a mapping. Got {params!r} instead.")
             return cls(value.get("type", "adagrad"), dict(params))
-        raise ConfigError(f"optimizer: expected a type name or {{'type': ..., 'params': ...}}. Got {value!r}.")
+        raise ConfigError(
+            f"optimizer: expected a type name or {{'type': ..., 'params': ...}}. Got {value!r}."
+        )
 
     def to_json(self) -> dict[str, Any]:
         params = {k: (list(v) if isinstance(v, tuple) else v) for k, v in self.params.items()}
@@ -173,7 +181,9 @@ class InitializerConfig:
         unknown = sorted(set(self.params) - set(allowed))
         if unknown:
             raise ConfigError(f"initializer.params: {self.type} takes no parameter {unknown[0]!r}.")
-        merged = {k: _check_number(f"initializer.params.{k}", v) for k, v in {**allowed, **self.params}.items()}
+        merged = {
+            k: _check_number(f"initializer.params.{k}", v) for k, v in {**allowed, **self.params}.items()
+        }
         if self.type == "normal" and merged["std"] < 0:
             raise ConfigError(f"initializer.params.std: must be >= 0. Got {merged['std']!r} instead.")
         if self.type == "uniform" and merged["low"] > merged["high"]:
@@ -188,7 +198,9 @@ class InitializerConfig:
             return cls(value)
         if isinstance(value, dict):
             return cls(value.get("type", "normal"), dict(value.get("params", {}) or {}))
-        raise ConfigError(f"initializer: expected a type name or {{'type': ..., 'params': ...}}. Got {value!r}.")
+        raise ConfigError(
+            f"initializer: expected a type name or {{'type': ..., 'params': ...}}. Got {value!r}."
+        )
 
     def to_json(self) -> dict[str, Any]:
         return {"type": self.type, "params": dict(self.params)}
@@ -202,18 +214,22 @@ def _mapping(value: Any, key: str, fields: tuple[str, ...]) -> dict[str, Any]:
     if value is None:
         return {}
     if not isinstance(value, dict):
-        raise ConfigError(f"{key}: expected a mapping with keys among {', '.join(fields)}. Got {value!r} instead.")
+        raise ConfigError(
+            f"{key}: expected a mapping with keys among {', '.join(fields)}. Got {value!r} instead."
+        )
     unknown = sorted(set(value) - set(fields))
     if unknown:
-        raise ConfigError(f"{key}.{unknown[0]}: unknown key (value {value[unknown[0]]!r}); the keys are "
-                          f"{', '.join(fields)}.")
+        raise ConfigError(
+            f"{key}.{unknown[0]}: unknown key (value {value[unknown[0]]!r}); the keys are "
+            f"{', '.join(fields)}."
+        )
     return dict(value)
 
 
 def _rekey(exc: ConfigError, default: str, key: str) -> ConfigError:
     """The same error with its leading key ``default`` (every message here starts with it) renamed ``key``."""
     text = str(exc)
-    return ConfigError(key + text[len(default):] if text.startswith(default) else text)
+    return ConfigError(key + text[len(default) :] if text.startswith(default) else text)
 
 
 def _check_int(name: str, value: Any, low: int, *, optional: bool = False) -> int | None:
@@ -252,12 +268,15 @@ class AdmissionConfig:
         _check_int(f"{key}.min_count", self.min_count, 1, optional=True)
         _check_number(f"{key}.admit_probability", self.admit_probability, low=0.0, high=1.0)
         if self.unadmitted not in UNADMITTED_VALUES:
-            raise ConfigError(f"{key}.unadmitted: expected one of {UNADMITTED_VALUES}. Got {self.unadmitted!r} "
-                              "instead.")
+            raise ConfigError(
+                f"{key}.unadmitted: expected one of {UNADMITTED_VALUES}. Got {self.unadmitted!r} instead."
+            )
         _check_int(f"{key}.max_pending", self.max_pending, 1)
         if self.min_count is None and self.admit_probability == 0.0:
-            raise ConfigError(f"{key}: min_count is null and admit_probability is 0, so no key would ever be "
-                              "admitted. Set min_count (e.g. 3) or a probability (e.g. 0.1).")
+            raise ConfigError(
+                f"{key}: min_count is null and admit_probability is 0, so no key would ever be "
+                "admitted. Set min_count (e.g. 3) or a probability (e.g. 0.1)."
+            )
 
     @property
     def filters(self) -> bool:
@@ -284,8 +303,12 @@ class AdmissionConfig:
             raise _rekey(exc, "admission", key) from None
 
     def to_json(self) -> dict[str, Any]:
-        return {"min_count": self.min_count, "admit_probability": self.admit_probability,
-                "unadmitted": self.unadmitted, "max_pending": self.max_pending}
+        return {
+            "min_count": self.min_count,
+            "admit_probability": self.admit_probability,
+            "unadmitted": self.unadmitted,
+            "max_pending": self.max_pending,
+        }
 
 
 @dataclass(frozen=True)
@@ -319,10 +342,14 @@ class EvictionConfig:
         _check_number(f"{key}.decay", self.decay, low=0.0, high=1.0, low_open=True)
         _check_int(f"{key}.every_passes", self.every_passes, 1, optional=True)
         if not isinstance(self.reclaim_disk, bool):
-            raise ConfigError(f"{key}.reclaim_disk: expected true or false. Got {self.reclaim_disk!r} instead.")
+            raise ConfigError(
+                f"{key}.reclaim_disk: expected true or false. Got {self.reclaim_disk!r} instead."
+            )
         if self.every_passes is not None and not self.active:
-            raise ConfigError(f"{key}.every_passes: set to {self.every_passes}, but neither ttl_passes nor "
-                              "min_decayed_count is set, so shrinking would delete nothing. Set one of them.")
+            raise ConfigError(
+                f"{key}.every_passes: set to {self.every_passes}, but neither ttl_passes nor "
+                "min_decayed_count is set, so shrinking would delete nothing. Set one of them."
+            )
 
     @property
     def active(self) -> bool:
@@ -344,5 +371,10 @@ class EvictionConfig:
             raise _rekey(exc, "eviction", key) from None
 
     def to_json(self) -> dict[str, Any]:
-        return {"ttl_passes": self.ttl_passes, "min_decayed_count": self.min_decayed_count,
-                "decay": self.decay, "every_passes": self.every_passes, "reclaim_disk": self.reclaim_disk}
+        return {
+            "ttl_passes": self.ttl_passes,
+            "min_decayed_count": self.min_decayed_count,
+            "decay": self.decay,
+            "every_passes": self.every_passes,
+            "reclaim_disk": self.reclaim_disk,
+        }

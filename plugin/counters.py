@@ -55,8 +55,9 @@ def initial_counters(n: int, now: int) -> np.ndarray:
     return out
 
 
-def record_seen(rows: torch.Tensor, slots: torch.Tensor, start: int, counts: torch.Tensor, now: int,
-                decay: float) -> None:
+def record_seen(
+    rows: torch.Tensor, slots: torch.Tensor, start: int, counts: torch.Tensor, now: int, decay: float
+) -> None:
     """Count sightings into the counters of some rows, in place.
 
     rows: (n, width) float32 whose counters start at column ``start``; slots: (U,) unique int64

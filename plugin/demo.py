@@ -65,12 +65,15 @@ def build_model(store: hierps.Store, cfg: DemoConfig, n_dense: int = 13, n_spars
     init = {"type": "uniform", "params": {"low": -0.01, "high": 0.01}}
     opt = {"type": "adagrad", "params": {"lr": cfg.lr_sparse}}
     for i, name in enumerate(table_names(n_sparse)):
-        model.tables[i] = hierps.EmbeddingBag(None, cfg.embedding_dim, mode="sum", store=store, name=name,
-                                              optimizer=opt, initializer=init)
+        model.tables[i] = hierps.EmbeddingBag(
+            None, cfg.embedding_dim, mode="sum", store=store, name=name, optimizer=opt, initializer=init
+        )
     return model.to(store.device)
 
 
-def evaluate(model: nn.Module, data: CriteoData, device: torch.device, batch_size: int = 8192) -> tuple[float, float]:
+def evaluate(
+    model: nn.Module, data: CriteoData, device: torch.device, batch_size: int = 8192
+) -> tuple[float, float]:
     """(AUC, log loss) of the model on ``data``."""
     model.eval()
     scores = []
@@ -99,7 +102,9 @@ def run_demo(cfg: DemoConfig, out: Callable[[str], Any] = print) -> dict[str, An
     names = table_names(n_sparse)
     tmp = tempfile.TemporaryDirectory(prefix="hierps-demo-") if cfg.store is None else None
     path = Path(tmp.name) / "store" if tmp else Path(cfg.store)
-    store = hierps.Store(path, memory_budget=cfg.memory_budget, device_budget=cfg.device_budget, seed=cfg.seed)
+    store = hierps.Store(
+        path, memory_budget=cfg.memory_budget, device_budget=cfg.device_budget, seed=cfg.seed
+    )
     try:
         model = build_model(store, cfg, n_dense=train.dense.shape[1], n_sparse=n_sparse)
         dense_opt = torch.optim.Adam(model.parameters(), lr=cfg.lr_dense)
@@ -107,11 +112,14 @@ def run_demo(cfg: DemoConfig, out: Callable[[str], Any] = print) -> dict[str, An
         probe = test.subset(slice(0, min(len(test), 20_000)))
         batches = list(train.batches(cfg.batch_size, shuffle=True, seed=cfg.seed))
         n_passes = (len(batches) + cfg.pass_batches - 1) // cfg.pass_batches
-        out(f"hierps demo: {len(train)} train / {len(test)} test examples, {n_sparse} tables of dim "
+        out(
+            f"hierps demo: {len(train)} train / {len(test)} test examples, {n_sparse} tables of dim "
             f"{cfg.embedding_dim}, {n_passes} passes of {cfg.pass_batches} batches of {cfg.batch_size}; "
-            f"RAM budget {cfg.memory_budget}, store {path}, device {store.device}")
+            f"RAM budget {cfg.memory_budget}, store {path}, device {store.device}"
+        )
         bar = _progress(len(batches), cfg.progress)
         history = []
+
         def pass_ids(p: int) -> list[dict[str, torch.Tensor]]:
             group = batches[p * cfg.pass_batches : (p + 1) * cfg.pass_batches]
             return [{n: sparse[:, i] for i, n in enumerate(names)} for _, sparse, _ in group]
@@ -123,7 +131,9 @@ def run_demo(cfg: DemoConfig, out: Callable[[str], Any] = print) -> dict[str, An
             if p + 1 < n_passes:
                 store.prefetch(pass_ids(p + 1))  # read in the background while this pass trains
             for dense, sparse, labels in group:
-                loss = loss_fn(model(dense.to(store.device), sparse.to(store.device)), labels.to(store.device))
+                loss = loss_fn(
+                    model(dense.to(store.device), sparse.to(store.device)), labels.to(store.device)
+                )
                 loss.backward()
                 dense_opt.step()
                 dense_opt.zero_grad()
@@ -136,19 +146,23 @@ def run_demo(cfg: DemoConfig, out: Callable[[str], Any] = print) -> dict[str, An
             probe_auc, _ = evaluate(model, probe, store.device)
             record = {**stats, "train_loss": float(np.mean(losses)), "probe_auc": probe_auc}
             history.append(record)
-            line = (f"pass {p + 1:3d}/{n_passes}  loss {record['train_loss']:.4f}  auc {probe_auc:.4f}  "
-                    f"rows ram/ssd {stats['rows_memory']}/{stats['rows_ssd']}  "
-                    f"hit ram {stats['ram_hit_rate']:.0%} ssd {stats['ssd_hit_rate']:.0%} "
-                    f"new {stats['new_rows']}  ssd read {_fmt_bytes(stats['ssd_bytes_read'])} "
-                    f"written {_fmt_bytes(stats['ssd_bytes_written'])}  {stats['seconds']:.1f}s")
+            line = (
+                f"pass {p + 1:3d}/{n_passes}  loss {record['train_loss']:.4f}  auc {probe_auc:.4f}  "
+                f"rows ram/ssd {stats['rows_memory']}/{stats['rows_ssd']}  "
+                f"hit ram {stats['ram_hit_rate']:.0%} ssd {stats['ssd_hit_rate']:.0%} "
+                f"new {stats['new_rows']}  ssd read {_fmt_bytes(stats['ssd_bytes_read'])} "
+                f"written {_fmt_bytes(stats['ssd_bytes_written'])}  {stats['seconds']:.1f}s"
+            )
             (bar.write if bar is not None else out)(line)
         if bar is not None:
             bar.close()
         ckpt = store.checkpoint("demo-final")
         final_auc, final_loss = evaluate(model, test, store.device)
         elapsed = time.perf_counter() - t_start
-        out(f"checkpoint {ckpt}: {sum(store.ssd.num_rows(n) for n in names)} rows on SSD, "
-            f"{_fmt_bytes(store.ssd.disk_bytes())} on disk; test log loss {final_loss:.4f}; {elapsed:.1f}s")
+        out(
+            f"checkpoint {ckpt}: {sum(store.ssd.num_rows(n) for n in names)} rows on SSD, "
+            f"{_fmt_bytes(store.ssd.disk_bytes())} on disk; test log loss {final_loss:.4f}; {elapsed:.1f}s"
+        )
         out(f"final AUC {final_auc:.4f}")
         return {"final_auc": final_auc, "final_log_loss": final_loss, "passes": history, "seconds": elapsed}
     finally:

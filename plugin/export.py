@@ -65,8 +65,10 @@ def store_dirs(path: str | os.PathLike[str]) -> list[Path]:
         return [root]
     ranks = sorted(p for p in root.glob("rank-*") if (p / _MARKER).exists()) if root.is_dir() else []
     if not ranks:
-        raise StoreFormatError(f"{root}: neither a hierps store (no {_MARKER}) nor a directory of per-rank stores "
-                               "(rank-00000/ ...). Point at a store directory.")
+        raise StoreFormatError(
+            f"{root}: neither a hierps store (no {_MARKER}) nor a directory of per-rank stores "
+            "(rank-00000/ ...). Point at a store directory."
+        )
     return ranks
 
 
@@ -77,16 +79,22 @@ def resolve_checkpoint(stores: list[Path], ref: int | str | None, what: str = "c
     if ref is None:
         common = set.intersection(*held)
         if not common:
-            raise ConfigError(f"{stores[0].parent if len(stores) > 1 else stores[0]}: no {what} that every store "
-                              f"holds ({_describe(stores, held)}). Checkpoint the store first.")
+            raise ConfigError(
+                f"{stores[0].parent if len(stores) > 1 else stores[0]}: no {what} that every store "
+                f"holds ({_describe(stores, held)}). Checkpoint the store first."
+            )
         return max(common)
     ids = {c.find(ref) if c is not None else None for c in catalogs}
     if None in ids:
-        raise ConfigError(f"{what} {ref!r}: not held by every store ({_describe(stores, held)}); a retired "
-                          "checkpoint cannot be exported from. Export in full instead, or raise keep_checkpoints.")
+        raise ConfigError(
+            f"{what} {ref!r}: not held by every store ({_describe(stores, held)}); a retired "
+            "checkpoint cannot be exported from. Export in full instead, or raise keep_checkpoints."
+        )
     if len(ids) > 1:
-        raise ConfigError(f"{what} {ref!r}: names different checkpoint ids in the rank stores ({sorted(ids)}); "
-                          "pass a checkpoint id instead.")
+        raise ConfigError(
+            f"{what} {ref!r}: names different checkpoint ids in the rank stores ({sorted(ids)}); "
+            "pass a checkpoint id instead."
+        )
     return ids.pop()
 
 
@@ -100,8 +108,12 @@ def _catalog(store: Path) -> CheckpointCatalog | None:
     return CheckpointCatalog(root) if root.is_dir() else None
 
 
-def export_store(path: str | os.PathLike[str], out: str | os.PathLike[str], since: int | str | None = None,
-                 checkpoint: int | str | None = None) -> dict[str, Any]:
+def export_store(
+    path: str | os.PathLike[str],
+    out: str | os.PathLike[str],
+    since: int | str | None = None,
+    checkpoint: int | str | None = None,
+) -> dict[str, Any]:
     """Export a store directory (or a directory of rank stores) to ``out``; returns the manifest.
 
     ``checkpoint``: id or tag to export (default: the latest); ``since``: id or tag of an earlier
@@ -110,13 +122,17 @@ def export_store(path: str | os.PathLike[str], out: str | os.PathLike[str], sinc
     stores = store_dirs(path)
     out = Path(out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise ConfigError(f"{out}: already exists and is not empty; export to a new directory (exports are "
-                          "never overwritten, so a reader never sees half of one).")
+        raise ConfigError(
+            f"{out}: already exists and is not empty; export to a new directory (exports are "
+            "never overwritten, so a reader never sees half of one)."
+        )
     ckpt = resolve_checkpoint(stores, checkpoint)
     base = resolve_checkpoint(stores, since, what="since") if since is not None else None
     if base is not None and base > ckpt:
-        raise ConfigError(f"since {since!r}: checkpoint {base} is newer than the exported checkpoint {ckpt}; a delta "
-                          "goes from an older checkpoint to a newer one.")
+        raise ConfigError(
+            f"since {since!r}: checkpoint {base} is newer than the exported checkpoint {ckpt}; a delta "
+            "goes from an older checkpoint to a newer one."
+        )
     now = [CheckpointReader(s, ckpt) for s in stores]
     old = [CheckpointReader(s, base) for s in stores] if base is not None else None
     tables = _tables(now)
@@ -140,11 +156,24 @@ def export_store(path: str | os.PathLike[str], out: str | os.PathLike[str], sinc
             if deleted is not None:
                 _write_array(zstore, f"{name}/deleted", deleted)
             admission = AdmissionConfig.parse(meta.get("admission"))
-            described[name] = {"dim": dim, "rows": rows, "deleted": 0 if deleted is None else int(len(deleted)),
-                               "initializer": meta["initializer"], "unknown": admission.unknown_rows}
-        manifest = {"format": EXPORT_FORMAT, "format_version": EXPORT_VERSION, "checkpoint": ckpt, "since": base,
-                    "seed": seed, "ranks": len(stores), "source": str(Path(path).resolve()),
-                    "created": time.time(), "tables": described}
+            described[name] = {
+                "dim": dim,
+                "rows": rows,
+                "deleted": 0 if deleted is None else int(len(deleted)),
+                "initializer": meta["initializer"],
+                "unknown": admission.unknown_rows,
+            }
+        manifest = {
+            "format": EXPORT_FORMAT,
+            "format_version": EXPORT_VERSION,
+            "checkpoint": ckpt,
+            "since": base,
+            "seed": seed,
+            "ranks": len(stores),
+            "source": str(Path(path).resolve()),
+            "created": time.time(),
+            "tables": described,
+        }
         (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1, sort_keys=True), encoding="utf-8")
         fsync_tree(tmp)
         if out.exists():
@@ -159,8 +188,10 @@ def export_store(path: str | os.PathLike[str], out: str | os.PathLike[str], sinc
 
 def _one(values: set[Any], what: str, stores: list[Path]) -> Any:
     if len(values) != 1:
-        raise StoreFormatError(f"{stores[0].parent}: the rank stores disagree on {what} ({sorted(values)}); they "
-                               "are not shards of one model. Export them one by one.")
+        raise StoreFormatError(
+            f"{stores[0].parent}: the rank stores disagree on {what} ({sorted(values)}); they "
+            "are not shards of one model. Export them one by one."
+        )
     return values.pop()
 
 
@@ -171,10 +202,12 @@ def _tables(readers: list[CheckpointReader]) -> dict[str, dict[str, Any]]:
         for name, meta in r.tables.items():
             first = out.setdefault(name, meta)
             if int(first["dim"]) != int(meta["dim"]) or first["initializer"] != meta["initializer"]:
-                raise StoreFormatError(f"{r.path}: table {name!r} has dim {meta['dim']} / initializer "
-                                       f"{meta['initializer']} there and dim {first['dim']} / initializer "
-                                       f"{first['initializer']} in another rank store; they are not shards of one "
-                                       "model. Export them one by one.")
+                raise StoreFormatError(
+                    f"{r.path}: table {name!r} has dim {meta['dim']} / initializer "
+                    f"{meta['initializer']} there and dim {first['dim']} / initializer "
+                    f"{first['initializer']} in another rank store; they are not shards of one "
+                    "model. Export them one by one."
+                )
     return out
 
 
@@ -218,14 +251,22 @@ def _batch_rows(width: int) -> int:
 
 
 def _write_array(zstore: LocalStore, name: str, data: np.ndarray) -> None:
-    arr = zarr.create_array(zstore, name=name, shape=data.shape, chunks=(max(1, min(len(data), 1 << 17)),),
-                            dtype=data.dtype, compressors=[zarr.codecs.Crc32cCodec()], fill_value=0)
+    arr = zarr.create_array(
+        zstore,
+        name=name,
+        shape=data.shape,
+        chunks=(max(1, min(len(data), 1 << 17)),),
+        dtype=data.dtype,
+        compressors=[zarr.codecs.Crc32cCodec()],
+        fill_value=0,
+    )
     if len(data):
         arr[:] = data
 
 
-def _write_table(zstore: LocalStore, table: str, dim: int, readers: list[CheckpointReader],
-                 parts: list[np.ndarray]) -> int:
+def _write_table(
+    zstore: LocalStore, table: str, dim: int, readers: list[CheckpointReader], parts: list[np.ndarray]
+) -> int:
     """Write ``keys`` and ``values`` of the rows ``parts[r]`` (sorted keys) of reader r, merged by key."""
     keys = np.concatenate(parts) if parts else np.empty(0, np.int64)
     owner = np.concatenate([np.full(len(p), r, np.int32) for r, p in enumerate(parts)]) if parts else keys
@@ -235,12 +276,21 @@ def _write_table(zstore: LocalStore, table: str, dim: int, readers: list[Checkpo
     if len(twice):
         k = int(keys[twice[0]])
         holders = [readers[int(o)].path.name for o in owner[twice[0] : twice[0] + 2]]
-        raise StoreFormatError(f"table {table!r}: key {k} is stored in both {holders[0]} and {holders[1]}; rank "
-                               "stores of one model hold disjoint keys. Export them one by one.")
+        raise StoreFormatError(
+            f"table {table!r}: key {k} is stored in both {holders[0]} and {holders[1]}; rank "
+            "stores of one model hold disjoint keys. Export them one by one."
+        )
     _write_array(zstore, f"{table}/keys", keys)
     chunk_rows = max(1, min(len(keys), _CHUNK_BYTES // (4 * dim)))
-    values = zarr.create_array(zstore, name=f"{table}/values", shape=(len(keys), dim), chunks=(chunk_rows, dim),
-                               dtype="float32", compressors=[zarr.codecs.Crc32cCodec()], fill_value=0.0)
+    values = zarr.create_array(
+        zstore,
+        name=f"{table}/values",
+        shape=(len(keys), dim),
+        chunks=(chunk_rows, dim),
+        dtype="float32",
+        compressors=[zarr.codecs.Crc32cCodec()],
+        fill_value=0.0,
+    )
     step = chunk_rows * _BATCH_CHUNKS
     for start in range(0, len(keys), step):
         kb, ob = keys[start : start + step], owner[start : start + step]

@@ -23,7 +23,9 @@ def same_device(a: torch.device, b: torch.device) -> bool:
 def check_ids_tensor(ids: Any, device: torch.device, what: str = "ids") -> torch.Tensor:
     """An integer tensor on ``device`` -> the same ids as int64 (no copy when already int64)."""
     if not isinstance(ids, torch.Tensor):
-        raise InvalidIdsError(f"{what}: expected a torch integer tensor (LongTensor). Got {type(ids).__name__}.")
+        raise InvalidIdsError(
+            f"{what}: expected a torch integer tensor (LongTensor). Got {type(ids).__name__}."
+        )
     if ids.dtype not in _INT_DTYPES:
         raise InvalidIdsError(
             f"{what}: expected an integer tensor of feature ids (torch.int64). Got dtype {ids.dtype}; "
@@ -49,10 +51,14 @@ def as_int64_array(ids: Any, what: str = "ids") -> np.ndarray:
     if arr.dtype.kind not in "iu":
         if arr.dtype == object and all(isinstance(x, int) for x in arr.reshape(-1).tolist()):
             big = [x for x in arr.reshape(-1).tolist() if not -(2**63) <= x <= _INT64_MAX]
-            raise InvalidIdsError(f"{what}: id {big[0]} is outside int64; hierps keys are signed 64-bit ids. "
-                                  "Hash larger ids into int64 first.")
+            raise InvalidIdsError(
+                f"{what}: id {big[0]} is outside int64; hierps keys are signed 64-bit ids. "
+                "Hash larger ids into int64 first."
+            )
         raise InvalidIdsError(f"{what}: expected integer ids (int64). Got dtype {arr.dtype}.")
     if arr.dtype == np.uint64 and arr.size and int(arr.max()) > _INT64_MAX:
-        raise InvalidIdsError(f"{what}: id {int(arr.max())} is outside int64; hierps keys are signed 64-bit "
-                              "ids. Reinterpret them with .view(np.int64) if they are hashes.")
+        raise InvalidIdsError(
+            f"{what}: id {int(arr.max())} is outside int64; hierps keys are signed 64-bit "
+            "ids. Reinterpret them with .view(np.int64) if they are hashes."
+        )
     return arr.reshape(-1).astype(np.int64, copy=False)

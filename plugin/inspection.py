@@ -35,25 +35,35 @@ def inspect_path(path: str | os.PathLike[str], counts: bool = True) -> dict[str,
 
 
 def _inspect_store(store: Path, counts: bool) -> dict[str, Any]:
-    report: dict[str, Any] = {"path": str(store), "bytes_on_disk": _disk_bytes(store), "checkpoints": [],
-                              "tables": {}}
+    report: dict[str, Any] = {
+        "path": str(store),
+        "bytes_on_disk": _disk_bytes(store),
+        "checkpoints": [],
+        "tables": {},
+    }
     ckpt_root = store / "checkpoints"
     if not ckpt_root.is_dir() or not any(p.suffix == ".json" for p in ckpt_root.iterdir()):
         return report
     reader = CheckpointReader(store)
     for ckpt in reader.catalog.ids():
         m = reader.catalog.manifest(ckpt)
-        report["checkpoints"].append({"id": ckpt, "tag": m.get("tag"), "created": m.get("created"),
-                                      "passes": m.get("passes")})
+        report["checkpoints"].append(
+            {"id": ckpt, "tag": m.get("tag"), "created": m.get("created"), "passes": m.get("passes")}
+        )
     report["checkpoint"] = reader.checkpoint_id
     report["passes"] = reader.manifest.get("passes", 0)
     for name, meta in reader.tables.items():
         table: dict[str, Any] = {
-            "dim": int(meta["dim"]), "width": int(meta["width"]), "optimizer": meta["optimizer"]["type"],
-            "steps": int(meta["step"]), "rows_ssd": int(meta["rows"]), "segments": len(meta["segments"]),
+            "dim": int(meta["dim"]),
+            "width": int(meta["width"]),
+            "optimizer": meta["optimizer"]["type"],
+            "steps": int(meta["step"]),
+            "rows_ssd": int(meta["rows"]),
+            "segments": len(meta["segments"]),
             "bytes_on_disk": _disk_bytes(store / "segments" / name),
             "pending_keys": int(len(reader.pending_keys(name))),
-            "admission": meta.get("admission"), "eviction": meta.get("eviction"),
+            "admission": meta.get("admission"),
+            "eviction": meta.get("eviction"),
         }
         if counts:
             hist, shows, clicks = np.zeros(1, np.int64), 0.0, 0.0
@@ -61,7 +71,9 @@ def _inspect_store(store: Path, counts: bool) -> dict[str, Any]:
                 hist = count_histogram(block[:, COUNT], hist)
                 shows += float(block[:, SHOW].astype(np.float64).sum())
                 clicks += float(block[:, CLICK].astype(np.float64).sum())
-            table["count_histogram"] = [{"count": _bucket(b), "rows": int(n)} for b, n in enumerate(hist) if n]
+            table["count_histogram"] = [
+                {"count": _bucket(b), "rows": int(n)} for b, n in enumerate(hist) if n
+            ]
             table["shows"], table["clicks"] = shows, clicks
         report["tables"][name] = table
     return report
@@ -83,17 +95,25 @@ def format_report(report: dict[str, Any]) -> str:
         if not s["checkpoints"]:
             lines.append("  no checkpoint yet: nothing is durable")
             continue
-        lines.append("  checkpoints: " + ", ".join(
-            f"{c['id']}" + (f" ({c['tag']})" if c["tag"] else "") for c in s["checkpoints"]))
+        lines.append(
+            "  checkpoints: "
+            + ", ".join(f"{c['id']}" + (f" ({c['tag']})" if c["tag"] else "") for c in s["checkpoints"])
+        )
         lines.append(f"  latest: {s['checkpoint']} after {s['passes']} passes")
         for name, t in s["tables"].items():
-            lines.append(f"  table {name}: dim {t['dim']}, {t['optimizer']} ({t['width']} floats a row), "
-                         f"{t['steps']} steps")
-            lines.append(f"    rows on SSD {t['rows_ssd']}, pending admission {t['pending_keys']}, "
-                         f"{t['segments']} segments, {_size(t['bytes_on_disk'])} on disk")
+            lines.append(
+                f"  table {name}: dim {t['dim']}, {t['optimizer']} ({t['width']} floats a row), "
+                f"{t['steps']} steps"
+            )
+            lines.append(
+                f"    rows on SSD {t['rows_ssd']}, pending admission {t['pending_keys']}, "
+                f"{t['segments']} segments, {_size(t['bytes_on_disk'])} on disk"
+            )
             if t.get("admission") and t["admission"].get("min_count") != 1:
                 lines.append(f"    admission {_settings(t['admission'])}")
-            if t.get("eviction") and (t["eviction"].get("ttl_passes") or t["eviction"].get("min_decayed_count")):
+            if t.get("eviction") and (
+                t["eviction"].get("ttl_passes") or t["eviction"].get("min_decayed_count")
+            ):
                 lines.append(f"    eviction {_settings(t['eviction'])}")
             if "count_histogram" in t:
                 lines.append(f"    shows {t['shows']:.0f}, clicks {t['clicks']:.0f}; rows by times seen:")

@@ -62,11 +62,17 @@ class LifeCycle:
         """The counters of int64 ``keys`` (n,): ``{"count", "decayed", "show", "click", "last_pass"}`` ->
         (n,) float32 each (keys without a row: nothing seen; ``decayed`` is as of ``last_pass``)."""
         block = self._whole_rows(table, keys)[:, self._info(table).state_end :]
-        return {"count": block[:, COUNT], "decayed": block[:, DECAYED], "show": block[:, SHOW],
-                "click": block[:, CLICK], "last_pass": block[:, LAST_PASS]}
+        return {
+            "count": block[:, COUNT],
+            "decayed": block[:, DECAYED],
+            "show": block[:, SHOW],
+            "click": block[:, CLICK],
+            "last_pass": block[:, LAST_PASS],
+        }
 
-    def _admit(self, info: TableInfo, keys: np.ndarray, n_seen: np.ndarray,
-               candidates: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    def _admit(
+        self, info: TableInfo, keys: np.ndarray, n_seen: np.ndarray, candidates: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray]:
         """Count sightings of pending ``keys[candidates]``; -> (admitted now (U,) bool, earlier sightings (U,))."""
         new = np.zeros(len(keys), bool)
         prior = np.zeros(len(keys), np.int64)
@@ -91,7 +97,9 @@ class LifeCycle:
     def _count_seen(self, info: TableInfo, slots: torch.Tensor, counts: torch.Tensor | None) -> None:
         """Add sightings (counts (U,), default 1 each) to the counters of resident rows at ``slots``."""
         n = counts.to(torch.float32) if counts is not None else torch.ones(len(slots), device=self.device)
-        record_seen(self.device_tier.rows(info.name), slots, info.state_end, n, self.passes, info.eviction.decay)
+        record_seen(
+            self.device_tier.rows(info.name), slots, info.state_end, n, self.passes, info.eviction.decay
+        )
         self.device_tier.mark_dirty(info.name, slots)
 
     def _stored(self, table: str, keys: np.ndarray) -> np.ndarray:
@@ -125,26 +133,38 @@ class LifeCycle:
         keys = _ids.as_int64_array(ids, what=f"ids for table {table!r}")
         labels = None
         if clicks is not None:
-            labels = (clicks.detach().cpu().numpy() if isinstance(clicks, torch.Tensor) else np.asarray(clicks))
+            labels = clicks.detach().cpu().numpy() if isinstance(clicks, torch.Tensor) else np.asarray(clicks)
             labels = labels.reshape(-1).astype(np.float64)
             if labels.shape != keys.shape:
-                raise ConfigError(f"observe on {table!r}: {labels.size} clicks for {keys.size} ids; pass one "
-                                  "click label per id (repeat each example's label over its ids).")
+                raise ConfigError(
+                    f"observe on {table!r}: {labels.size} clicks for {keys.size} ids; pass one "
+                    "click label per id (repeat each example's label over its ids)."
+                )
         uniq, inverse = np.unique(keys, return_inverse=True)
         shows = np.bincount(inverse, minlength=len(uniq)).astype(np.float32)
-        clicked = (np.bincount(inverse, weights=labels, minlength=len(uniq)).astype(np.float32)
-                   if labels is not None else np.zeros(len(uniq), np.float32))
+        clicked = (
+            np.bincount(inverse, weights=labels, minlength=len(uniq)).astype(np.float32)
+            if labels is not None
+            else np.zeros(len(uniq), np.float32)
+        )
         has = np.flatnonzero(self._has_row(table, uniq)) if len(uniq) else np.empty(0, np.int64)
         if len(has) == 0:
             return
         slots = self._resident_slots(table, torch.from_numpy(uniq[has]).to(self.device))
         resident = self.device_tier.rows(table)
         resident[:, info.state_end + SHOW].index_add_(0, slots, torch.from_numpy(shows[has]).to(self.device))
-        resident[:, info.state_end + CLICK].index_add_(0, slots, torch.from_numpy(clicked[has]).to(self.device))
+        resident[:, info.state_end + CLICK].index_add_(
+            0, slots, torch.from_numpy(clicked[has]).to(self.device)
+        )
         self.device_tier.mark_dirty(table, slots)
 
-    def shrink(self, table: str | None = None, *, ttl_passes: int | None = None,
-               min_decayed_count: float | None = None) -> dict[str, int]:
+    def shrink(
+        self,
+        table: str | None = None,
+        *,
+        ttl_passes: int | None = None,
+        min_decayed_count: float | None = None,
+    ) -> dict[str, int]:
         """Delete the rows eviction condemns from every tier; returns ``{table: rows deleted}``.
 
         A row goes when unseen for ``ttl_passes`` finished passes, or when its decayed count is
@@ -158,15 +178,22 @@ class LifeCycle:
         self._check_open()
         self._pipe.drain()  # the tiers below must be quiet while rows are condemned
         if self._pending:
-            raise ConfigError("shrink: rows were gathered for an optimizer step that has not run; call "
-                              "store.step() or store.zero_grad() first, then shrink.")
+            raise ConfigError(
+                "shrink: rows were gathered for an optimizer step that has not run; call "
+                "store.step() or store.zero_grad() first, then shrink."
+            )
         names = [table] if table is not None else list(self.tables)
         for name in names:
             self._info(name)
-        overrides = {k: v for k, v in (("ttl_passes", ttl_passes), ("min_decayed_count", min_decayed_count))
-                     if v is not None}
-        return {name: self._shrink(self.tables[name], replace(self.tables[name].eviction, **overrides))
-                for name in names}
+        overrides = {
+            k: v
+            for k, v in (("ttl_passes", ttl_passes), ("min_decayed_count", min_decayed_count))
+            if v is not None
+        }
+        return {
+            name: self._shrink(self.tables[name], replace(self.tables[name].eviction, **overrides))
+            for name in names
+        }
 
     def _shrink(self, info: TableInfo, rule: EvictionConfig) -> int:
         """Delete the rows of one table that ``rule`` condemns; returns how many (see :meth:`shrink`)."""

@@ -58,13 +58,26 @@ class _StoreEmbedding(nn.Module):
     # (weakref to the last offsets tensor that passed the checks, its version, the ids count)
     _offsets_checked: tuple[weakref.ref[torch.Tensor], int, int] | None = None
 
-    def __init__(self, num_embeddings: int | None, embedding_dim: int, padding_idx: int | None,
-                 max_norm: float | None, scale_grad_by_freq: bool, store: Store | None, name: str | None,
-                 optimizer: Any, initializer: Any, admission: Any, eviction: Any) -> None:
+    def __init__(
+        self,
+        num_embeddings: int | None,
+        embedding_dim: int,
+        padding_idx: int | None,
+        max_norm: float | None,
+        scale_grad_by_freq: bool,
+        store: Store | None,
+        name: str | None,
+        optimizer: Any,
+        initializer: Any,
+        admission: Any,
+        eviction: Any,
+    ) -> None:
         super().__init__()
         if max_norm is not None:
-            raise ConfigError("max_norm is not supported by hierps modules (it rewrites rows during the "
-                              "forward pass); renormalise in the model instead.")
+            raise ConfigError(
+                "max_norm is not supported by hierps modules (it rewrites rows during the "
+                "forward pass); renormalise in the model instead."
+            )
         if scale_grad_by_freq:
             raise ConfigError("scale_grad_by_freq is not supported by hierps modules.")
         if num_embeddings is not None and padding_idx is not None and padding_idx < 0:
@@ -76,8 +89,14 @@ class _StoreEmbedding(nn.Module):
         self.table = name if name is not None else f"{type(self).__name__.lower()}_{len(self._store.tables)}"
         # A table the store already holds (a resumed run) keeps its rows; a new one is filled.
         self._created = self.table not in self._store.tables
-        self._store.table(self.table, embedding_dim, optimizer=optimizer, initializer=initializer,
-                          admission=admission, eviction=eviction)
+        self._store.table(
+            self.table,
+            embedding_dim,
+            optimizer=optimizer,
+            initializer=initializer,
+            admission=admission,
+            eviction=eviction,
+        )
         if self._created and padding_idx is not None:
             self._store.write(self.table, [padding_idx], torch.zeros(1, embedding_dim))
 
@@ -118,26 +137,72 @@ class Embedding(_StoreEmbedding):
     forward: ids (...) int64 on the store's device -> (..., embedding_dim) float32.
     """
 
-    def __init__(self, num_embeddings: int | None, embedding_dim: int, padding_idx: int | None = None,
-                 max_norm: float | None = None, norm_type: float = 2.0, scale_grad_by_freq: bool = False,
-                 sparse: bool = True, _weight: torch.Tensor | None = None, _freeze: bool = False, *,
-                 store: Store | None = None, name: str | None = None, optimizer: Any = None,
-                 initializer: Any = None, admission: Any = None, eviction: Any = None) -> None:
-        super().__init__(num_embeddings, embedding_dim, padding_idx, max_norm, scale_grad_by_freq, store, name,
-                         optimizer, initializer, admission, eviction)
+    def __init__(
+        self,
+        num_embeddings: int | None,
+        embedding_dim: int,
+        padding_idx: int | None = None,
+        max_norm: float | None = None,
+        norm_type: float = 2.0,
+        scale_grad_by_freq: bool = False,
+        sparse: bool = True,
+        _weight: torch.Tensor | None = None,
+        _freeze: bool = False,
+        *,
+        store: Store | None = None,
+        name: str | None = None,
+        optimizer: Any = None,
+        initializer: Any = None,
+        admission: Any = None,
+        eviction: Any = None,
+    ) -> None:
+        super().__init__(
+            num_embeddings,
+            embedding_dim,
+            padding_idx,
+            max_norm,
+            scale_grad_by_freq,
+            store,
+            name,
+            optimizer,
+            initializer,
+            admission,
+            eviction,
+        )
         if _freeze:
-            raise ConfigError("frozen embeddings (_freeze=True) belong in a plain nn.Embedding, not the store.")
+            raise ConfigError(
+                "frozen embeddings (_freeze=True) belong in a plain nn.Embedding, not the store."
+            )
         if _weight is not None:
             self._load_rows(_weight, overwrite=None)
 
     @classmethod
-    def from_module(cls, module: nn.Embedding, *, store: Store | None = None, name: str | None = None,
-                    optimizer: Any = None, initializer: Any = None, overwrite: bool | None = None,
-                    admission: Any = None, eviction: Any = None) -> Embedding:
+    def from_module(
+        cls,
+        module: nn.Embedding,
+        *,
+        store: Store | None = None,
+        name: str | None = None,
+        optimizer: Any = None,
+        initializer: Any = None,
+        overwrite: bool | None = None,
+        admission: Any = None,
+        eviction: Any = None,
+    ) -> Embedding:
         """A hierps ``Embedding`` whose rows 0..N-1 are ``module.weight`` (kept if the store has the table)."""
-        out = cls(module.num_embeddings, module.embedding_dim, module.padding_idx, module.max_norm,
-                  scale_grad_by_freq=module.scale_grad_by_freq, store=store, name=name, optimizer=optimizer,
-                  initializer=initializer, admission=admission, eviction=eviction)
+        out = cls(
+            module.num_embeddings,
+            module.embedding_dim,
+            module.padding_idx,
+            module.max_norm,
+            scale_grad_by_freq=module.scale_grad_by_freq,
+            store=store,
+            name=name,
+            optimizer=optimizer,
+            initializer=initializer,
+            admission=admission,
+            eviction=eviction,
+        )
         out._load_rows(module.weight, overwrite)
         return out
 
@@ -156,8 +221,10 @@ class Embedding(_StoreEmbedding):
         clicks = None
         if labels is not None:
             if ids.dim() == 0 or labels.shape != ids.shape[:1]:
-                raise ConfigError(f"labels of shape {tuple(labels.shape)} for input of shape {tuple(ids.shape)}; "
-                                  "expected one label per example, shape (B,).")
+                raise ConfigError(
+                    f"labels of shape {tuple(labels.shape)} for input of shape {tuple(ids.shape)}; "
+                    "expected one label per example, shape (B,)."
+                )
             clicks = labels.reshape(-1, *([1] * (ids.dim() - 1))).expand(ids.shape)
         self._store.observe(self.table, ids, clicks)
 
@@ -169,50 +236,111 @@ class EmbeddingBag(_StoreEmbedding):
     (B, L) without offsets -> (B, embedding_dim) float32; per_sample_weights like input (sum only).
     """
 
-    def __init__(self, num_embeddings: int | None, embedding_dim: int, max_norm: float | None = None,
-                 norm_type: float = 2.0, scale_grad_by_freq: bool = False, mode: str = "mean",
-                 sparse: bool = True, _weight: torch.Tensor | None = None, include_last_offset: bool = False,
-                 padding_idx: int | None = None, *, store: Store | None = None, name: str | None = None,
-                 optimizer: Any = None, initializer: Any = None, admission: Any = None,
-                 eviction: Any = None) -> None:
+    def __init__(
+        self,
+        num_embeddings: int | None,
+        embedding_dim: int,
+        max_norm: float | None = None,
+        norm_type: float = 2.0,
+        scale_grad_by_freq: bool = False,
+        mode: str = "mean",
+        sparse: bool = True,
+        _weight: torch.Tensor | None = None,
+        include_last_offset: bool = False,
+        padding_idx: int | None = None,
+        *,
+        store: Store | None = None,
+        name: str | None = None,
+        optimizer: Any = None,
+        initializer: Any = None,
+        admission: Any = None,
+        eviction: Any = None,
+    ) -> None:
         if mode not in ("sum", "mean", "max"):
             raise ConfigError(f"mode: expected 'sum', 'mean' or 'max'. Got {mode!r} instead.")
-        super().__init__(num_embeddings, embedding_dim, padding_idx, max_norm, scale_grad_by_freq, store, name,
-                         optimizer, initializer, admission, eviction)
+        super().__init__(
+            num_embeddings,
+            embedding_dim,
+            padding_idx,
+            max_norm,
+            scale_grad_by_freq,
+            store,
+            name,
+            optimizer,
+            initializer,
+            admission,
+            eviction,
+        )
         self.mode = mode
         self.include_last_offset = include_last_offset
         if _weight is not None:
             self._load_rows(_weight, overwrite=None)
 
     @classmethod
-    def from_module(cls, module: nn.EmbeddingBag, *, store: Store | None = None, name: str | None = None,
-                    optimizer: Any = None, initializer: Any = None, overwrite: bool | None = None,
-                    admission: Any = None, eviction: Any = None) -> EmbeddingBag:
+    def from_module(
+        cls,
+        module: nn.EmbeddingBag,
+        *,
+        store: Store | None = None,
+        name: str | None = None,
+        optimizer: Any = None,
+        initializer: Any = None,
+        overwrite: bool | None = None,
+        admission: Any = None,
+        eviction: Any = None,
+    ) -> EmbeddingBag:
         """A hierps ``EmbeddingBag`` whose rows 0..N-1 are ``module.weight`` (kept if the store has the table)."""
-        out = cls(module.num_embeddings, module.embedding_dim, module.max_norm,
-                  scale_grad_by_freq=module.scale_grad_by_freq, mode=module.mode,
-                  include_last_offset=module.include_last_offset, padding_idx=module.padding_idx, store=store,
-                  name=name, optimizer=optimizer, initializer=initializer, admission=admission, eviction=eviction)
+        out = cls(
+            module.num_embeddings,
+            module.embedding_dim,
+            module.max_norm,
+            scale_grad_by_freq=module.scale_grad_by_freq,
+            mode=module.mode,
+            include_last_offset=module.include_last_offset,
+            padding_idx=module.padding_idx,
+            store=store,
+            name=name,
+            optimizer=optimizer,
+            initializer=initializer,
+            admission=admission,
+            eviction=eviction,
+        )
         out._load_rows(module.weight, overwrite)
         return out
 
-    def forward(self, input: torch.Tensor, offsets: torch.Tensor | None = None,
-                per_sample_weights: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        input: torch.Tensor,
+        offsets: torch.Tensor | None = None,
+        per_sample_weights: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         ids = check_ids_tensor(input, self._store.device, what=f"ids of {self.table!r}")
         offsets = self._check_offsets(ids, offsets)
         if per_sample_weights is not None:
             if per_sample_weights.shape != ids.shape:
-                raise OffsetsError(f"per_sample_weights of shape {tuple(per_sample_weights.shape)} do not match "
-                                   f"ids of shape {tuple(ids.shape)}.")
+                raise OffsetsError(
+                    f"per_sample_weights of shape {tuple(per_sample_weights.shape)} do not match "
+                    f"ids of shape {tuple(ids.shape)}."
+                )
             if self.mode != "sum":
-                raise ConfigError(f"per_sample_weights need mode='sum' (torch's rule). Got mode {self.mode!r}.")
+                raise ConfigError(
+                    f"per_sample_weights need mode='sum' (torch's rule). Got mode {self.mode!r}."
+                )
         weights, local, pad = self._gather(ids)
-        return F.embedding_bag(local, weights, offsets, mode=self.mode, per_sample_weights=per_sample_weights,
-                               include_last_offset=self.include_last_offset, padding_idx=pad,
-                               sparse=self.mode != "max")
+        return F.embedding_bag(
+            local,
+            weights,
+            offsets,
+            mode=self.mode,
+            per_sample_weights=per_sample_weights,
+            include_last_offset=self.include_last_offset,
+            padding_idx=pad,
+            sparse=self.mode != "max",
+        )
 
-    def observe(self, input: torch.Tensor, offsets: torch.Tensor | None = None,
-                labels: torch.Tensor | None = None) -> None:
+    def observe(
+        self, input: torch.Tensor, offsets: torch.Tensor | None = None, labels: torch.Tensor | None = None
+    ) -> None:
         """Count impressions (and clicks) of a batch of bags, as :meth:`forward` takes them.
 
         input (N,) int64 with offsets (B,) [or (B+1,)], or input (B, L); labels (B,) 0/1 per bag
@@ -224,14 +352,19 @@ class EmbeddingBag(_StoreEmbedding):
         if labels is not None:
             bags = ids.shape[0] if offsets is None else offsets.numel() - int(self.include_last_offset)
             if labels.shape != (bags,):
-                raise ConfigError(f"labels of shape {tuple(labels.shape)} for {bags} bags; expected one label per "
-                                  f"bag, shape ({bags},).")
+                raise ConfigError(
+                    f"labels of shape {tuple(labels.shape)} for {bags} bags; expected one label per "
+                    f"bag, shape ({bags},)."
+                )
             if offsets is None:
                 clicks = labels.reshape(-1, 1).expand(ids.shape)
             else:
                 starts = offsets[:-1] if self.include_last_offset else offsets
-                ends = offsets[1:] if self.include_last_offset else torch.cat(
-                    [offsets[1:], offsets.new_tensor([ids.numel()])])
+                ends = (
+                    offsets[1:]
+                    if self.include_last_offset
+                    else torch.cat([offsets[1:], offsets.new_tensor([ids.numel()])])
+                )
                 clicks = torch.repeat_interleave(labels, ends - starts)
         self._store.observe(self.table, ids, clicks)
 
@@ -243,12 +376,18 @@ class EmbeddingBag(_StoreEmbedding):
         if ids.dim() != 1:
             raise OffsetsError(f"input must be 1D (with offsets) or 2D (B, L). Got shape {tuple(ids.shape)}.")
         if offsets is None:
-            raise OffsetsError("1D input needs offsets: the start of each bag in input, e.g. torch.tensor([0, 3]).")
+            raise OffsetsError(
+                "1D input needs offsets: the start of each bag in input, e.g. torch.tensor([0, 3])."
+            )
         if not isinstance(offsets, torch.Tensor) or offsets.dtype not in (torch.int64, torch.int32):
-            raise OffsetsError(f"offsets must be an int64 tensor. Got {getattr(offsets, 'dtype', type(offsets))}.")
+            raise OffsetsError(
+                f"offsets must be an int64 tensor. Got {getattr(offsets, 'dtype', type(offsets))}."
+            )
         if offsets.dim() != 1 or not same_device(offsets.device, ids.device):
-            raise OffsetsError(f"offsets must be 1D and on the device of the ids ({ids.device}). Got shape "
-                               f"{tuple(offsets.shape)} on {offsets.device}.")
+            raise OffsetsError(
+                f"offsets must be 1D and on the device of the ids ({ids.device}). Got shape "
+                f"{tuple(offsets.shape)} on {offsets.device}."
+            )
         n = ids.numel()
         seen = _StoreEmbedding._offsets_checked
         if seen is not None and seen[0]() is offsets and seen[1:] == (offsets._version, n):
@@ -259,9 +398,13 @@ class EmbeddingBag(_StoreEmbedding):
             if bad[0]:
                 raise OffsetsError(f"offsets must start at 0. Got offsets[0] = {int(offsets[0])}.")
             if bad[1]:
-                raise OffsetsError("offsets must be non-decreasing (each bag starts where the last one ended).")
+                raise OffsetsError(
+                    "offsets must be non-decreasing (each bag starts where the last one ended)."
+                )
             if bad[2]:
-                raise OffsetsError(f"offsets point past the end of input: last offset {int(offsets[-1])} > {n} ids.")
+                raise OffsetsError(
+                    f"offsets point past the end of input: last offset {int(offsets[-1])} > {n} ids."
+                )
         # A model usually hands one offsets tensor to all its tables: check it once.
         _StoreEmbedding._offsets_checked = (weakref.ref(offsets), offsets._version, n)
         return offsets.long()

@@ -82,14 +82,18 @@ class PassPipeline:
     # -- read-ahead ----------------------------------------------------------------------------
     def submit_prepare(self, group: dict[str, np.ndarray], resident: dict[str, np.ndarray]) -> None:
         """Read ahead the rows of ``group`` (sorted unique keys per table) not in ``resident``."""
-        wanted = {t: np.setdiff1d(k, resident.get(t, np.empty(0, np.int64)), assume_unique=True)
-                  for t, k in group.items()}
+        wanted = {
+            t: np.setdiff1d(k, resident.get(t, np.empty(0, np.int64)), assume_unique=True)
+            for t, k in group.items()
+        }
         self._prepared = (group, self._submit(self._prepare, wanted))
 
     def _prepare(self, wanted: dict[str, np.ndarray]) -> Prepared:
         t0 = time.perf_counter()
         with self.lock:
-            out = {t: (k, self.store._fetch(t, k, touch=True, ahead=True)) for t, k in wanted.items() if len(k)}
+            out = {
+                t: (k, self.store._fetch(t, k, touch=True, ahead=True)) for t, k in wanted.items() if len(k)
+            }
         self.prepare_seconds += time.perf_counter() - t0
         return out
 

@@ -130,6 +130,8 @@ class CheckpointReader:
 
     def _check(self, table: str) -> str:
         if table not in self.manifest["tables"]:
-            raise ConfigError(f"{self.path}: checkpoint {self.checkpoint_id} has no table {table!r}; "
-                              f"it has {sorted(self.manifest['tables'])}.")
+            raise ConfigError(
+                f"{self.path}: checkpoint {self.checkpoint_id} has no table {table!r}; "
+                f"it has {sorted(self.manifest['tables'])}."
+            )
         return table

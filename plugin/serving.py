@@ -103,8 +103,12 @@ class ServingTables:
             raise ConfigError(f"unknown table {table!r}; the exports hold {sorted(self._tables)}.") from None
 
 
-def open(path: str | os.PathLike[str], deltas: list[str | os.PathLike[str]] | None = None, *,
-         unknown: str | None = None) -> ServingTables:
+def open(
+    path: str | os.PathLike[str],
+    deltas: list[str | os.PathLike[str]] | None = None,
+    *,
+    unknown: str | None = None,
+) -> ServingTables:
     """Tables from an export plus deltas applied in order, or from a serving directory.
 
     ``path``: a full export (then ``deltas``: exports each taken since the previous one's
@@ -118,21 +122,27 @@ def open(path: str | os.PathLike[str], deltas: list[str | os.PathLike[str]] | No
     if (root / "manifest.json").exists():
         chain = [root, *(Path(d) for d in deltas or [])]
     elif deltas:
-        raise ConfigError(f"{root}: has no manifest.json, so it is a serving directory, which finds its own "
-                          "deltas; pass deltas=None, or pass an export as the base.")
+        raise ConfigError(
+            f"{root}: has no manifest.json, so it is a serving directory, which finds its own "
+            "deltas; pass deltas=None, or pass an export as the base."
+        )
     else:
         chain = _find_chain(root)
     manifests = [_manifest(p) for p in chain]
     if manifests[0]["since"] is not None:
-        raise ConfigError(f"{chain[0]}: is a delta (since checkpoint {manifests[0]['since']}), not a full export; "
-                          "start from a full export (hierps export STORE OUT).")
+        raise ConfigError(
+            f"{chain[0]}: is a delta (since checkpoint {manifests[0]['since']}), not a full export; "
+            "start from a full export (hierps export STORE OUT)."
+        )
     tables: dict[str, _Table] = {}
     checkpoint = None
     for p, m in zip(chain, manifests):
         if checkpoint is not None and m["since"] != checkpoint:
-            raise ConfigError(f"{p}: is a delta since checkpoint {m['since']}, but the rows so far are as of "
-                              f"checkpoint {checkpoint}. Pass deltas in order, each taken since the previous "
-                              "one's checkpoint.")
+            raise ConfigError(
+                f"{p}: is a delta since checkpoint {m['since']}, but the rows so far are as of "
+                f"checkpoint {checkpoint}. Pass deltas in order, each taken since the previous "
+                "one's checkpoint."
+            )
         _apply(tables, p, m, unknown)
         checkpoint = int(m["checkpoint"])
     return ServingTables(tables, int(checkpoint), chain)
@@ -142,10 +152,14 @@ def _manifest(path: Path) -> dict[str, Any]:
     try:
         m = json.loads((path / "manifest.json").read_text(encoding="utf-8"))
     except (OSError, ValueError) as exc:
-        raise StoreFormatError(f"{path}: no readable manifest.json ({exc}); it is not a hierps export.") from None
+        raise StoreFormatError(
+            f"{path}: no readable manifest.json ({exc}); it is not a hierps export."
+        ) from None
     if m.get("format") != EXPORT_FORMAT or m.get("format_version") != EXPORT_VERSION:
-        raise StoreFormatError(f"{path}: manifest.json is not a hierps export of format version {EXPORT_VERSION} "
-                               f"(format={m.get('format')!r}, version={m.get('format_version')!r}).")
+        raise StoreFormatError(
+            f"{path}: manifest.json is not a hierps export of format version {EXPORT_VERSION} "
+            f"(format={m.get('format')!r}, version={m.get('format_version')!r})."
+        )
     return m
 
 
@@ -158,8 +172,10 @@ def _find_chain(root: Path) -> list[Path]:
             found.append((p, _manifest(p)))
     bases = [(p, m) for p, m in found if m["since"] is None]
     if not bases:
-        raise ConfigError(f"{root}: holds no full export (a subdirectory whose manifest.json has since null); "
-                          "write one with hierps export STORE OUT.")
+        raise ConfigError(
+            f"{root}: holds no full export (a subdirectory whose manifest.json has since null); "
+            "write one with hierps export STORE OUT."
+        )
     path, m = max(bases, key=lambda pm: pm[1]["checkpoint"])
     chain, at = [path], m["checkpoint"]
     while True:
@@ -178,13 +194,20 @@ def _apply(tables: dict[str, _Table], path: Path, manifest: dict[str, Any], unkn
         keys, values, deleted = _read_table(path, name, dim)
         t = tables.get(name)
         if t is None:
-            t = _Table(dim, np.empty(0, np.int64), np.empty((0, dim), np.float32),
-                       InitializerConfig.parse(meta["initializer"]), unknown or meta["unknown"],
-                       table_salt(int(manifest["seed"]), name))
+            t = _Table(
+                dim,
+                np.empty(0, np.int64),
+                np.empty((0, dim), np.float32),
+                InitializerConfig.parse(meta["initializer"]),
+                unknown or meta["unknown"],
+                table_salt(int(manifest["seed"]), name),
+            )
             tables[name] = t
         elif t.dim != dim:
-            raise StoreFormatError(f"{path}: table {name!r} has dim {dim} here and {t.dim} in the exports before "
-                                   "it; they are not exports of one store.")
+            raise StoreFormatError(
+                f"{path}: table {name!r} has dim {dim} here and {t.dim} in the exports before "
+                "it; they are not exports of one store."
+            )
         keep = ~np.isin(t.keys, np.concatenate([deleted, keys]))
         merged = np.concatenate([t.keys[keep], keys])
         order = np.argsort(merged, kind="stable")
@@ -200,9 +223,13 @@ def _read_table(path: Path, name: str, dim: int) -> tuple[np.ndarray, np.ndarray
         values = np.asarray(sub["values"][:], np.float32)
         deleted = np.asarray(sub["deleted"][:], np.int64) if "deleted" in sub else np.empty(0, np.int64)
     except (KeyError, ValueError, OSError) as exc:
-        raise CorruptStoreError(f"{path}: table {name!r} of the export cannot be read ({exc!r}); the export is "
-                                "incomplete or damaged. Export it again.") from exc
+        raise CorruptStoreError(
+            f"{path}: table {name!r} of the export cannot be read ({exc!r}); the export is "
+            "incomplete or damaged. Export it again."
+        ) from exc
     if values.shape != (len(keys), dim):
-        raise CorruptStoreError(f"{path}: table {name!r} has values of shape {values.shape} for {len(keys)} keys "
-                                f"of dim {dim}; the export is damaged. Export it again.")
+        raise CorruptStoreError(
+            f"{path}: table {name!r} has values of shape {values.shape} for {len(keys)} keys "
+            f"of dim {dim}; the export is damaged. Export it again."
+        )
     return keys, values, deleted

@@ -40,15 +40,15 @@ class Transport(Protocol):
         """Rows of ``send`` grouped by destination rank -> rows received, grouped by source rank."""
         ...
 
-    def all_to_all_known(self, send: torch.Tensor, send_counts: list[int], recv_counts: list[int]) -> torch.Tensor:
+    def all_to_all_known(
+        self, send: torch.Tensor, send_counts: list[int], recv_counts: list[int]
+    ) -> torch.Tensor:
         """Like :meth:`all_to_all` when the receive counts are already known (no count exchange)."""
         ...
 
-    def all_reduce_sum(self, t: torch.Tensor) -> torch.Tensor:
-        ...
+    def all_reduce_sum(self, t: torch.Tensor) -> torch.Tensor: ...
 
-    def barrier(self) -> None:
-        ...
+    def barrier(self) -> None: ...
 
 
 def owner_of(keys: np.ndarray, world_size: int) -> np.ndarray:
@@ -149,8 +149,9 @@ class ShardedStore:
             self.local._count_seen(info, slots, seen.index_add_(0, inverse, counts.to(torch.float32)))
         return self.local.device_tier.rows(table)[slots, : info.dim][inverse]
 
-    def gather(self, table: str, keys: torch.Tensor, *, requires_grad: bool,
-               counts: torch.Tensor | None = None) -> torch.Tensor:
+    def gather(
+        self, table: str, keys: torch.Tensor, *, requires_grad: bool, counts: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """keys: (U,) sorted unique int64 -> (U, dim) weights fetched from their owners (collective).
 
         counts: (U,) sightings of each key in the mini-batch (default 1), counted when training.
@@ -159,8 +160,9 @@ class ShardedStore:
         seen = None
         if requires_grad:
             mine = counts if counts is not None else torch.ones(keys.numel(), device=keys.device)
-            seen = self.transport.all_to_all_known(mine.to(torch.float32)[route.order], route.send_counts,
-                                                   route.recv_counts).to(self.device)
+            seen = self.transport.all_to_all_known(
+                mine.to(torch.float32)[route.order], route.send_counts, route.recv_counts
+            ).to(self.device)
         rows = self._owned_rows(table, asked, seen)
         self._sent(rows, route.recv_counts)
         self.rows_fetched += keys.numel()
@@ -180,8 +182,11 @@ class ShardedStore:
         key_t = torch.from_numpy(keys).to(self.device)
         route, asked = self._route(key_t)
         asked_np = asked.cpu().numpy()
-        rows = self.local.lookup(table, asked_np) if len(asked_np) else torch.empty(
-            (0, self.local.tables[table].dim), device=self.device)
+        rows = (
+            self.local.lookup(table, asked_np)
+            if len(asked_np)
+            else torch.empty((0, self.local.tables[table].dim), device=self.device)
+        )
         got = self.transport.all_to_all_known(rows, route.recv_counts, route.send_counts).to(self.device)
         weights = torch.empty_like(got)
         weights[route.order] = got
@@ -223,8 +228,9 @@ class ShardedStore:
                 grad = torch.empty((0, dim), device=self.device)
             route, owned = self._route(keys)
             self._sent(grad, route.send_counts)
-            owned_grads = self.transport.all_to_all_known(grad[route.order] * scale, route.send_counts,
-                                                          route.recv_counts).to(self.device)
+            owned_grads = self.transport.all_to_all_known(
+                grad[route.order] * scale, route.send_counts, route.recv_counts
+            ).to(self.device)
             self.local.apply_gradients(name, owned, owned_grads)
 
     def zero_grad(self) -> None:
@@ -307,14 +313,20 @@ class ShardedStore:
         self.transport.barrier()  # every rank has read the old shards before any rewrites its own
         for name, parts in gathered.items():
             tm = meta[name]
-            info = self.local.table(name, int(tm["dim"]), optimizer=tm["optimizer"], initializer=tm["initializer"])
+            info = self.local.table(
+                name, int(tm["dim"]), optimizer=tm["optimizer"], initializer=tm["initializer"]
+            )
             self.local.reset_table(name)
             keys = np.concatenate([k for k, _ in parts])
-            rows = np.concatenate([r for _, r in parts]) if keys.size else np.empty((0, info.width), np.float32)
+            rows = (
+                np.concatenate([r for _, r in parts]) if keys.size else np.empty((0, info.width), np.float32)
+            )
             self.local.write_rows(name, keys, rows)
             info.step = int(tm["step"])
-        self.local.checkpoint(ref if isinstance(ref, str) else None,
-                              extra={"world_size": self.world_size, "rank": self.rank, "resharded_from": old_world})
+        self.local.checkpoint(
+            ref if isinstance(ref, str) else None,
+            extra={"world_size": self.world_size, "rank": self.rank, "resharded_from": old_world},
+        )
         self.transport.barrier()
         self._pending = []
 

@@ -91,9 +91,15 @@ class TableInfo:
         return self.state_end + NUM_COUNTERS
 
     def to_json(self) -> dict[str, Any]:
-        return {"dim": self.dim, "width": self.width, "optimizer": self.optimizer.to_json(),
-                "initializer": self.initializer.to_json(), "step": self.step,
-                "admission": self.admission.to_json(), "eviction": self.eviction.to_json()}
+        return {
+            "dim": self.dim,
+            "width": self.width,
+            "optimizer": self.optimizer.to_json(),
+            "initializer": self.initializer.to_json(),
+            "step": self.step,
+            "admission": self.admission.to_json(),
+            "eviction": self.eviction.to_json(),
+        }
 
 
 @dataclass
@@ -194,8 +200,14 @@ class Store(LifeCycle):
         if self.path.exists() and not self.path.is_dir():
             raise StoreFormatError(f"{self.path}: is a file, not a hierps store directory.")
         # What a creation interrupted before its marker was committed leaves: a lock, a temp marker.
-        leftovers = {"LOCK"} | {p.name for p in self.path.glob(f".{MARKER}.tmp-*")} if self.path.exists() else set()
-        if self.path.exists() and not marker.exists() and any(p.name not in leftovers for p in self.path.iterdir()):
+        leftovers = (
+            {"LOCK"} | {p.name for p in self.path.glob(f".{MARKER}.tmp-*")} if self.path.exists() else set()
+        )
+        if (
+            self.path.exists()
+            and not marker.exists()
+            and any(p.name not in leftovers for p in self.path.iterdir())
+        ):
             raise StoreFormatError(
                 f"{self.path}: is not a hierps store (no {MARKER}) and is not empty. "
                 "Point the store at an empty or new directory, or at an existing hierps store."
@@ -235,8 +247,16 @@ class Store(LifeCycle):
         self.ssd.next_segment = max(self.ssd.next_segment, self.ssd.max_segment_on_disk() + 1)
 
     # -- tables -------------------------------------------------------------------------------
-    def table(self, name: str, dim: int, *, optimizer: Any = None, initializer: Any = None,
-              admission: Any = None, eviction: Any = None) -> TableInfo:
+    def table(
+        self,
+        name: str,
+        dim: int,
+        *,
+        optimizer: Any = None,
+        initializer: Any = None,
+        admission: Any = None,
+        eviction: Any = None,
+    ) -> TableInfo:
         """Create table ``name`` with rows of ``dim`` floats, or reopen it (checking dim and optimizer).
 
         ``admission`` (:class:`~hierps.config.AdmissionConfig` or a mapping like ``{"min_count": 3}``)
@@ -246,8 +266,10 @@ class Store(LifeCycle):
         """
         self._check_open()
         if not valid_table_name(name):
-            raise ConfigError(f"table name: expected a non-empty name without '/' not starting with '_' "
-                              f"or '.'. Got {name!r} instead.")
+            raise ConfigError(
+                f"table name: expected a non-empty name without '/' not starting with '_' "
+                f"or '.'. Got {name!r} instead."
+            )
         if isinstance(dim, bool) or not isinstance(dim, int) or dim < 1:
             raise ConfigError(f"dim of table {name!r}: expected an int >= 1. Got {dim!r} instead.")
         opt = OptimizerConfig.parse(optimizer) if optimizer is not None else self.default_optimizer
@@ -274,8 +296,15 @@ class Store(LifeCycle):
             if evict is not None:
                 info.eviction = evict
             return info
-        info = TableInfo(name, dim, opt, init, table_salt(self.seed, name), admission=adm or AdmissionConfig(),
-                         eviction=evict or EvictionConfig())
+        info = TableInfo(
+            name,
+            dim,
+            opt,
+            init,
+            table_salt(self.seed, name),
+            admission=adm or AdmissionConfig(),
+            eviction=evict or EvictionConfig(),
+        )
         self.tables[name] = info
         self._register(info)
         return info
@@ -284,7 +313,9 @@ class Store(LifeCycle):
         self.ssd.add_table(info.name, info.width)
         self.memory.add_table(info.name, info.width)
         self.device_tier.add_table(info.name, info.width)
-        self.pending_keys[info.name] = pending if pending is not None else PendingKeys(info.admission.max_pending)
+        self.pending_keys[info.name] = (
+            pending if pending is not None else PendingKeys(info.admission.max_pending)
+        )
 
     def _info(self, table: str) -> TableInfo:
         try:
@@ -368,15 +399,23 @@ class Store(LifeCycle):
         keys = _ids.as_int64_array(keys, what="keys")
         w = weights.detach().cpu().numpy() if isinstance(weights, torch.Tensor) else np.asarray(weights)
         if w.shape != (len(keys), info.dim):
-            raise ConfigError(f"write to {table!r}: weights of shape {w.shape} for {len(keys)} keys of "
-                              f"dim {info.dim}; expected {(len(keys), info.dim)}.")
+            raise ConfigError(
+                f"write to {table!r}: weights of shape {w.shape} for {len(keys)} keys of "
+                f"dim {info.dim}; expected {(len(keys), info.dim)}."
+            )
         if len(np.unique(keys)) != len(keys):
             raise ConfigError(f"write to {table!r}: keys must be unique.")
         self._pipe.drain()
         order = np.argsort(keys, kind="stable")
         keys = keys[order]
-        rows = np.concatenate([w[order].astype(np.float32), initial_state(info.optimizer, len(keys), info.dim),
-                               initial_counters(len(keys), self.passes)], axis=1)
+        rows = np.concatenate(
+            [
+                w[order].astype(np.float32),
+                initial_state(info.optimizer, len(keys), info.dim),
+                initial_counters(len(keys), self.passes),
+            ],
+            axis=1,
+        )
         self.pending_keys[table].remove(keys)
         key_t = torch.from_numpy(keys).to(self.device)
         found, slots = self.device_tier.resolve(table, key_t)
@@ -386,7 +425,9 @@ class Store(LifeCycle):
             self.device_tier.mark_dirty(table, slots[found])
             keys, rows = keys[~f_np], rows[~f_np]
         for start in range(0, len(keys), 1 << 18):
-            self.memory.put(table, keys[start : start + (1 << 18)], rows[start : start + (1 << 18)], dirty=True)
+            self.memory.put(
+                table, keys[start : start + (1 << 18)], rows[start : start + (1 << 18)], dirty=True
+            )
 
     def write_rows(self, table: str, keys: np.ndarray, rows: np.ndarray) -> None:
         """Set whole rows (weights and optimizer state), e.g. when resharding a checkpoint.
@@ -397,13 +438,17 @@ class Store(LifeCycle):
         info = self._info(table)
         keys = _ids.as_int64_array(keys, what="keys")
         if rows.shape != (len(keys), info.width):
-            raise ConfigError(f"write_rows to {table!r}: rows of shape {rows.shape}; expected {(len(keys), info.width)}.")
+            raise ConfigError(
+                f"write_rows to {table!r}: rows of shape {rows.shape}; expected {(len(keys), info.width)}."
+            )
         self._pipe.drain()
         self.device_tier.discard(table)
         order = np.argsort(keys, kind="stable")
         keys, rows = keys[order], np.ascontiguousarray(rows[order], dtype=np.float32)
         for start in range(0, len(keys), 1 << 18):
-            self.memory.put(table, keys[start : start + (1 << 18)], rows[start : start + (1 << 18)], dirty=True)
+            self.memory.put(
+                table, keys[start : start + (1 << 18)], rows[start : start + (1 << 18)], dirty=True
+            )
 
     def reset_table(self, table: str) -> None:
         """Forget every row of ``table`` in every tier (checkpoints keep theirs) and its step count."""
@@ -483,8 +528,11 @@ class Store(LifeCycle):
         self._in_pass = False
         self.passes += 1
         self.memory.tick = self.passes
-        due = [info for info in self.tables.values()
-               if info.eviction.every_passes is not None and self.passes % info.eviction.every_passes == 0]
+        due = [
+            info
+            for info in self.tables.values()
+            if info.eviction.every_passes is not None and self.passes % info.eviction.every_passes == 0
+        ]
         if due:
             self._pipe.drain()
             for info in due:
@@ -534,8 +582,13 @@ class Store(LifeCycle):
     def _planned(self, batches: list[dict[str, np.ndarray]]) -> list[dict[str, np.ndarray]]:
         """:meth:`_plan_groups`, reusing the plan of the same batches (announced, then begun)."""
         last = self._last_plan
-        if last is not None and len(last[0]) == len(batches) and all(
-            a.keys() == b.keys() and all(np.array_equal(a[t], b[t]) for t in a) for a, b in zip(last[0], batches)
+        if (
+            last is not None
+            and len(last[0]) == len(batches)
+            and all(
+                a.keys() == b.keys() and all(np.array_equal(a[t], b[t]) for t in a)
+                for a, b in zip(last[0], batches)
+            )
         ):
             return last[1]
         groups = self._plan_groups(batches)
@@ -556,7 +609,10 @@ class Store(LifeCycle):
             alone = self.device_tier.bytes_for({t: len(k) for t, k in keys.items()})
             if alone > budget:
                 raise DeviceBudgetError(self._budget_message(alone))
-            merged = {t: np.union1d(current.get(t, _EMPTY), keys.get(t, _EMPTY)) for t in current.keys() | keys.keys()}
+            merged = {
+                t: np.union1d(current.get(t, _EMPTY), keys.get(t, _EMPTY))
+                for t in current.keys() | keys.keys()
+            }
             if self.device_tier.bytes_for({t: len(k) for t, k in merged.items()}) > budget:
                 groups.append(current)
                 merged = dict(keys)
@@ -566,8 +622,10 @@ class Store(LifeCycle):
         return groups
 
     def _budget_message(self, need: int) -> str:
-        return (f"one mini-batch needs {need} bytes of rows in the device tier, more than its budget of "
-                f"{self.device_tier.budget} bytes. Raise device_budget or use smaller mini-batches.")
+        return (
+            f"one mini-batch needs {need} bytes of rows in the device tier, more than its budget of "
+            f"{self.device_tier.budget} bytes. Raise device_budget or use smaller mini-batches."
+        )
 
     def _load(self, keys: Mapping[str, np.ndarray], *, create: bool = True) -> None:
         """Make sorted unique keys resident in the device tier (those not resident yet).
@@ -625,7 +683,10 @@ class Store(LifeCycle):
         if need > self.device_tier.budget:
             raise DeviceBudgetError(self._budget_message(need))
         missing = keys[~found].cpu().numpy()
-        if self.device_tier.bytes_used + self.device_tier.bytes_for({table: len(missing)}) > self.device_tier.budget:
+        if (
+            self.device_tier.bytes_used + self.device_tier.bytes_for({table: len(missing)})
+            > self.device_tier.budget
+        ):
             self._write_back()
             load = {table: keys.cpu().numpy()}
             self._load(load)
@@ -633,8 +694,13 @@ class Store(LifeCycle):
             if plan.cursor + 1 < len(plan.groups):
                 plan.cursor += 1
                 nxt = plan.groups[plan.cursor]
-                merged = {t: np.union1d(nxt.get(t, _EMPTY), load.get(t, _EMPTY)) for t in nxt.keys() | load.keys()}
-                if self.device_tier.bytes_for({t: len(k) for t, k in merged.items()}) <= self.device_tier.budget:
+                merged = {
+                    t: np.union1d(nxt.get(t, _EMPTY), load.get(t, _EMPTY)) for t in nxt.keys() | load.keys()
+                }
+                if (
+                    self.device_tier.bytes_for({t: len(k) for t, k in merged.items()})
+                    <= self.device_tier.budget
+                ):
                     self._load(nxt, create=False)
         else:
             self._load({table: missing})
@@ -642,8 +708,9 @@ class Store(LifeCycle):
         return slots
 
     # -- training -----------------------------------------------------------------------------
-    def gather(self, table: str, keys: torch.Tensor, *, requires_grad: bool,
-               counts: torch.Tensor | None = None) -> torch.Tensor:
+    def gather(
+        self, table: str, keys: torch.Tensor, *, requires_grad: bool, counts: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Weights of a mini-batch's rows for a forward pass.
 
         keys: (U,) sorted unique int64 on the store's device -> (U, dim) float32. With
@@ -665,12 +732,15 @@ class Store(LifeCycle):
             self._pending.append(_Pending(table, keys, slots, self.device_tier.generation, weights))
         return weights
 
-    def _gather_filtered(self, info: TableInfo, keys: torch.Tensor, requires_grad: bool,
-                         counts: torch.Tensor | None) -> torch.Tensor:
+    def _gather_filtered(
+        self, info: TableInfo, keys: torch.Tensor, requires_grad: bool, counts: torch.Tensor | None
+    ) -> torch.Tensor:
         """:meth:`gather` for a table with admission: rows only for keys that have or earn one."""
         table = info.name
         keys_np = keys.cpu().numpy()
-        n_seen = counts.cpu().numpy().astype(np.int64) if counts is not None else np.ones(len(keys_np), np.int64)
+        n_seen = (
+            counts.cpu().numpy().astype(np.int64) if counts is not None else np.ones(len(keys_np), np.int64)
+        )
         has = self._has_row(table, keys_np)
         prior = np.zeros(len(keys_np), np.int64)
         if requires_grad:
@@ -680,7 +750,8 @@ class Store(LifeCycle):
         if not has.all():
             out = np.flatnonzero(~has)
             weights[torch.from_numpy(out).to(self.device)] = torch.from_numpy(
-                self._unadmitted_weights(info, keys_np[out])).to(self.device)
+                self._unadmitted_weights(info, keys_np[out])
+            ).to(self.device)
         at = torch.from_numpy(np.flatnonzero(has)).to(self.device)
         sub, slots = keys[at], at
         if len(at):
@@ -725,7 +796,9 @@ class Store(LifeCycle):
                 if first.keys.numel():
                     self._apply_step(table, first.slots, items[0][1])  # the common case: slots still valid
             else:
-                self.apply_gradients(table, torch.cat([p.keys for p, _ in items]), torch.cat([g for _, g in items]))
+                self.apply_gradients(
+                    table, torch.cat([p.keys for p, _ in items]), torch.cat([g for _, g in items])
+                )
         fault_point("store.step")
 
     def apply_gradients(self, table: str, keys: torch.Tensor, grads: torch.Tensor) -> None:
@@ -766,7 +839,12 @@ class Store(LifeCycle):
         """
         self._check_open()
         self._pipe.drain()
-        self._put_dirty({t: DrainedRows(k, r, np.ones(len(k), bool)) for t, (k, r) in self.device_tier.take_dirty().items()})
+        self._put_dirty(
+            {
+                t: DrainedRows(k, r, np.ones(len(k), bool))
+                for t, (k, r) in self.device_tier.take_dirty().items()
+            }
+        )
         fault_point("checkpoint.after_device_flush")
         self.memory.flush()
         fault_point("checkpoint.after_memory_flush")
@@ -781,13 +859,20 @@ class Store(LifeCycle):
             "passes": self.passes,
             "next_segment": self.ssd.next_segment,
             "tables": {
-                name: {**info.to_json(), "rows": self.ssd.num_rows(name),
-                       "segments": {str(s): self.ssd.segment_size(name, s) for _, s in self.ssd.segments(name)}}
+                name: {
+                    **info.to_json(),
+                    "rows": self.ssd.num_rows(name),
+                    "segments": {str(s): self.ssd.segment_size(name, s) for _, s in self.ssd.segments(name)},
+                }
                 for name, info in self.tables.items()
             },
         }
-        self.catalog.write(ckpt, {name: self.ssd.index[name] for name in self.tables}, body,
-                           extra={name: self.pending_keys[name].arrays() for name in self.tables})
+        self.catalog.write(
+            ckpt,
+            {name: self.ssd.index[name] for name in self.tables},
+            body,
+            extra={name: self.pending_keys[name].arrays() for name in self.tables},
+        )
         self.checkpoint_id = ckpt
         fault_point("checkpoint.after_manifest")
         for old in self.catalog.ids()[: -self.keep_checkpoints]:
@@ -818,15 +903,24 @@ class Store(LifeCycle):
                 f"this hierps reads {FORMAT_VERSION}."
             )
         for name, meta in manifest["tables"].items():
-            info = TableInfo(name, int(meta["dim"]), OptimizerConfig.parse(meta["optimizer"]),
-                             InitializerConfig.parse(meta["initializer"]), table_salt(int(manifest["seed"]), name),
-                             int(meta["step"]), AdmissionConfig.parse(meta["admission"]),
-                             EvictionConfig.parse(meta["eviction"]))
+            info = TableInfo(
+                name,
+                int(meta["dim"]),
+                OptimizerConfig.parse(meta["optimizer"]),
+                InitializerConfig.parse(meta["initializer"]),
+                table_salt(int(manifest["seed"]), name),
+                int(meta["step"]),
+                AdmissionConfig.parse(meta["admission"]),
+                EvictionConfig.parse(meta["eviction"]),
+            )
             if info.width != int(meta["width"]):
-                raise StoreFormatError(f"{self.path}: checkpoint {ckpt} table {name!r} has an inconsistent width.")
+                raise StoreFormatError(
+                    f"{self.path}: checkpoint {ckpt} table {name!r} has an inconsistent width."
+                )
             self.tables[name] = info
-            pending = PendingKeys.from_arrays(info.admission.max_pending,
-                                              self.catalog.read_extra(ckpt, name, PENDING_ARRAYS))
+            pending = PendingKeys.from_arrays(
+                info.admission.max_pending, self.catalog.read_extra(ckpt, name, PENDING_ARRAYS)
+            )
             self._register(info, pending)
             sizes = {int(s): int(n) for s, n in meta["segments"].items()}
             self.ssd.load_index(name, info.width, self.catalog.read_index(ckpt, name, sizes), sizes)
@@ -871,14 +965,19 @@ class Store(LifeCycle):
 
     def _check_open(self) -> None:
         if self._lock_fd is None:
-            raise StoreClosedError(f"{self.path}: the store was closed; open it again with hierps.Store(path).")
+            raise StoreClosedError(
+                f"{self.path}: the store was closed; open it again with hierps.Store(path)."
+            )
 
     # -- introspection ------------------------------------------------------------------------
     def num_rows(self, table: str) -> dict[str, int]:
         """Rows of ``table`` per tier: ``{"device", "memory", "ssd"}`` (a row may be in several)."""
         self._pipe.drain()
-        return {"device": self.device_tier.num_rows(table), "memory": self.memory.num_rows(table),
-                "ssd": self.ssd.num_rows(table)}
+        return {
+            "device": self.device_tier.num_rows(table),
+            "memory": self.memory.num_rows(table),
+            "ssd": self.ssd.num_rows(table),
+        }
 
 
 def _summed_grad(leaf: torch.Tensor) -> torch.Tensor:

@@ -35,8 +35,14 @@ TABLES = {
 VOCAB = 300
 KEYS = (np.arange(VOCAB, dtype=np.int64) - VOCAB // 2) * 7919
 TAGS = ("c1", "c2", "c3")
-SETTINGS: dict[str, Any] = {"memory_budget": "2KiB", "device_budget": "64KiB", "device": "cpu",
-                            "max_segments": 3, "keep_checkpoints": 1, "seed": 5}
+SETTINGS: dict[str, Any] = {
+    "memory_budget": "2KiB",
+    "device_budget": "64KiB",
+    "device": "cpu",
+    "max_segments": 3,
+    "keep_checkpoints": 1,
+    "seed": 5,
+}
 _BAG = 24
 _OFFSETS = torch.arange(0, _BAG, 4)
 
@@ -44,8 +50,10 @@ _OFFSETS = torch.arange(0, _BAG, 4)
 def open_store(path: Path) -> tuple[hierps.Store, dict[str, hierps.EmbeddingBag]]:
     store = hierps.Store(path, **SETTINGS)
     store.ssd._chunk_bytes = 1024  # several chunks per segment
-    bags = {t: hierps.EmbeddingBag(None, dim, mode="sum", store=store, name=t, optimizer=opt)
-            for t, (dim, opt) in TABLES.items()}
+    bags = {
+        t: hierps.EmbeddingBag(None, dim, mode="sum", store=store, name=t, optimizer=opt)
+        for t, (dim, opt) in TABLES.items()
+    }
     return store, bags
 
 
@@ -53,8 +61,10 @@ def train(store: hierps.Store, bags: dict[str, hierps.EmbeddingBag], seed: int, 
     """``passes`` passes of 4 mini-batches, ids drawn (zipf) from KEYS with ``seed``."""
     rng = np.random.default_rng(seed)
     for _ in range(passes):
-        batches = [{t: torch.from_numpy(KEYS[(rng.zipf(1.2, size=_BAG) - 1) % VOCAB]) for t in TABLES}
-                   for _ in range(4)]
+        batches = [
+            {t: torch.from_numpy(KEYS[(rng.zipf(1.2, size=_BAG) - 1) % VOCAB]) for t in TABLES}
+            for _ in range(4)
+        ]
         with store.run_pass(batches):
             for batch in batches:
                 loss = sum((bags[t](batch[t], _OFFSETS) ** 2).sum() for t in TABLES)
@@ -103,7 +113,9 @@ def open_only(store_path: str, out: str, fault: str, record: bool) -> None:
 
 
 def digest(keys: np.ndarray, rows: np.ndarray) -> str:
-    return hashlib.sha256(np.ascontiguousarray(keys).tobytes() + np.ascontiguousarray(rows).tobytes()).hexdigest()
+    return hashlib.sha256(
+        np.ascontiguousarray(keys).tobytes() + np.ascontiguousarray(rows).tobytes()
+    ).hexdigest()
 
 
 def checkpoint_loop(store_path: str, out: str, fault: str, record: bool) -> None:
@@ -151,7 +163,9 @@ def resume(path: Path) -> tuple[str | None, dict[str, np.ndarray], dict[str, np.
         torch.set_num_threads(threads)
 
 
-def _child(target: Callable[[str, str, str, bool], None], store: str, out: str, fault: str, record: bool) -> None:
+def _child(
+    target: Callable[[str, str, str, bool], None], store: str, out: str, fault: str, record: bool
+) -> None:
     torch.set_num_threads(1)
     hierps._arrays._BLOCK_CHUNKS = 1  # segment rows written one chunk at a time, a fault point after each
     try:
@@ -161,8 +175,13 @@ def _child(target: Callable[[str, str, str, bool], None], store: str, out: str, 
         raise
 
 
-def start_forked(target: Callable[[str, str, str, bool], None], store: Path, out: Path, fault: str = "",
-                 record: bool = False) -> multiprocessing.process.BaseProcess:
+def start_forked(
+    target: Callable[[str, str, str, bool], None],
+    store: Path,
+    out: Path,
+    fault: str = "",
+    record: bool = False,
+) -> multiprocessing.process.BaseProcess:
     """Start ``target(store, out, fault, record)`` in a process forked from the server."""
     ctx = multiprocessing.get_context("forkserver")
     # The server imports these once; this module (not on the server's sys.path in Python 3.11)
@@ -174,8 +193,14 @@ def start_forked(target: Callable[[str, str, str, bool], None], store: Path, out
     return proc
 
 
-def run_forked(target: Callable[[str, str, str, bool], None], store: Path, out: Path, fault: str = "",
-               record: bool = False, timeout: float = 120.0) -> int:
+def run_forked(
+    target: Callable[[str, str, str, bool], None],
+    store: Path,
+    out: Path,
+    fault: str = "",
+    record: bool = False,
+    timeout: float = 120.0,
+) -> int:
     """Run ``target(store, out, fault, record)`` in a forked process; its exit code (-9: killed)."""
     proc = start_forked(target, store, out, fault, record)
     proc.join(timeout)

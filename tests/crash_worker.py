@@ -33,8 +33,13 @@ def train_steps(store: hierps.Store, bag: hierps.EmbeddingBag, seed: int, steps:
 
 def main(store_path: str, out: str) -> None:
     out_dir = Path(out)
-    store = hierps.Store(store_path, memory_budget="1KiB", device="cpu", max_segments=4,
-                         optimizer={"type": "adam", "params": {"lr": 0.01}})
+    store = hierps.Store(
+        store_path,
+        memory_budget="1KiB",
+        device="cpu",
+        max_segments=4,
+        optimizer={"type": "adam", "params": {"lr": 0.01}},
+    )
     bag = hierps.EmbeddingBag(None, DIM, mode="sum", store=store, name="t")
     train_steps(store, bag, seed=1, steps=12)
     store.checkpoint("first")

@@ -59,8 +59,9 @@ def setup(kind: str):
 def build(store):
     torch.manual_seed(0)
     ref = nn.EmbeddingBag(VOCAB, DIM, mode="sum", sparse=True)
-    bag = hierps.EmbeddingBag(None, DIM, mode="sum", store=store, name="t",
-                              optimizer={"type": "adagrad", "params": {"lr": 0.2}})
+    bag = hierps.EmbeddingBag(
+        None, DIM, mode="sum", store=store, name="t", optimizer={"type": "adagrad", "params": {"lr": 0.2}}
+    )
     store.write("t", ALL_KEYS, ref.weight.detach())
     head = nn.Sequential(nn.Linear(DIM, 8), nn.ReLU(), nn.Linear(8, 1))
     return bag, head
@@ -82,8 +83,12 @@ def main() -> None:
     if args.mode == "load":
         store.restore("final")
         owned = ALL_KEYS[hierps.sharded.owner_of(ALL_KEYS, world) == rank]
-        np.savez(out / f"loaded-{rank}.npz", keys=owned, rows=store.local.read_rows("t", owned),
-                 step=store.local.tables["t"].step)
+        np.savez(
+            out / f"loaded-{rank}.npz",
+            keys=owned,
+            rows=store.local.read_rows("t", owned),
+            step=store.local.tables["t"].step,
+        )
         store.close()
         return
     opt = torch.optim.Adam(head.parameters(), lr=0.01)
@@ -92,7 +97,9 @@ def main() -> None:
     share = GLOBAL_BATCH // world
     for start in range(0, STEPS, PASS):
         group = batches[start : start + PASS]
-        local = [(ids[rank * share : (rank + 1) * share], y[rank * share : (rank + 1) * share]) for ids, y in group]
+        local = [
+            (ids[rank * share : (rank + 1) * share], y[rank * share : (rank + 1) * share]) for ids, y in group
+        ]
         store.begin_pass([{"t": ids} for ids, _ in local])
         if start + PASS < STEPS:  # read the next pass ahead (collective, like begin_pass)
             nxt = batches[start + PASS : start + 2 * PASS]
@@ -112,10 +119,15 @@ def main() -> None:
     store.checkpoint("final")
     rows = store.lookup("t", torch.from_numpy(ALL_KEYS)).numpy()
     owned = ALL_KEYS[hierps.sharded.owner_of(ALL_KEYS, world) == rank]
-    np.savez(out / f"result-{rank}.npz", rows=rows, losses=np.array(losses),
-             dense=np.concatenate([p.detach().reshape(-1).numpy() for p in head.parameters()]),
-             owned_keys=owned, owned_rows=store.local.read_rows("t", owned),
-             ssd_read=store.local.ssd.bytes_read)
+    np.savez(
+        out / f"result-{rank}.npz",
+        rows=rows,
+        losses=np.array(losses),
+        dense=np.concatenate([p.detach().reshape(-1).numpy() for p in head.parameters()]),
+        owned_keys=owned,
+        owned_rows=store.local.read_rows("t", owned),
+        ssd_read=store.local.ssd.bytes_read,
+    )
     store.close()
 
 

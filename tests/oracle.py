@@ -42,8 +42,9 @@ class Batch:
     psw: torch.Tensor | None = None
 
 
-def zipf_batches(n_batches: int, batch: int, bag: int, vocab: int, seed: int = 0, bags: bool = True,
-                 weights: bool = False) -> list[Batch]:
+def zipf_batches(
+    n_batches: int, batch: int, bag: int, vocab: int, seed: int = 0, bags: bool = True, weights: bool = False
+) -> list[Batch]:
     """Power-law ids (many repeats per mini-batch) in [0, vocab)."""
     rng = np.random.default_rng(seed)
     out = []
@@ -60,8 +61,15 @@ def zipf_batches(n_batches: int, batch: int, bag: int, vocab: int, seed: int = 0
     return out
 
 
-def train(model: nn.Module, sparse_opt, dense_opt, batches: list[Batch], store: hierps.Store | None = None,
-          accumulate: int = 1, pass_batches: int | None = None) -> list[float]:
+def train(
+    model: nn.Module,
+    sparse_opt,
+    dense_opt,
+    batches: list[Batch],
+    store: hierps.Store | None = None,
+    accumulate: int = 1,
+    pass_batches: int | None = None,
+) -> list[float]:
     """Train and return the losses; ``store.step()`` stands where the sparse optimizer's step is."""
     losses = []
     loss_fn = nn.BCEWithLogitsLoss()
@@ -85,8 +93,15 @@ def train(model: nn.Module, sparse_opt, dense_opt, batches: list[Batch], store: 
     return losses
 
 
-def twin_models(kind: str, vocab: int, dim: int, store: hierps.Store, opt: str, mode: str = "sum",
-                padding_idx: int | None = None):
+def twin_models(
+    kind: str,
+    vocab: int,
+    dim: int,
+    store: hierps.Store,
+    opt: str,
+    mode: str = "sum",
+    padding_idx: int | None = None,
+):
     """(reference model, hierps model) with equal initial weights."""
     torch.manual_seed(1)
     if kind == "bag":

@@ -20,8 +20,13 @@ def _run_worker(store: Path, out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "PYTHONPATH": str(HERE)}
     env.pop("HIERPS_FAULT", None)
-    proc = subprocess.run([sys.executable, str(HERE / "crash_worker.py"), str(store), str(out)], env=env,
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, str(HERE / "crash_worker.py"), str(store), str(out)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     if proc.returncode != 0:
         raise AssertionError(proc.stderr)
 

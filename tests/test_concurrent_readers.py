@@ -71,7 +71,9 @@ def test_readers_during_training_see_whole_checkpoints(fast_dir):
                 retired += 1
     finally:
         writer.join(120)
-    assert writer.exitcode == 0, (out / "error.txt").read_text() if (out / "error.txt").exists() else writer.exitcode
+    assert writer.exitcode == 0, (
+        (out / "error.txt").read_text() if (out / "error.txt").exists() else writer.exitcode
+    )
     logged = {e["id"]: e for e in map(json.loads, log.read_text().splitlines())}
     assert len(logged) == rounds
     reader = CheckpointReader(path)  # after training: the last checkpoint
@@ -80,7 +82,9 @@ def test_readers_during_training_see_whole_checkpoints(fast_dir):
         assert logged[ckpt]["tag"] == tag
         assert logged[ckpt]["digest"] == digests, f"checkpoint {ckpt} read back differs from what was written"
     assert len({c for c, _, _ in seen}) >= 2, f"readers saw only {seen[0][0]}"
-    print(f"{len(seen)} consistent reads of {len({c for c, _, _ in seen})} checkpoints, {retired} retired mid-read")
+    print(
+        f"{len(seen)} consistent reads of {len({c for c, _, _ in seen})} checkpoints, {retired} retired mid-read"
+    )
 
 
 @pytest.fixture
@@ -104,13 +108,18 @@ def test_read_after_the_checkpoint_was_retired_and_collected(trainer):
     first = reader.checkpoint_id
     step()
     step()  # retires `first` and deletes the segments only it used
-    with pytest.raises(CheckpointRetiredError, match=f"checkpoint {first} was retired .* newest is now {first + 2}"):
+    with pytest.raises(
+        CheckpointRetiredError, match=f"checkpoint {first} was retired .* newest is now {first + 2}"
+    ):
         reader.read("user", reader.keys("user"))
     with pytest.raises(CheckpointRetiredError):
         next(reader.iter_rows("item"))
     fresh = CheckpointReader(store.path)
     assert fresh.checkpoint_id == first + 2
-    np.testing.assert_array_equal(fresh.read("user", fresh.keys("user"))[1][:, :-NUM_COUNTERS], store.read_rows("user", fresh.keys("user")))
+    np.testing.assert_array_equal(
+        fresh.read("user", fresh.keys("user"))[1][:, :-NUM_COUNTERS],
+        store.read_rows("user", fresh.keys("user")),
+    )
 
 
 def test_checkpoint_retired_while_the_reader_opens_it(trainer, monkeypatch):
@@ -131,7 +140,9 @@ def test_checkpoint_retired_while_the_reader_opens_it(trainer, monkeypatch):
     assert calls[0] == first and reader.checkpoint_id == first + 1
     for table in cs.TABLES:
         keys = reader.keys(table)
-        np.testing.assert_array_equal(reader.read(table, keys)[1][:, :-NUM_COUNTERS], store.read_rows(table, keys))
+        np.testing.assert_array_equal(
+            reader.read(table, keys)[1][:, :-NUM_COUNTERS], store.read_rows(table, keys)
+        )
     # Asked for that very checkpoint by id, the reader says it is gone.
     calls.clear()
     with pytest.raises(CheckpointRetiredError, match=f"checkpoint {first + 1} was retired"):

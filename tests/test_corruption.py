@@ -67,8 +67,15 @@ def _first_chunk(array_dir: Path) -> Path:
 
 def test_zarr_crc32c_codec_raises_on_a_flipped_byte(tmp_path):
     """What hierps relies on in zarr 3.1: a crc32c mismatch raises (ValueError), it is not ignored."""
-    arr = zarr.create_array(LocalStore(tmp_path), name="a", shape=(8,), chunks=(8,), dtype="float32",
-                            compressors=[zarr.codecs.Crc32cCodec()], fill_value=0.0)
+    arr = zarr.create_array(
+        LocalStore(tmp_path),
+        name="a",
+        shape=(8,),
+        chunks=(8,),
+        dtype="float32",
+        compressors=[zarr.codecs.Crc32cCodec()],
+        fill_value=0.0,
+    )
     arr[:] = np.arange(8, dtype=np.float32)
     _flip(tmp_path / "a" / "c" / "0", 2)
     with pytest.raises(ValueError, match="checksum"):
@@ -93,7 +100,10 @@ def test_truncated_and_missing_segment_chunks(stored):
     first, second = _segments(path)[:2]
     chunk = _first_chunk(first / "rows")
     chunk.write_bytes(chunk.read_bytes()[:-7])
-    with hierps.Store(path, device="cpu") as store, pytest.raises(CorruptStoreError, match=re.escape(str(chunk))):
+    with (
+        hierps.Store(path, device="cpu") as store,
+        pytest.raises(CorruptStoreError, match=re.escape(str(chunk))),
+    ):
         store.read_rows("t", KEYS)
     # A missing chunk would read as zeros in zarr: hierps reports it instead.
     chunk.unlink()

@@ -77,7 +77,9 @@ def locate(trace: list[str], point: str, after: int) -> tuple[int, str | None]:
         raise AssertionError(f"the run never reaches {point} after checkpoint #{after}") from None
     # A checkpoint commits when its manifest replaces the temp file: the first json.after_replace
     # after checkpoint.before_manifest.
-    commits = [trace.index("json.after_replace", i) for i, p in enumerate(trace) if p == "checkpoint.before_manifest"]
+    commits = [
+        trace.index("json.after_replace", i) for i, p in enumerate(trace) if p == "checkpoint.before_manifest"
+    ]
     committed = sum(c <= at for c in commits)
     return trace[: at + 1].count(point), cs.TAGS[committed - 1] if committed else None
 
@@ -164,7 +166,9 @@ def check_reopened(path: Path, expect: str | None, reference: Reference, fast_di
             reader = CheckpointReader(path)
             for t in cs.TABLES:
                 keys = reader.keys(t)
-                np.testing.assert_array_equal(reader.read(t, keys)[1][:, :-NUM_COUNTERS], store.read_rows(t, keys))
+                np.testing.assert_array_equal(
+                    reader.read(t, keys)[1][:, :-NUM_COUNTERS], store.read_rows(t, keys)
+                )
     finally:
         store.close()
     opened, before, after, steps = cs.resume(path)

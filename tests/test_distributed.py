@@ -34,8 +34,14 @@ def _env() -> dict[str, str]:
 
 
 def torchrun(n: int, *args: str) -> None:
-    cmd = [str(BIN / "torchrun"), f"--nproc_per_node={n}", "--master_addr=127.0.0.1", f"--master_port={_port()}",
-           WORKER, *args]
+    cmd = [
+        str(BIN / "torchrun"),
+        f"--nproc_per_node={n}",
+        "--master_addr=127.0.0.1",
+        f"--master_port={_port()}",
+        WORKER,
+        *args,
+    ]
     proc = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-4000:]
 
@@ -72,8 +78,21 @@ def test_two_ranks_torchrun_equal_one_rank(one_rank, tmp_path):
 
 def test_two_ranks_horovodrun_equal_one_rank(one_rank, tmp_path):
     pytest.importorskip("horovod.torch", reason="Horovod is installed by `make horovod` (make test runs it)")
-    cmd = [str(BIN / "horovodrun"), "-np", "2", "-H", "localhost:2", "--gloo", sys.executable, WORKER, "train",
-           str(tmp_path / "store"), str(tmp_path), "--transport", "horovod"]
+    cmd = [
+        str(BIN / "horovodrun"),
+        "-np",
+        "2",
+        "-H",
+        "localhost:2",
+        "--gloo",
+        sys.executable,
+        WORKER,
+        "train",
+        str(tmp_path / "store"),
+        str(tmp_path),
+        "--transport",
+        "horovod",
+    ]
     proc = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     ref = _load(one_rank, "result-0.npz")
@@ -113,10 +132,22 @@ def test_killed_rank_makes_the_other_fail_fast(tmp_path):
     port = _port()
     procs = []
     for rank in (0, 1):
-        env = {**_env(), "RANK": str(rank), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
-        procs.append(subprocess.Popen([sys.executable, WORKER, "train", str(tmp_path / "store"), str(tmp_path),
-                                       "--die-after", "5"], env=env, stdout=subprocess.PIPE,
-                                      stderr=subprocess.PIPE, text=True))
+        env = {
+            **_env(),
+            "RANK": str(rank),
+            "WORLD_SIZE": "2",
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+        }
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, WORKER, "train", str(tmp_path / "store"), str(tmp_path), "--die-after", "5"],
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+        )
     t0 = time.monotonic()
     _, err = procs[0].communicate(timeout=90)
     elapsed = time.monotonic() - t0

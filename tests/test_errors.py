@@ -83,7 +83,9 @@ def test_nan_and_inf_gradients_are_rejected_before_any_update(trained):
     for bad in (float("nan"), float("inf")):
         out = bag(torch.arange(0, 12), torch.tensor([0, 6]))
         (out.sum() * torch.tensor(bad)).backward()
-        with pytest.raises(errors.NonFiniteGradientError, match=r"NaN or inf gradient for table\(s\) \['t'\]"):
+        with pytest.raises(
+            errors.NonFiniteGradientError, match=r"NaN or inf gradient for table\(s\) \['t'\]"
+        ):
             store.step()
         _unchanged(store, before)
     # The store goes on training afterwards.
@@ -179,8 +181,11 @@ def test_ids_outside_int64_through_every_entry_point(trained):
     before = _snapshot(store)
     with pytest.raises(errors.InvalidIdsError, match="dtype torch.uint64"):
         bag(torch.tensor([2**63], dtype=torch.uint64), torch.tensor([0]))
-    for call in (lambda: store.read_rows("t", [2**64]), lambda: store.begin_pass({"t": [2**63]}),
-                 lambda: store.write("t", [-(2**63) - 1], np.zeros((1, 4), np.float32))):
+    for call in (
+        lambda: store.read_rows("t", [2**64]),
+        lambda: store.begin_pass({"t": [2**63]}),
+        lambda: store.write("t", [-(2**63) - 1], np.zeros((1, 4), np.float32)),
+    ):
         with pytest.raises(errors.InvalidIdsError, match="outside int64"):
             call()
     _unchanged(store, before)

@@ -56,7 +56,9 @@ def _assert_no_leftovers(store: hierps.Store, just_failed: bool = False) -> None
     path = store.path
     assert not list(path.rglob(".*tmp-*"))
     if not just_failed:
-        assert {int(p.name) for p in (path / "checkpoints").iterdir() if p.is_dir()} == set(store.catalog.ids())
+        assert {int(p.name) for p in (path / "checkpoints").iterdir() if p.is_dir()} == set(
+            store.catalog.ids()
+        )
         assert _segments_on_disk(path) <= store.catalog.referenced_segments() | store.ssd.live_segments()
 
 
@@ -66,8 +68,12 @@ def small_disk(tmp_path):
     mnt = tmp_path / "disk"
     mnt.mkdir()
     try:
-        proc = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mnt)],
-                              capture_output=True, text=True, timeout=30)
+        proc = subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mnt)],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
     except (OSError, subprocess.TimeoutExpired) as exc:
         pytest.skip(f"cannot run mount to make a small file system: {exc}")
     if proc.returncode != 0:
@@ -121,7 +127,9 @@ def test_real_full_disk_during_write_back_and_checkpoint(small_disk, tmp_path):
         reader = CheckpointReader(small_disk / "store")
         assert reader.checkpoint_id == 1
         keys = reader.keys("t")
-        np.testing.assert_array_equal(reader.read("t", keys)[1][:, :-NUM_COUNTERS], c1[np.searchsorted(KEYS, keys)])
+        np.testing.assert_array_equal(
+            reader.read("t", keys)[1][:, :-NUM_COUNTERS], c1[np.searchsorted(KEYS, keys)]
+        )
         shutil.copytree(small_disk / "store", tmp_path / "copy", ignore=shutil.ignore_patterns("LOCK"))
         with hierps.Store(tmp_path / "copy", device="cpu") as copy:
             copy.table("t", DIM)
@@ -135,7 +143,10 @@ def test_real_full_disk_during_write_back_and_checkpoint(small_disk, tmp_path):
     finally:
         store.close()
         ref.close()
-    with hierps.Store(small_disk / "store", device="cpu") as again, hierps.Store(tmp_path / "ref", device="cpu") as r:
+    with (
+        hierps.Store(small_disk / "store", device="cpu") as again,
+        hierps.Store(tmp_path / "ref", device="cpu") as r,
+    ):
         np.testing.assert_array_equal(again.read_rows("t", KEYS), r.read_rows("t", KEYS))
         assert again.tables["t"].step == r.tables["t"].step
 
@@ -146,7 +157,9 @@ def test_real_full_disk_while_writing_the_checkpoint_index(small_disk):
         _train(store, bag, KEYS[:300], seed=1)
         store.checkpoint("c1")
         filler = _fill(small_disk)
-        with pytest.raises(hierps.StoreFullError, match=r"checkpoints/00000002: no space left .* key index of checkpoint 2"):
+        with pytest.raises(
+            hierps.StoreFullError, match=r"checkpoints/00000002: no space left .* key index of checkpoint 2"
+        ):
             store.checkpoint("c2")  # nothing dirty: only the index and the manifest are written
         assert store.catalog.ids() == [1]
         _assert_no_leftovers(store, just_failed=True)
@@ -215,7 +228,9 @@ def test_simulated_full_disk_while_committing_the_manifest(make_store, enospc):
     _train(store, bag, KEYS[:200], seed=2)
     rows = store.read_rows("t", KEYS).copy()
     enospc.add(("manifest", store.path))
-    with pytest.raises(hierps.StoreFullError, match=r"00000002.json: no space left .* the manifest 00000002.json"):
+    with pytest.raises(
+        hierps.StoreFullError, match=r"00000002.json: no space left .* the manifest 00000002.json"
+    ):
         store.checkpoint()
     assert store.catalog.ids() == [1]
     _assert_no_leftovers(store)  # the index of checkpoint 2 and the temp manifest are gone

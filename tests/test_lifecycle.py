@@ -41,7 +41,9 @@ def _batches(seed: int, n: int, size: int = 12, hot: int = 20, cold: int = 2000)
     rng = np.random.default_rng(seed)
     out = []
     for _ in range(n):
-        ids = np.where(rng.random(size) < 0.6, rng.integers(0, hot, size), rng.integers(hot, hot + cold, size))
+        ids = np.where(
+            rng.random(size) < 0.6, rng.integers(0, hot, size), rng.integers(hot, hot + cold, size)
+        )
         out.append(torch.from_numpy(ids.astype(np.int64)))
     return out
 
@@ -55,8 +57,11 @@ def _tiers(store: hierps.Store, table: str, keys: np.ndarray) -> np.ndarray:
 
 def _keys_on_disk(store_path: Path, table: str) -> np.ndarray:
     """Keys of every segment file of ``table`` left on disk, read with plain zarr."""
-    found = [zarr.open_array(str(seg / "keys"), mode="r")[:] for seg in (store_path / "segments" / table).iterdir()
-             if seg.name.isdigit()]
+    found = [
+        zarr.open_array(str(seg / "keys"), mode="r")[:]
+        for seg in (store_path / "segments" / table).iterdir()
+        if seg.name.isdigit()
+    ]
     return np.concatenate(found) if found else np.empty(0, np.int64)
 
 
@@ -87,8 +92,10 @@ def test_keys_seen_fewer_than_min_count_never_get_a_row(make_store):
     pending = store.pending_keys["t"]
     np.testing.assert_array_equal(pending.count_of(rare), [seen[k] for k in rare.tolist()])
     info = store.tables["t"]
-    np.testing.assert_array_equal(store.lookup("t", torch.from_numpy(rare)).numpy(),
-                                  initial_rows(rare, DIM, info.salt, info.initializer))
+    np.testing.assert_array_equal(
+        store.lookup("t", torch.from_numpy(rare)).numpy(),
+        initial_rows(rare, DIM, info.salt, info.initializer),
+    )
     # An admitted row's count includes the sightings before its admission.
     np.testing.assert_array_equal(store.counters("t", often)["count"], [seen[k] for k in often.tolist()])
 
@@ -123,8 +130,9 @@ def test_admitted_row_trains_like_an_unfiltered_row_from_admission_on(make_store
 
 def test_pending_keys_are_bounded_and_survive_a_checkpoint(make_store, tmp_path):
     store = make_store(optimizer=SGD)
-    emb = hierps.Embedding(None, DIM, store=store, name="t",
-                           admission={"min_count": 5, "max_pending": 8, "unadmitted": "zeros"})
+    emb = hierps.Embedding(
+        None, DIM, store=store, name="t", admission={"min_count": 5, "max_pending": 8, "unadmitted": "zeros"}
+    )
     for p in range(3):
         with store.run_pass({"t": torch.arange(10 * p, 10 * p + 10)}):
             _train_batch(store, emb, torch.arange(10 * p, 10 * p + 10))
@@ -151,8 +159,9 @@ def test_probability_admission_is_deterministic_per_key(make_store):
     admitted = []
     for name in ("a", "b"):
         store = make_store(name, optimizer=SGD, seed=3)
-        emb = hierps.Embedding(None, DIM, store=store, name="t",
-                               admission={"min_count": None, "admit_probability": 0.3})
+        emb = hierps.Embedding(
+            None, DIM, store=store, name="t", admission={"min_count": None, "admit_probability": 0.3}
+        )
         ids = torch.arange(0, 400)
         _train_batch(store, emb, ids)
         admitted.append(store.has_rows("t", ids.numpy()))
@@ -207,8 +216,9 @@ def test_shrink_deletes_rows_from_every_tier_and_from_disk(make_store):
         np.testing.assert_array_equal(store.counters("t", kept.numpy())[name], values)
     # Deleted keys read as new keys again.
     info = store.tables["t"]
-    np.testing.assert_array_equal(store.lookup("t", old).numpy(), initial_rows(old.numpy(), DIM, info.salt,
-                                                                                info.initializer))
+    np.testing.assert_array_equal(
+        store.lookup("t", old).numpy(), initial_rows(old.numpy(), DIM, info.salt, info.initializer)
+    )
     # Once the older checkpoint is retired, no file on disk holds the deleted rows.
     store.checkpoint()
     on_disk = _keys_on_disk(store.path, "t")
@@ -219,8 +229,9 @@ def test_shrink_deletes_rows_from_every_tier_and_from_disk(make_store):
 @pytest.mark.parametrize("reclaim", [True, False])
 def test_reclaim_disk_rewrites_segments_or_leaves_them_to_compaction(make_store, reclaim):
     store = make_store(optimizer=SGD, keep_checkpoints=1)
-    emb = hierps.Embedding(None, DIM, store=store, name="t",
-                           eviction={"min_decayed_count": 1.5, "reclaim_disk": reclaim})
+    emb = hierps.Embedding(
+        None, DIM, store=store, name="t", eviction={"min_decayed_count": 1.5, "reclaim_disk": reclaim}
+    )
     once, twice = torch.arange(0, 10), torch.arange(10, 40)
     with store.run_pass({"t": torch.cat([once, twice, twice])}):
         _train_batch(store, emb, torch.cat([once, twice, twice]))
@@ -235,8 +246,9 @@ def test_reclaim_disk_rewrites_segments_or_leaves_them_to_compaction(make_store,
 
 def test_eviction_runs_at_pass_intervals_with_decayed_counts(make_store):
     store = make_store(optimizer=SGD)
-    emb = hierps.Embedding(None, DIM, store=store, name="t",
-                           eviction={"min_decayed_count": 1.5, "decay": 0.5, "every_passes": 2})
+    emb = hierps.Embedding(
+        None, DIM, store=store, name="t", eviction={"min_decayed_count": 1.5, "decay": 0.5, "every_passes": 2}
+    )
     hot, once = torch.arange(0, 5), torch.arange(50, 55)
     with store.run_pass({"t": torch.cat([hot, once, once])}):
         _train_batch(store, emb, torch.cat([hot, once, once]))  # once: decayed count 2
@@ -286,7 +298,11 @@ def test_base_plus_deltas_equal_the_full_export(make_store, tmp_path):
     d1 = json.loads((out / "delta1" / "manifest.json").read_text())
     assert d1["since"] == ckpts[0] and d1["checkpoint"] == ckpts[1]
     assert d1["tables"]["t"]["deleted"] > 0
-    assert 0 < d1["tables"]["t"]["rows"] < json.loads((out / "full1" / "manifest.json").read_text())["tables"]["t"]["rows"]
+    assert (
+        0
+        < d1["tables"]["t"]["rows"]
+        < json.loads((out / "full1" / "manifest.json").read_text())["tables"]["t"]["rows"]
+    )
     applied = serving.open(out / "full0", deltas=[out / "delta1", out / "delta2"])
     full = serving.open(out / "full2")
     assert applied.checkpoint == full.checkpoint == ckpts[2]
@@ -324,8 +340,9 @@ def test_export_opens_with_plain_zarr(make_store, tmp_path):
         "assert 'hierps' not in sys.modules\n"
         "print(json.dumps(out, default=int))\n"
     )
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True,
-                          cwd=tmp_path)
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True, cwd=tmp_path
+    )
     got = json.loads(proc.stdout)
     assert got == {"user": [DIM, [0, 1, 2, 3, 4], [5, DIM]], "ad": [2 * DIM, [], [0, 2 * DIM]]}
     values = zarr.open_group(str(tmp_path / "exp"), mode="r")["user"]["values"][:]
@@ -394,7 +411,11 @@ def test_cli_inspect_export_shrink(make_store, tmp_path, capsys):
     [
         (AdmissionConfig, {"min_count": 0}, "admission.min_count: expected an int >= 1 or null. Got 0"),
         (AdmissionConfig, {"min_cont": 3}, "admission.min_cont: unknown key"),
-        (AdmissionConfig, {"admit_probability": 1.5}, "admission.admit_probability: expected a number <= 1.0"),
+        (
+            AdmissionConfig,
+            {"admit_probability": 1.5},
+            "admission.admit_probability: expected a number <= 1.0",
+        ),
         (AdmissionConfig, {"min_count": None}, "no key would ever be admitted"),
         (AdmissionConfig, {"unadmitted": "mean"}, "admission.unadmitted: expected one of"),
         (EvictionConfig, {"decay": 0}, "eviction.decay: expected a number > 0.0"),

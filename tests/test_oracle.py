@@ -20,7 +20,8 @@ def _compare(ref, twin, ref_losses, twin_losses):
 
 @pytest.mark.parametrize(
     ("opt", "mode"),
-    [(o, m) for o in ("sgd", "adagrad", "adam") for m in ("sum", "mean")] + [("sgd", "max"), ("adagrad", "max")],
+    [(o, m) for o in ("sgd", "adagrad", "adam") for m in ("sum", "mean")]
+    + [("sgd", "max"), ("adagrad", "max")],
 )
 def test_bag_matches_torch_with_rows_on_ssd(make_store, opt, mode):
     # ~30 rows of RAM for a 400-row table: most rows live on SSD between passes.

@@ -22,15 +22,18 @@ def _passes(n_passes: int, batches_per_pass: int, seed: int = 0):
         group = []
         for _ in range(batches_per_pass):
             local = lo + (rng.zipf(1.2, size=(32, 3)) - 1) % 600
-            group.append((torch.from_numpy(KEYS[local].reshape(-1)), torch.from_numpy(rng.random(32, np.float32))))
+            group.append(
+                (torch.from_numpy(KEYS[local].reshape(-1)), torch.from_numpy(rng.random(32, np.float32)))
+            )
         out.append(group)
     return out
 
 
 def _train(store: hierps.Store, passes, prefetch: bool) -> tuple[np.ndarray, list[float]]:
     torch.manual_seed(0)
-    bag = hierps.EmbeddingBag(None, DIM, mode="mean", store=store, name="t",
-                              optimizer={"type": "adam", "params": {"lr": 0.02}})
+    bag = hierps.EmbeddingBag(
+        None, DIM, mode="mean", store=store, name="t", optimizer={"type": "adam", "params": {"lr": 0.02}}
+    )
     head = nn.Linear(DIM, 1)
     opt = torch.optim.SGD(head.parameters(), lr=0.1)
     losses = []
@@ -70,8 +73,9 @@ def test_prefetch_of_another_pass_is_ignored_safely(make_store):
     torch.manual_seed(0)
     # Announce the wrong passes: the read-ahead must be dropped, never used.
     wrong = _passes(6, 3, seed=2)
-    bag = hierps.EmbeddingBag(None, DIM, mode="mean", store=odd, name="t",
-                              optimizer={"type": "adam", "params": {"lr": 0.02}})
+    bag = hierps.EmbeddingBag(
+        None, DIM, mode="mean", store=odd, name="t", optimizer={"type": "adam", "params": {"lr": 0.02}}
+    )
     head = nn.Linear(DIM, 1)
     opt = torch.optim.SGD(head.parameters(), lr=0.1)
     for i, group in enumerate(passes):

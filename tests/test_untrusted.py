@@ -72,7 +72,9 @@ def test_crafted_segment_is_refused_and_runs_nothing(store_path, tmp_path, kind)
     rows = _a_segment(store_path) / "rows"
     _plant(rows, marker, CRAFTED[kind])
     with hierps.Store(store_path, device="cpu") as store:
-        with pytest.raises(CorruptStoreError, match=re.escape(str(rows / "zarr.json")) + ": not an array hierps wrote"):
+        with pytest.raises(
+            CorruptStoreError, match=re.escape(str(rows / "zarr.json")) + ": not an array hierps wrote"
+        ):
             store.read_rows("t", KEYS)
     reader = CheckpointReader(store_path)
     with pytest.raises(CorruptStoreError, match="refuses others without decoding them"):
@@ -85,9 +87,20 @@ def test_zarr_v2_array_with_pickle_compressor_is_refused(store_path, tmp_path):
     rows = _a_segment(store_path) / "rows"
     shutil.rmtree(rows)
     rows.mkdir()
-    (rows / ".zarray").write_text(json.dumps({
-        "zarr_format": 2, "shape": [50, 8], "chunks": [50, 8], "dtype": "<f4", "compressor": {"id": "pickle"},
-        "fill_value": 0.0, "filters": None, "order": "C"}))
+    (rows / ".zarray").write_text(
+        json.dumps(
+            {
+                "zarr_format": 2,
+                "shape": [50, 8],
+                "chunks": [50, 8],
+                "dtype": "<f4",
+                "compressor": {"id": "pickle"},
+                "fill_value": 0.0,
+                "filters": None,
+                "order": "C",
+            }
+        )
+    )
     (rows / "0.0").write_bytes(_pickle_payload(marker))
     with hierps.Store(store_path, device="cpu") as store:
         with pytest.raises(CorruptStoreError, match="Zarr v2 array, which hierps never writes"):
@@ -115,20 +128,38 @@ def _edit_manifest(path: Path, edit) -> None:
 
 
 MANIFESTS = {
-    "dim as a string": (lambda b: b["tables"]["t"].update(dim="4"), r"tables.t.dim: expected an int >= 1. Got '4'"),
+    "dim as a string": (
+        lambda b: b["tables"]["t"].update(dim="4"),
+        r"tables.t.dim: expected an int >= 1. Got '4'",
+    ),
     "tables as a list": (lambda b: b.update(tables=["t"]), r"tables: expected an object of tables"),
     "seed as a float": (lambda b: b.update(seed=1.5), r"seed: expected an int. Got 1.5"),
     "step as a bool": (lambda b: b["tables"]["t"].update(step=True), r"tables.t.step: expected an int >= 0"),
-    "segments as a list": (lambda b: b["tables"]["t"].update(segments=[1, 2]), r"tables.t.segments: expected"),
-    "segment id not a number": (lambda b: b["tables"]["t"]["segments"].update({"../../x": 1}), r"tables.t.segments"),
-    "table name escaping the store": (lambda b: b["tables"].update({"../../etc": b["tables"]["t"]}),
-                                      r"table name '../../etc' is not a valid table name"),
-    "optimizer as code": (lambda b: b["tables"]["t"].update(optimizer={"type": "__import__('os').system('x')"}),
-                          r"table 't': optimizer.type: unknown sparse optimizer"),
-    "initializer as a list": (lambda b: b["tables"]["t"].update(initializer=["normal"]), r"table 't': initializer"),
+    "segments as a list": (
+        lambda b: b["tables"]["t"].update(segments=[1, 2]),
+        r"tables.t.segments: expected",
+    ),
+    "segment id not a number": (
+        lambda b: b["tables"]["t"]["segments"].update({"../../x": 1}),
+        r"tables.t.segments",
+    ),
+    "table name escaping the store": (
+        lambda b: b["tables"].update({"../../etc": b["tables"]["t"]}),
+        r"table name '../../etc' is not a valid table name",
+    ),
+    "optimizer as code": (
+        lambda b: b["tables"]["t"].update(optimizer={"type": "__import__('os').system('x')"}),
+        r"table 't': optimizer.type: unknown sparse optimizer",
+    ),
+    "initializer as a list": (
+        lambda b: b["tables"]["t"].update(initializer=["normal"]),
+        r"table 't': initializer",
+    ),
     "id of another checkpoint": (lambda b: b.update(id=7), r"field id: expected the checkpoint id 1"),
-    "segments the index does not use": (lambda b: b["tables"]["t"].update(segments={"99": 1}),
-                                        r"points outside the segments its manifest names"),
+    "segments the index does not use": (
+        lambda b: b["tables"]["t"].update(segments={"99": 1}),
+        r"points outside the segments its manifest names",
+    ),
 }
 
 
@@ -144,7 +175,9 @@ def test_manifest_with_unexpected_content_is_refused(store_path, kind):
 
 def test_manifest_of_another_format_version(store_path):
     _edit_manifest(store_path, lambda b: b.update(format_version=99))
-    with pytest.raises(StoreFormatError, match=f"checkpoint 1 has format version 99; this hierps reads {FORMAT_VERSION}"):
+    with pytest.raises(
+        StoreFormatError, match=f"checkpoint 1 has format version 99; this hierps reads {FORMAT_VERSION}"
+    ):
         hierps.Store(store_path, device="cpu")
     with pytest.raises(StoreFormatError, match="format version 99"):
         CheckpointReader(store_path)
@@ -165,10 +198,16 @@ def test_marker_with_unexpected_content(store_path):
 
 # Calls that can run code from data: unpickling (also via numpy / torch), marshal, eval / exec, yaml.
 _FORBIDDEN = [
-    (re.compile(r"^\s*(import|from)\s+(pickle|cPickle|dill|cloudpickle|marshal|shelve|joblib)\b", re.M), "imports"),
+    (
+        re.compile(r"^\s*(import|from)\s+(pickle|cPickle|dill|cloudpickle|marshal|shelve|joblib)\b", re.M),
+        "imports",
+    ),
     (re.compile(r"\bpickle\.loads?\b|\bmarshal\.loads?\b"), "unpickles"),
     (re.compile(r"allow_pickle\s*=\s*True"), "lets numpy unpickle"),
-    (re.compile(r"\btorch\.load\((?![^)]*weights_only\s*=\s*True)"), "calls torch.load without weights_only=True"),
+    (
+        re.compile(r"\btorch\.load\((?![^)]*weights_only\s*=\s*True)"),
+        "calls torch.load without weights_only=True",
+    ),
     (re.compile(r"(?<![\w.])(eval|exec)\s*\("), "calls eval/exec"),
     (re.compile(r"\byaml\.(load|unsafe_load)\("), "loads yaml unsafely"),
     (re.compile(r"\bnumcodecs\.(Pickle|pickles)\b"), "uses the numcodecs pickle codec"),

@@ -141,7 +141,10 @@ class DeviceTier:
             dirty = r.dirty[: r.n].cpu().numpy()
             if dirty.any():
                 slots = np.flatnonzero(dirty)
-                out[table] = (r.slot_keys[slots].copy(), r.rows[torch.from_numpy(slots).to(self.device)].cpu().numpy())
+                out[table] = (
+                    r.slot_keys[slots].copy(),
+                    r.rows[torch.from_numpy(slots).to(self.device)].cpu().numpy(),
+                )
                 r.dirty[: r.n] = False
         return out
 
@@ -154,13 +157,18 @@ class DeviceTier:
 
 def _sorted_index(keys: np.ndarray, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     order = np.argsort(keys, kind="stable")
-    return (torch.from_numpy(np.ascontiguousarray(keys[order])).to(device),
-            torch.from_numpy(order.astype(np.int64)).to(device))
+    return (
+        torch.from_numpy(np.ascontiguousarray(keys[order])).to(device),
+        torch.from_numpy(order.astype(np.int64)).to(device),
+    )
 
 
-def rebuild(tier: DeviceTier, keep: dict[str, np.ndarray],
-            prepared: dict[str, tuple[np.ndarray, np.ndarray]] | None,
-            fetch: Callable[[str, np.ndarray], np.ndarray]) -> dict[str, DrainedRows]:
+def rebuild(
+    tier: DeviceTier,
+    keep: dict[str, np.ndarray],
+    prepared: dict[str, tuple[np.ndarray, np.ndarray]] | None,
+    fetch: Callable[[str, np.ndarray], np.ndarray],
+) -> dict[str, DrainedRows]:
     """Make the working set exactly ``keep`` (sorted unique keys per table), moving as little as possible.
 
     Rows already resident are carried over (never re-read: they may be newer than every tier below);
@@ -176,7 +184,9 @@ def rebuild(tier: DeviceTier, keep: dict[str, np.ndarray],
         if not carry.all():
             leave = np.flatnonzero(~carry)
             leave_t = torch.from_numpy(leave).to(tier.device)
-            out[table] = DrainedRows(keys=cur[leave].copy(), rows=r.rows[leave_t].cpu().numpy(), dirty=dirty[leave])
+            out[table] = DrainedRows(
+                keys=cur[leave].copy(), rows=r.rows[leave_t].cpu().numpy(), dirty=dirty[leave]
+            )
         stay = np.flatnonzero(carry)
         stay_keys = cur[stay]
         missing = np.setdiff1d(want, stay_keys, assume_unique=True)

@@ -53,8 +53,9 @@ class TableIndex:
     O(1) per key). ``keys`` / ``seg`` / ``pos`` give the merged arrays.
     """
 
-    def __init__(self, keys: np.ndarray | None = None, seg: np.ndarray | None = None,
-                 pos: np.ndarray | None = None) -> None:
+    def __init__(
+        self, keys: np.ndarray | None = None, seg: np.ndarray | None = None, pos: np.ndarray | None = None
+    ) -> None:
         self._k = np.empty(0, np.int64) if keys is None else keys
         self._s = np.empty(0, np.int32) if seg is None else seg
         self._p = np.empty(0, np.int32) if pos is None else pos
@@ -204,7 +205,9 @@ class SsdTier:
         self.bytes_read += out.nbytes
         return found, out
 
-    def scan(self, table: str, columns: slice, batch: int = 1 << 18) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    def scan(
+        self, table: str, columns: slice, batch: int = 1 << 18
+    ) -> Iterator[tuple[np.ndarray, np.ndarray]]:
         """Yield ``(keys (b,) int64 sorted, values (b, k) float32)``: ``columns`` of every live row.
 
         Reads segment after segment, each in contiguous ranges of rows (live rows of a segment
@@ -242,8 +245,10 @@ class SsdTier:
         handles = self._arrays.get((table, seg))
         if handles is None:
             name = _segment_name(table, seg)
-            handles = (open_array(self._zstore, self.root, f"{name}/keys", "int64", 1),
-                       open_array(self._zstore, self.root, f"{name}/rows", "float32", 2))
+            handles = (
+                open_array(self._zstore, self.root, f"{name}/keys", "int64", 1),
+                open_array(self._zstore, self.root, f"{name}/rows", "float32", 2),
+            )
             if handles[0].shape[0] != handles[1].shape[0] or handles[1].shape[1] != self.widths[table]:
                 raise CorruptStoreError(
                     f"{self.root / name}: keys {handles[0].shape} and rows {handles[1].shape} do not form a "
@@ -279,7 +284,9 @@ class SsdTier:
             with disk_full_as_error(self.root / name, f"segment {seg} of table {table!r}", needed):
                 create_array(self._zstore, f"{name}/keys", keys, key_rows)
                 fault_point("ssd.segment_keys_written")
-                create_array(self._zstore, f"{name}/rows", rows, chunk_rows, block_point="ssd.segment_rows_block")
+                create_array(
+                    self._zstore, f"{name}/rows", rows, chunk_rows, block_point="ssd.segment_rows_block"
+                )
         except BaseException:
             # Nothing names the segment yet: drop what was written of it (and the space it took).
             shutil.rmtree(self.root / name, ignore_errors=True)
@@ -310,8 +317,9 @@ class SsdTier:
         return int(len(old))
 
     # -- compaction ---------------------------------------------------------------------------
-    def compact(self, table: str, max_segments: int = 16, min_live_fraction: float = 0.5,
-                rewrite: Iterable[int] = ()) -> int:
+    def compact(
+        self, table: str, max_segments: int = 16, min_live_fraction: float = 0.5, rewrite: Iterable[int] = ()
+    ) -> int:
         """Rewrite segments that are mostly stale, or too many, into one; returns rows rewritten.
 
         ``rewrite`` names segments to rewrite whatever their live fraction (e.g. those that held
@@ -320,8 +328,11 @@ class SsdTier:
         """
         forced = set(rewrite)
         segs = [s for (t, s) in self._live if t == table]
-        chosen = [s for s in segs
-                  if s in forced or self._live[(table, s)] < min_live_fraction * self._sizes[(table, s)]]
+        chosen = [
+            s
+            for s in segs
+            if s in forced or self._live[(table, s)] < min_live_fraction * self._sizes[(table, s)]
+        ]
         if len(segs) - len(chosen) + 1 > max_segments:
             # Too many segments even after merging the stale ones: merge the smallest too.
             rest = sorted(set(segs) - set(chosen), key=lambda s: self._live[(table, s)])
@@ -364,11 +375,15 @@ class SsdTier:
             fsync_dir(self.root)
         except OSError as exc:
             why = "no space left on the device" if exc.errno in (errno.ENOSPC, errno.EDQUOT) else str(exc)
-            message = (f"{self.root}: fsync of new segments failed ({why}); rows written since the last "
-                       "checkpoint may not be on disk. Close the store and open it again: it reopens at its "
-                       "last checkpoint.")
+            message = (
+                f"{self.root}: fsync of new segments failed ({why}); rows written since the last "
+                "checkpoint may not be on disk. Close the store and open it again: it reopens at its "
+                "last checkpoint."
+            )
             full = exc.errno in (errno.ENOSPC, errno.EDQUOT)
-            self._sync_error = StoreFullError(message, str(self.root)) if full else OSError(exc.errno, message)
+            self._sync_error = (
+                StoreFullError(message, str(self.root)) if full else OSError(exc.errno, message)
+            )
             raise self._sync_error from exc
         self._unsynced.clear()
 
@@ -426,4 +441,3 @@ class SsdTier:
 
     def disk_bytes(self) -> int:
         return sum(p.stat().st_size for p in self.root.rglob("*") if p.is_file())
-
