@@ -215,15 +215,19 @@ def select_modules(model: nn.Module, cfg: HierarchicalPSConfig) -> dict[str, nn.
     return out
 
 
-def resolve_dense_allreduce(choice: DenseAllreduce, under_horovodrun: bool | None = None) -> DenseAllreduce:
-    """``auto`` -> ``horovod`` when launched by horovodrun, else ``deepspeed``.
+def resolve_dense_allreduce(
+    choice: DenseAllreduce, under_horovodrun: bool | None = None, zero_stage: int = 0
+) -> DenseAllreduce:
+    """``auto`` -> ``horovod`` when launched by horovodrun and ZeRO does not partition the dense
+    gradients (stage 0), else ``deepspeed`` (whose all-reduce runs under horovodrun as well).
 
     Raises ``ConfigError`` when Horovod is chosen but ``horovod.torch`` cannot be imported.
     """
     if under_horovodrun is None:
         under_horovodrun = launched_by_horovodrun()
     if choice is DenseAllreduce.AUTO:
-        choice = DenseAllreduce.HOROVOD if under_horovodrun else DenseAllreduce.DEEPSPEED
+        horovod = under_horovodrun and zero_stage == 0
+        choice = DenseAllreduce.HOROVOD if horovod else DenseAllreduce.DEEPSPEED
     if choice is DenseAllreduce.HOROVOD and not _importable("horovod.torch"):
         raise ConfigError(
             f"{SECTION}.dense_allreduce: 'horovod' (launched by horovodrun, or asked for) needs horovod.torch, "

@@ -166,7 +166,10 @@ def _initialize_with_store(
             f"{SECTION}: pipeline-parallel models (PipelineModule) are not supported; pass the "
             "model as a plain nn.Module."
         )
-    dense_allreduce = resolve_dense_allreduce(section.dense_allreduce)
+    zero = (kwargs["config"] or {}).get("zero_optimization") or {}
+    dense_allreduce = resolve_dense_allreduce(
+        section.dense_allreduce, zero_stage=int(zero.get("stage", 0) or 0)
+    )
     chosen = select_modules(model, section)
     map_horovod_env()  # under horovodrun: RANK, MASTER_ADDR, ... from HOROVOD_*; else nothing
     # What deepspeed.initialize does first; done here so that rank and world size are known.

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import importlib.util
 import json
 import os
 import socket
@@ -446,3 +447,14 @@ def _rank_worker(store: str, out: str, dense_allreduce: str, stage: str) -> None
 
 if __name__ == "__main__":  # a rank of test_two_ranks_train_like_one_torch_process
     _rank_worker(*sys.argv[1:])
+
+
+def test_auto_dense_allreduce_follows_the_launcher_and_zero_stage():
+    from hierps.integrations.config import DenseAllreduce, resolve_dense_allreduce
+
+    auto = DenseAllreduce.AUTO
+    assert resolve_dense_allreduce(auto, under_horovodrun=False) is DenseAllreduce.DEEPSPEED
+    # Under horovodrun, Horovod all-reduces whole gradients: only where ZeRO does not partition them.
+    if importlib.util.find_spec("horovod.torch") is not None:
+        assert resolve_dense_allreduce(auto, under_horovodrun=True, zero_stage=0) is DenseAllreduce.HOROVOD
+    assert resolve_dense_allreduce(auto, under_horovodrun=True, zero_stage=1) is DenseAllreduce.DEEPSPEED
