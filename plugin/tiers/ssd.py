@@ -336,12 +336,23 @@ class SsdTier:
         if len(segs) - len(chosen) + 1 > max_segments:
             # Too many segments even after merging the stale ones: merge the smallest too.
             rest = sorted(set(segs) - set(chosen), key=lambda s: self._live[(table, s)])
-            chosen += rest[: len(segs) - len(chosen) + 1 - max_segments + 1]
+            pick = rest[: len(segs) - len(chosen) + 1 - max_segments + 1]
+            # Size-tiered: a merge that would mostly rewrite one large segment to absorb a few small
+            # ones costs O(table) per pass; let small segments gather (up to twice max_segments)
+            # and merge among themselves until they are worth a quarter of the large one.
+            if len(segs) <= 2 * max_segments:
+                while len(pick) > 1 and self._live[(table, pick[-1])] > 4 * sum(
+                    self._live[(table, p)] for p in pick[:-1]
+                ):
+                    pick.pop()
+                if len(pick) < 2:
+                    pick = []
+            chosen += pick
         if not chosen:
             return 0
         fault_point("ssd.compaction_begin")
         stale = chosen
-        keys = self.index[table].entries_in(np.asarray(stale, dtype=np.int32))
+        keys = self._live_keys(table, stale)
         rewritten = 0
         if len(keys):
             found, rows = self.read(table, keys)
@@ -354,6 +365,20 @@ class SsdTier:
                 self._live.pop((table, s), None)
                 self._arrays.pop((table, s), None)
         return rewritten
+
+    def _live_keys(self, table: str, segments: list[int]) -> np.ndarray:
+        """Sorted keys whose live rows are in ``segments``: read from the segments' own key arrays,
+        so the cost follows the segments' size, not the table's."""
+        idx = self.index[table]
+        parts = [np.empty(0, np.int64)]
+        for seg in segments:
+            if self._live.get((table, seg), 0) == 0:
+                continue
+            name = _segment_name(table, seg)
+            stored = read_array(self._open(table, seg)[0], self.root, f"{name}/keys")
+            found, seg_of, _ = idx.lookup(stored)
+            parts.append(stored[found & (seg_of == seg)])
+        return np.sort(np.concatenate(parts))
 
     # -- durability ---------------------------------------------------------------------------
     def sync(self) -> None:
