@@ -22,8 +22,6 @@ from __future__ import annotations
 
 import fcntl
 import os
-from collections.abc import Iterator, Mapping, Sequence
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -47,7 +45,6 @@ from hierps.config import (
 from hierps.counters import NUM_COUNTERS, initial_counters
 from hierps.errors import (
     ConfigError,
-    DeviceBudgetError,
     NonFiniteGradientError,
     StoreClosedError,
     StoreFormatError,
@@ -57,14 +54,13 @@ from hierps.errors import (
 from hierps.initializers import initial_rows, table_salt
 from hierps.lifecycle import LifeCycle
 from hierps.optim import apply_step, initial_state, state_width
+from hierps.passes import Passes, _PassPlan
 from hierps.pipeline import PassPipeline
 from hierps.stats import PassStats
 from hierps.tiers import DeviceTier, MemoryTier, SsdTier, TableIndex
-from hierps.tiers.device import DrainedRows, rebuild
+from hierps.tiers.device import DrainedRows
 
 __all__ = ["FORMAT_VERSION", "Store", "TableInfo"]
-
-_EMPTY = np.empty(0, np.int64)
 
 
 @dataclass
@@ -114,15 +110,7 @@ class _Pending:
     rows: torch.Tensor | None = None  # (R,) positions of keys in the leaf; None: all of it (R == U)
 
 
-@dataclass
-class _PassPlan:
-    """Groups of a pass's mini-batches whose rows fit the device budget together."""
-
-    groups: list[dict[str, np.ndarray]] = field(default_factory=list)
-    cursor: int = 0
-
-
-class Store(LifeCycle):
+class Store(Passes, LifeCycle):
     """Named tables of rows keyed by raw int64 ids, kept over device, RAM and SSD tiers.
 
     Args:
@@ -460,252 +448,6 @@ class Store(LifeCycle):
         self.memory.discard(table)
         self.ssd.load_index(table, info.width, TableIndex(), {})
         info.step = 0
-
-    # -- passes -------------------------------------------------------------------------------
-    def begin_pass(self, batches: Mapping[str, Any] | Sequence[Mapping[str, Any]]) -> None:
-        """Load the working set of a pass into the device tier before its mini-batches run.
-
-        ``batches`` is ``{table: ids}`` (the pass's ids) or a list of such, one per mini-batch in
-        the order they will run. When the working set exceeds the device budget, a list is split
-        into consecutive groups that fit, loaded one after the other as training reaches them.
-        With the pipeline on, rows shared with the previous pass stay resident, the others were
-        read ahead (see :meth:`prefetch`), and the rows leaving are written back in the background.
-        """
-        self._check_open()
-        per_batch = [batches] if isinstance(batches, Mapping) else list(batches)
-        raw = [self._batch_keys(b) for b in per_batch]
-        groups = self._planned(raw)  # bad input: raise, change nothing
-        if self._in_pass:
-            self.end_pass()
-        self._plan = _PassPlan(groups, cursor=0)
-        self._in_pass = True
-        self.stats.begin_pass(self.passes)
-        groups = [self._admitted_only(g) for g in groups]
-        if self.pipeline and len(groups) == 1:
-            prepared = self._pipe.take(groups[0])
-            # The last write-back had a whole pass to finish; waiting for it bounds the queue to one
-            # and reports its failure (e.g. a full disk) at this pass, not some later one.
-            self._pipe.wait_writebacks()
-            drained = rebuild(self.device_tier, groups[0], prepared, self._fetch_now)
-            self._pipe.submit_writeback(drained)
-        else:
-            self._pipe.take({})  # a read-ahead of another shape is of no use now
-            self._write_back()
-            if groups:
-                self._load(groups[0], create=False)
-        fault_point("pass.loaded")
-        if self._announced is not None:
-            announced, self._announced = self._announced, None
-            self.prefetch(announced)
-
-    def prefetch(self, batches: Mapping[str, Any] | Sequence[Mapping[str, Any]]) -> None:
-        """Announce the next pass so that its rows are read in the background while this one trains.
-
-        Called during a pass it starts at once; called between passes it starts with the next
-        :meth:`begin_pass` (after that pass's write-back is queued, which keeps reads fresh).
-        """
-        self._check_open()
-        batches = self._as_batches(batches)
-        if not self.pipeline:
-            return
-        if not self._in_pass:
-            self._announced = batches
-            return
-        groups = self._planned([self._batch_keys(b) for b in batches])
-        if len(groups) == 1 and not any(self.tables[t].admission.filters for t in groups[0]):
-            # (tables filtering admission are loaded at begin_pass, when admission is known)
-            resident = {t: self.device_tier.resident_keys(t) for t in groups[0]}
-            self._pipe.submit_prepare(groups[0], resident)
-
-    def end_pass(self) -> None:
-        """Close the pass. Without the pipeline its working set is written back now; with it, when
-        the next pass begins (rows it shares stay resident). Tables whose eviction settings ask
-        for it (``every_passes``) are shrunk here."""
-        self._check_open()
-        if not self.pipeline:
-            self._write_back()
-        self._plan = _PassPlan()
-        self._in_pass = False
-        self.passes += 1
-        self.memory.tick = self.passes
-        due = [
-            info
-            for info in self.tables.values()
-            if info.eviction.every_passes is not None and self.passes % info.eviction.every_passes == 0
-        ]
-        if due:
-            self._pipe.drain()
-            for info in due:
-                self._shrink(info, info.eviction)
-        self._pipe.run_in_background(self._compact) if self.pipeline else self._compact()
-        self.stats.end_pass(self)
-
-    def _admitted_only(self, group: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        """A pass's keys without those of admission-filtering tables that have no row yet."""
-        out = {}
-        for table, keys in group.items():
-            if self.tables[table].admission.filters and len(keys):
-                keys = keys[self._has_row(table, keys)]
-            out[table] = keys
-        return out
-
-    def _compact(self) -> None:
-        with self._pipe.lock:
-            for table in list(self.tables):
-                self.ssd.compact(table, self.max_segments)
-
-    @staticmethod
-    def _as_batches(batches: Mapping[str, Any] | Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
-        return [batches] if isinstance(batches, Mapping) else list(batches)
-
-    def _fetch_now(self, table: str, keys: np.ndarray) -> np.ndarray:
-        """Read rows from the training thread: after pending write-backs, so never stale."""
-        self._pipe.wait_writebacks()
-        return self._fetch(table, keys, touch=True)
-
-    @contextmanager
-    def run_pass(self, batches: Mapping[str, Any] | Sequence[Mapping[str, Any]]) -> Iterator[None]:
-        """``with store.run_pass(batches): ...`` = begin_pass(batches) ... end_pass()."""
-        self.begin_pass(batches)
-        try:
-            yield
-        finally:
-            self.end_pass()
-
-    def _batch_keys(self, batch: Mapping[str, Any]) -> dict[str, np.ndarray]:
-        out = {}
-        for table, ids in batch.items():
-            self._info(table)
-            out[table] = _ids.as_int64_array(ids, what=f"ids for table {table!r}")
-        return out
-
-    def _planned(self, batches: list[dict[str, np.ndarray]]) -> list[dict[str, np.ndarray]]:
-        """:meth:`_plan_groups`, reusing the plan of the same batches (announced, then begun)."""
-        last = self._last_plan
-        if (
-            last is not None
-            and len(last[0]) == len(batches)
-            and all(
-                a.keys() == b.keys() and all(np.array_equal(a[t], b[t]) for t in a)
-                for a, b in zip(last[0], batches)
-            )
-        ):
-            return last[1]
-        groups = self._plan_groups(batches)
-        self._last_plan = (batches, groups)
-        return groups
-
-    def _plan_groups(self, batches: list[dict[str, np.ndarray]]) -> list[dict[str, np.ndarray]]:
-        """Consecutive mini-batches merged while their distinct rows fit the device budget."""
-        budget = self.device_tier.budget
-        tables = {t for keys in batches for t in keys}
-        merged_all = {t: np.concatenate([keys[t] for keys in batches if t in keys]) for t in tables}
-        if self.device_tier.bytes_for({t: len(k) for t, k in merged_all.items()}) <= budget:
-            # Fits even counting repeats: one group, one sort per table.
-            return [{t: np.unique(k) for t, k in merged_all.items()}] if merged_all else []
-        groups: list[dict[str, np.ndarray]] = []
-        current: dict[str, np.ndarray] = {}
-        for keys in [{t: np.unique(k) for t, k in b.items()} for b in batches]:
-            alone = self.device_tier.bytes_for({t: len(k) for t, k in keys.items()})
-            if alone > budget:
-                raise DeviceBudgetError(self._budget_message(alone))
-            merged = {
-                t: np.union1d(current.get(t, _EMPTY), keys.get(t, _EMPTY))
-                for t in current.keys() | keys.keys()
-            }
-            if self.device_tier.bytes_for({t: len(k) for t, k in merged.items()}) > budget:
-                groups.append(current)
-                merged = dict(keys)
-            current = merged
-        if current:
-            groups.append(current)
-        return groups
-
-    def _budget_message(self, need: int) -> str:
-        return (
-            f"one mini-batch needs {need} bytes of rows in the device tier, more than its budget of "
-            f"{self.device_tier.budget} bytes. Raise device_budget or use smaller mini-batches."
-        )
-
-    def _load(self, keys: Mapping[str, np.ndarray], *, create: bool = True) -> None:
-        """Make sorted unique keys resident in the device tier (those not resident yet).
-
-        With ``create`` False, keys of admission-filtering tables that have no row are left out:
-        they get one only when a training gather admits them.
-        """
-        self._pipe.wait_writebacks()
-        for table, k in keys.items():
-            if len(k) == 0:
-                continue
-            found, _ = self.device_tier.resolve(table, torch.from_numpy(k).to(self.device))
-            missing = k[~found.cpu().numpy()]
-            if len(missing) and not create and self.tables[table].admission.filters:
-                missing = missing[self._stored(table, missing)]
-            if len(missing):
-                self.device_tier.insert(table, missing, self._fetch(table, missing, touch=True))
-
-    def _write_back(self) -> None:
-        """Empty the device tier now, dirty rows to the RAM tier."""
-        self._pipe.wait_writebacks()
-        with self._pipe.lock:
-            self._put_dirty(self.device_tier.drain())
-
-    def _put_dirty(self, drained: dict[str, DrainedRows]) -> None:
-        """Hand dirty rows that left the device tier to the RAM tier, every table even if one fails.
-
-        The RAM tier keeps rows it could not evict to a full disk, so nothing is lost; the first
-        error (:class:`StoreFullError` for a full disk) is raised once every table's rows are in RAM.
-        """
-        fault_point("pass.write_back")
-        failed: OSError | None = None
-        for table, d in drained.items():
-            if not d.dirty.any():
-                continue
-            keys, rows = d.keys[d.dirty], d.rows[d.dirty]
-            order = np.argsort(keys, kind="stable")
-            try:
-                self.memory.put(table, keys[order], rows[order], dirty=True)
-            except OSError as exc:
-                failed = failed or exc
-        if failed is not None:
-            raise failed
-
-    def _resident_slots(self, table: str, keys: torch.Tensor) -> torch.Tensor:
-        """keys: (U,) sorted unique int64 on the device -> their slots, loading what is missing.
-
-        When the missing rows do not fit next to the working set, the working set is written
-        back first (the pass is split) and the next planned group is loaded along with them.
-        """
-        found, slots = self.device_tier.resolve(table, keys)
-        if bool(found.all()):
-            return slots
-        need = self.device_tier.bytes_for({table: int(keys.numel())})
-        if need > self.device_tier.budget:
-            raise DeviceBudgetError(self._budget_message(need))
-        missing = keys[~found].cpu().numpy()
-        if (
-            self.device_tier.bytes_used + self.device_tier.bytes_for({table: len(missing)})
-            > self.device_tier.budget
-        ):
-            self._write_back()
-            load = {table: keys.cpu().numpy()}
-            self._load(load)
-            plan = self._plan
-            if plan.cursor + 1 < len(plan.groups):
-                plan.cursor += 1
-                nxt = plan.groups[plan.cursor]
-                merged = {
-                    t: np.union1d(nxt.get(t, _EMPTY), load.get(t, _EMPTY)) for t in nxt.keys() | load.keys()
-                }
-                if (
-                    self.device_tier.bytes_for({t: len(k) for t, k in merged.items()})
-                    <= self.device_tier.budget
-                ):
-                    self._load(nxt, create=False)
-        else:
-            self._load({table: missing})
-        found, slots = self.device_tier.resolve(table, keys)
-        return slots
 
     # -- training -----------------------------------------------------------------------------
     def gather(
