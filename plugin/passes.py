@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -90,7 +91,8 @@ class Passes:
             # The last write-back had a whole pass to finish; waiting for it bounds the queue to one
             # and reports its failure (e.g. a full disk) at this pass, not some later one.
             self._pipe.wait_writebacks()
-            drained = rebuild(self.device_tier, groups[0], prepared, self._fetch_now)
+            # No write-back is pending now, so rows the read-ahead lacks are read fresh from the tiers.
+            drained = rebuild(self.device_tier, groups[0], prepared, partial(self._fetch, touch=True))
             self._pipe.submit_writeback(drained)
         else:
             self._pipe.take({})  # a read-ahead of another shape is of no use now
@@ -161,11 +163,6 @@ class Passes:
     @staticmethod
     def _as_batches(batches: Mapping[str, Any] | Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
         return [batches] if isinstance(batches, Mapping) else list(batches)
-
-    def _fetch_now(self, table: str, keys: np.ndarray) -> np.ndarray:
-        """Read rows from the training thread: after pending write-backs, so never stale."""
-        self._pipe.wait_writebacks()
-        return self._fetch(table, keys, touch=True)
 
     @contextmanager
     def run_pass(self, batches: Mapping[str, Any] | Sequence[Mapping[str, Any]]) -> Iterator[None]:

@@ -24,6 +24,7 @@ import torch
 from hierps import ids as _ids
 from hierps.errors import ConfigError, NonFiniteGradientError
 from hierps.initializers import _splitmix64
+from hierps.passes import Passes
 from hierps.reader import CheckpointReader
 from hierps.store import Store, TableInfo, _summed_grad
 
@@ -134,6 +135,13 @@ class ShardedStore:
         received, recv_counts = self.transport.all_to_all(keys[order], send_counts)
         return _Route(order, send_counts, recv_counts), received.to(self.device)
 
+    def _return_rows(self, rows: torch.Tensor, route: _Route) -> torch.Tensor:
+        """Rows an owner looked up for the keys it was sent -> the asking rank's rows, in its key order."""
+        got = self.transport.all_to_all_known(rows, route.recv_counts, route.send_counts).to(self.device)
+        weights = torch.empty_like(got)
+        weights[route.order] = got
+        return weights
+
     def _owned_rows(self, table: str, keys: torch.Tensor, counts: torch.Tensor | None) -> torch.Tensor:
         """Weights of owned keys (repeats allowed): (n, dim), no gradient.
 
@@ -166,9 +174,7 @@ class ShardedStore:
         rows = self._owned_rows(table, asked, seen)
         self._sent(rows, route.recv_counts)
         self.rows_fetched += keys.numel()
-        got = self.transport.all_to_all_known(rows, route.recv_counts, route.send_counts).to(self.device)
-        weights = torch.empty_like(got)
-        weights[route.order] = got
+        weights = self._return_rows(rows, route)
         if requires_grad:
             weights.requires_grad_(True)
             self._pending.append(_ShardPending(table, keys, weights))
@@ -187,9 +193,7 @@ class ShardedStore:
             if len(asked_np)
             else torch.empty((0, self.local.tables[table].dim), device=self.device)
         )
-        got = self.transport.all_to_all_known(rows, route.recv_counts, route.send_counts).to(self.device)
-        weights = torch.empty_like(got)
-        weights[route.order] = got
+        weights = self._return_rows(rows, route)
         return weights[torch.from_numpy(inverse.reshape(-1)).to(self.device)].reshape(*shape, -1)
 
     # -- the step ------------------------------------------------------------------------------
@@ -269,18 +273,7 @@ class ShardedStore:
     def end_pass(self) -> None:
         self.local.end_pass()
 
-    def run_pass(self, batches: Any):
-        from contextlib import contextmanager
-
-        @contextmanager
-        def scope():
-            self.begin_pass(batches)
-            try:
-                yield
-            finally:
-                self.end_pass()
-
-        return scope()
+    run_pass = Passes.run_pass  # ``with sharded.run_pass(batches):`` = begin_pass ... end_pass
 
     # -- checkpoints ---------------------------------------------------------------------------
     def checkpoint(self, tag: str | None = None) -> int:

@@ -336,24 +336,14 @@ class Store(Passes, LifeCycle):
 
         ids: (...) integer tensor, array or list -> (..., dim) float32 on the store's device.
         """
-        self._check_open()
         info = self._info(table)
-        self._pipe.wait_writebacks()
         flat = _ids.as_int64_array(ids, what=f"ids for table {table!r}")
         shape = tuple(ids.shape) if hasattr(ids, "shape") else (len(flat),)
-        keys, inverse = np.unique(flat, return_inverse=True)
-        rows = np.empty((len(keys), info.dim), dtype=np.float32)
-        key_t = torch.from_numpy(keys).to(self.device)
-        found, slots = self.device_tier.resolve(table, key_t)
-        found_np = found.cpu().numpy()
-        if found_np.any():
-            rows[found_np] = self.device_tier.rows(table)[slots[found]][:, : info.dim].cpu().numpy()
-        rest = np.flatnonzero(~found_np)
-        if len(rest):
-            rows[rest] = self._fetch(table, keys[rest], touch=False)[:, : info.dim]
-            if info.admission.unknown_rows == "zeros":
-                rows[rest[~self._stored(table, keys[rest])]] = 0.0
-        return torch.from_numpy(rows[inverse.reshape(-1)]).reshape(*shape, info.dim).to(self.device)
+        keys, inverse, rows = self._unique_rows(table, flat)
+        weights = np.ascontiguousarray(rows[:, : info.dim])
+        if info.admission.unknown_rows == "zeros" and len(keys):
+            weights[~self._has_row(table, keys)] = 0.0
+        return torch.from_numpy(weights[inverse]).reshape(*shape, info.dim).to(self.device)
 
     def read_rows(self, table: str, keys: np.ndarray) -> np.ndarray:
         """Weights and optimizer state of int64 ``keys``: (n, dim + state) float32 (counters: :meth:`counters`)."""
@@ -361,13 +351,17 @@ class Store(Passes, LifeCycle):
 
     def _whole_rows(self, table: str, keys: Any) -> np.ndarray:
         """Rows of int64 ``keys`` wherever they live: (n, width) float32 copy."""
+        _, inverse, rows = self._unique_rows(table, _ids.as_int64_array(keys, what="keys"))
+        return rows[inverse]
+
+    def _unique_rows(self, table: str, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """keys (n,) int64 -> (sorted unique keys (u,), inverse (n,), their rows (u, width) float32),
+        read from the device tier, else RAM, SSD or the initializer, without changing any tier."""
         self._check_open()
         self._info(table)
         self._pipe.wait_writebacks()
-        keys = _ids.as_int64_array(keys, what="keys")
         uniq, inverse = np.unique(keys, return_inverse=True)
-        key_t = torch.from_numpy(uniq).to(self.device)
-        found, slots = self.device_tier.resolve(table, key_t)
+        found, slots = self.device_tier.resolve(table, torch.from_numpy(uniq).to(self.device))
         found_np = found.cpu().numpy()
         out = np.empty((len(uniq), self.tables[table].width), dtype=np.float32)
         if found_np.any():
@@ -375,7 +369,7 @@ class Store(Passes, LifeCycle):
         rest = np.flatnonzero(~found_np)
         if len(rest):
             out[rest] = self._fetch(table, uniq[rest], touch=False)
-        return out[inverse.reshape(-1)]
+        return uniq, inverse.reshape(-1), out
 
     def write(self, table: str, keys: Any, weights: Any) -> None:
         """Set the weights of ``keys`` (optimizer state starts afresh), e.g. from a trained model.

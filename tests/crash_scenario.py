@@ -16,8 +16,10 @@ import hashlib
 import json
 import multiprocessing
 import shutil
+import tempfile
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -110,6 +112,21 @@ def open_only(store_path: str, out: str, fault: str, record: bool) -> None:
     _faults.arm(fault)
     store, _ = open_store(Path(store_path))
     store.close()
+
+
+@contextmanager
+def tmpfs_dir(prefix: str, fallback: Path) -> Iterator[Path]:
+    """A fresh directory on tmpfs when there is one (no fsync cost; SIGKILL tests do not need
+    fsync), else ``fallback``; removed afterwards."""
+    shm = Path("/dev/shm")
+    if not (shm.is_dir() and shm.stat().st_mode & 0o002):
+        yield fallback
+        return
+    path = Path(tempfile.mkdtemp(prefix=prefix, dir=shm))
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def digest(keys: np.ndarray, rows: np.ndarray) -> str:

@@ -5,8 +5,6 @@ whole, or a clear CheckpointRetiredError when the trainer retired it under them,
 from __future__ import annotations
 
 import json
-import shutil
-import tempfile
 import time
 from pathlib import Path
 
@@ -24,13 +22,8 @@ from hierps.reader import CheckpointReader
 
 @pytest.fixture
 def fast_dir(tmp_path) -> Path:
-    shm = Path("/dev/shm")
-    if shm.is_dir() and shm.stat().st_mode & 0o002:
-        path = Path(tempfile.mkdtemp(prefix="hierps-readers-", dir=shm))
+    with cs.tmpfs_dir("hierps-readers-", tmp_path) as path:
         yield path
-        shutil.rmtree(path, ignore_errors=True)
-    else:
-        yield tmp_path
 
 
 def _read_all(reader: CheckpointReader) -> dict[str, str]:

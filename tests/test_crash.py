@@ -13,7 +13,6 @@ import json
 import re
 import shutil
 import signal
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -30,13 +29,8 @@ from hierps.reader import CheckpointReader
 @pytest.fixture(scope="module")
 def fast_dir(tmp_path_factory) -> Path:
     """A directory on tmpfs when there is one: no fsync cost, and SIGKILL does not need fsync."""
-    shm = Path("/dev/shm")
-    if shm.is_dir() and shm.stat().st_mode & 0o002:
-        path = Path(tempfile.mkdtemp(prefix="hierps-crash-", dir=shm))
+    with cs.tmpfs_dir("hierps-crash-", tmp_path_factory.mktemp("crash")) as path:
         yield path
-        shutil.rmtree(path, ignore_errors=True)
-    else:
-        yield tmp_path_factory.mktemp("crash")
 
 
 @dataclass

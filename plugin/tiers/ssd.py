@@ -133,11 +133,6 @@ class TableIndex:
         self._k, self._s, self._p = self._k[keep], self._s[keep], self._p[keep]
         return old
 
-    def entries_in(self, segments: np.ndarray) -> np.ndarray:
-        """Sorted keys whose rows live in any of ``segments``."""
-        self._merge()
-        return self._k[np.isin(self._s, segments)]
-
 
 class SsdTier:
     """Append-only segment store of rows for many tables, with an in-memory key index per table."""
