@@ -110,9 +110,14 @@ class _StoreEmbedding(nn.Module):
 
     def _gather(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int | None]:
         """ids: (...) int64 -> (weights (U, dim), local ids (...), local padding index or None)."""
-        keys, local, counts = torch.unique(ids, sorted=True, return_inverse=True, return_counts=True)
         track = self.training and torch.is_grad_enabled()
-        weights = self._store.gather(self.table, keys, requires_grad=track, counts=counts)
+        planned = self._store.gather_planned(self.table, ids) if track else None
+        if planned is not None:  # the mini-batch was announced: deduplicated and translated ahead
+            weights, plan = planned
+            keys, local = plan.keys, plan.local.view(ids.shape)
+        else:
+            keys, local, counts = torch.unique(ids, sorted=True, return_inverse=True, return_counts=True)
+            weights = self._store.gather(self.table, keys, requires_grad=track, counts=counts)
         pad = None
         if self.padding_idx is not None:
             at = int(torch.searchsorted(keys, torch.tensor(self.padding_idx, device=keys.device)).item())

@@ -19,6 +19,7 @@ import torch
 
 from hierps import ids as _ids
 from hierps._faults import fault_point
+from hierps.batchplan import BatchPlan, PassBatches, translate
 from hierps.errors import DeviceBudgetError
 from hierps.tiers.device import DrainedRows, rebuild
 
@@ -56,6 +57,7 @@ class Passes:
         stats: PassStats
         _pipe: PassPipeline
         _plan: _PassPlan
+        _batches: PassBatches | None
         _in_pass: bool
         _announced: list[Mapping[str, Any]] | None
         _last_plan: tuple[list[dict[str, np.ndarray]], list[dict[str, np.ndarray]]] | None
@@ -86,23 +88,45 @@ class Passes:
         self._in_pass = True
         self.stats.begin_pass(self.passes)
         groups = [self._admitted_only(g) for g in groups]
+        fetch = partial(self._fetch, touch=True)
         if self.pipeline and len(groups) == 1:
-            prepared = self._pipe.take(groups[0])
+            base = self.device_tier.layout({t: len(k) for t, k in groups[0].items()})
+            prepared, plans = self._pipe.take(groups[0], base)
             # The last write-back had a whole pass to finish; waiting for it bounds the queue to one
             # and reports its failure (e.g. a full disk) at this pass, not some later one.
             self._pipe.wait_writebacks()
             # No write-back is pending now, so rows the read-ahead lacks are read fresh from the tiers.
-            drained = rebuild(self.device_tier, groups[0], prepared, partial(self._fetch, touch=True))
+            drained = rebuild(self.device_tier, groups[0], prepared, fetch)
             self._pipe.submit_writeback(drained)
+            self._translated(raw, groups[0], base, plans)
         else:
             self._pipe.take({})  # a read-ahead of another shape is of no use now
             self._write_back()
-            if groups:
+            if len(groups) == 1:
+                base = self.device_tier.layout({t: len(k) for t, k in groups[0].items()})
+                rebuild(self.device_tier, groups[0], None, fetch)  # nothing is resident: nothing leaves
+                self._translated(raw, groups[0], base, None)
+            elif groups:
                 self._load(groups[0], create=False)
         fault_point("pass.loaded")
         if self._announced is not None:
             announced, self._announced = self._announced, None
             self.prefetch(announced)
+
+    def _translated(
+        self,
+        raw: list[dict[str, np.ndarray]],
+        group: dict[str, np.ndarray],
+        base: dict[str, int],
+        plans: list[dict[str, BatchPlan]] | None,
+    ) -> None:
+        """Attach the pass's translated mini-batches (see :mod:`hierps.batchplan`) to the working set
+        :func:`rebuild` just laid out at ``base``: those read ahead if they were made for this
+        layout, else translated now. Tables filtering admission are left to the generic gather."""
+        keep = {t: k for t, k in group.items() if not self.tables[t].admission.filters}
+        if plans is None or len(keep) != len(group):
+            plans = translate(raw, keep, base, self.device)
+        self._batches = PassBatches(plans, self.device_tier.generation)
 
     def prefetch(self, batches: Mapping[str, Any] | Sequence[Mapping[str, Any]]) -> None:
         """Announce the next pass so that its rows are read in the background while this one trains.
@@ -117,11 +141,13 @@ class Passes:
         if not self._in_pass:
             self._announced = batches
             return
-        groups = self._planned([self._batch_keys(b) for b in batches])
+        raw = [self._batch_keys(b) for b in batches]
+        groups = self._planned(raw)
         if len(groups) == 1 and not any(self.tables[t].admission.filters for t in groups[0]):
             # (tables filtering admission are loaded at begin_pass, when admission is known)
             resident = {t: self.device_tier.resident_keys(t) for t in groups[0]}
-            self._pipe.submit_prepare(groups[0], resident)
+            base = self.device_tier.layout({t: len(k) for t, k in groups[0].items()})
+            self._pipe.submit_prepare(groups[0], resident, raw, base)
 
     def end_pass(self) -> None:
         """Close the pass. Without the pipeline its working set is written back now; with it, when
@@ -131,6 +157,7 @@ class Passes:
         if not self.pipeline:
             self._write_back()
         self._plan = _PassPlan()
+        self._batches = None
         self._in_pass = False
         self.passes += 1
         self.memory.tick = self.passes

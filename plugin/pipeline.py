@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, TypeVar
 
 import numpy as np
 
+from hierps.batchplan import BatchPlan, translate
 from hierps.tiers.device import DrainedRows
 
 if TYPE_CHECKING:
@@ -28,6 +29,7 @@ if TYPE_CHECKING:
 __all__ = ["PassPipeline"]
 
 Prepared = dict[str, tuple[np.ndarray, np.ndarray]]
+Plans = list[dict[str, BatchPlan]]
 T = TypeVar("T")
 
 
@@ -39,7 +41,10 @@ class PassPipeline:
         self.lock = threading.RLock()
         self._executor: ThreadPoolExecutor | None = None
         self._writebacks: list[Future[None]] = []
-        self._prepared: tuple[dict[str, np.ndarray], Future[Prepared]] | None = None
+        # the announced group, the device-tier layout its plans assume, the read-ahead
+        self._prepared: (
+            tuple[dict[str, np.ndarray], dict[str, int], Future[tuple[Prepared, Plans]]] | None
+        ) = None
         self._background: list[Future[object]] = []
         self.prepare_seconds = 0.0
         self.writeback_seconds = 0.0
@@ -80,34 +85,54 @@ class PassPipeline:
         self.wait_seconds += time.perf_counter() - t0
 
     # -- read-ahead ----------------------------------------------------------------------------
-    def submit_prepare(self, group: dict[str, np.ndarray], resident: dict[str, np.ndarray]) -> None:
-        """Read ahead the rows of ``group`` (sorted unique keys per table) not in ``resident``."""
+    def submit_prepare(
+        self,
+        group: dict[str, np.ndarray],
+        resident: dict[str, np.ndarray],
+        batches: list[dict[str, np.ndarray]],
+        base: dict[str, int],
+    ) -> None:
+        """Read ahead the rows of ``group`` (sorted unique keys per table) not in ``resident``, and
+        translate the mini-batches ``batches`` into the slots the device tier will give them
+        (``base``: its :meth:`~hierps.tiers.DeviceTier.layout` of ``group``)."""
         wanted = {
             t: np.setdiff1d(k, resident.get(t, np.empty(0, np.int64)), assume_unique=True)
             for t, k in group.items()
         }
-        self._prepared = (group, self._submit(self._prepare, wanted))
+        self._prepared = (group, base, self._submit(self._prepare, wanted, group, batches, base))
 
-    def _prepare(self, wanted: dict[str, np.ndarray]) -> Prepared:
+    def _prepare(
+        self,
+        wanted: dict[str, np.ndarray],
+        group: dict[str, np.ndarray],
+        batches: list[dict[str, np.ndarray]],
+        base: dict[str, int],
+    ) -> tuple[Prepared, Plans]:
         t0 = time.perf_counter()
         with self.lock:
             out = {
                 t: (k, self.store._fetch(t, k, touch=True, ahead=True)) for t, k in wanted.items() if len(k)
             }
+        plans = translate(batches, group, base, self.store.device)
         self.prepare_seconds += time.perf_counter() - t0
-        return out
+        return out, plans
 
-    def take(self, group: dict[str, np.ndarray]) -> Prepared | None:
-        """The read-ahead of ``group`` if it is the one announced, else None (and it is dropped)."""
+    def take(
+        self, group: dict[str, np.ndarray], base: dict[str, int] | None = None
+    ) -> tuple[Prepared | None, Plans | None]:
+        """The read-ahead of ``group`` if it is the one announced, else None (and it is dropped),
+        and its translated mini-batches if they were made for the layout ``base``, else None."""
         if self._prepared is None:
-            return None
-        announced, fut = self._prepared
+            return None, None
+        announced, announced_base, fut = self._prepared
         self._prepared = None
         t0 = time.perf_counter()
-        result = fut.result()
+        rows, plans = fut.result()
         self.wait_seconds += time.perf_counter() - t0
         same = announced.keys() == group.keys() and all(np.array_equal(announced[t], group[t]) for t in group)
-        return result if same else None
+        if not same:
+            return None, None
+        return rows, plans if base == announced_base else None
 
     def drain(self) -> None:
         """Wait for every background task; the tiers below are then quiet."""

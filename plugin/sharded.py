@@ -26,7 +26,7 @@ from hierps.errors import ConfigError, NonFiniteGradientError
 from hierps.initializers import _splitmix64
 from hierps.passes import Passes
 from hierps.reader import CheckpointReader
-from hierps.store import Store, TableInfo, _summed_grad
+from hierps.store import Store, TableInfo, _summed_grads
 
 __all__ = ["ShardedStore", "Transport", "owner_of", "rank_dir"]
 
@@ -157,6 +157,10 @@ class ShardedStore:
             self.local._count_seen(info, slots, seen.index_add_(0, inverse, counts.to(torch.float32)))
         return self.local.device_tier.rows(table)[slots, : info.dim][inverse]
 
+    def gather_planned(self, table: str, ids: torch.Tensor) -> None:
+        """Never a plan: every mini-batch's ids go to their owners (see :meth:`gather`)."""
+        return None
+
     def gather(
         self, table: str, keys: torch.Tensor, *, requires_grad: bool, counts: torch.Tensor | None = None
     ) -> torch.Tensor:
@@ -203,8 +207,8 @@ class ShardedStore:
         self._pending = []
         names = sorted(self.local.tables)
         grads = {name: [] for name in names}
-        for p in pending:
-            grads[p.table].append((p.keys, _summed_grad(p.leaf)))
+        for p, g in zip(pending, _summed_grads([p.leaf for p in pending])):
+            grads[p.table].append((p.keys, g))
         # One small all-reduce: non-finite gradients anywhere, and which tables stepped anywhere.
         flags = torch.zeros(1 + len(names), dtype=torch.float64)
         for i, name in enumerate(names):

@@ -33,6 +33,7 @@ from hierps import ids as _ids
 from hierps._faults import fault_point
 from hierps._files import write_json_atomic
 from hierps.admission import PENDING_ARRAYS, PendingKeys
+from hierps.batchplan import BatchPlan, PassBatches
 from hierps.checkpoint import FORMAT_VERSION, MARKER, CheckpointCatalog, check_marker, valid_table_name
 from hierps.config import (
     EVICTION_POLICIES,
@@ -169,6 +170,7 @@ class Store(Passes, LifeCycle):
         self.pending_keys: dict[str, PendingKeys] = {}  # per table: counts of keys waiting for admission
         self._pending: list[_Pending] = []
         self._plan = _PassPlan()
+        self._batches: PassBatches | None = None
         self._in_pass = False
         self.pipeline = bool(pipeline)
         self._announced: list[dict[str, np.ndarray]] | None = None
@@ -444,6 +446,27 @@ class Store(Passes, LifeCycle):
         info.step = 0
 
     # -- training -----------------------------------------------------------------------------
+    def gather_planned(self, table: str, ids: torch.Tensor) -> tuple[torch.Tensor, BatchPlan] | None:
+        """The training gather of an announced mini-batch, or None when ``ids`` are not the next one.
+
+        ids: (...) int64 on the store's device. When they equal ``table``'s next mini-batch of the
+        current pass (see :mod:`hierps.batchplan`), returns the leaf of its distinct rows' weights
+        (U, dim) float32, as :meth:`gather` with ``requires_grad``, and the plan (``local`` ids,
+        ``keys``): their translation was done ahead, so no sort or search runs here.
+        """
+        batches = self._batches
+        if batches is None:
+            return None
+        plan = batches.match(table, ids, self.device_tier.generation)
+        if plan is None:
+            return None
+        info = self.tables[table]
+        tier = self.device_tier
+        tier.defer_seen(table, plan.slots, plan.counts, info.state_end, self.passes, info.eviction.decay)
+        weights = tier.weights(table, plan.slots, info.dim).requires_grad_(True)
+        self._pending.append(_Pending(table, plan.keys, plan.slots, tier.generation, weights))
+        return weights, plan
+
     def gather(
         self, table: str, keys: torch.Tensor, *, requires_grad: bool, counts: torch.Tensor | None = None
     ) -> torch.Tensor:
@@ -462,7 +485,7 @@ class Store(Passes, LifeCycle):
         slots = self._resident_slots(table, keys)
         if requires_grad:
             self._count_seen(info, slots, counts)
-        weights = self.device_tier.rows(table)[slots, : info.dim]
+        weights = self.device_tier.weights(table, slots, info.dim)
         if requires_grad:
             weights.requires_grad_(True)
             self._pending.append(_Pending(table, keys, slots, self.device_tier.generation, weights))
@@ -506,35 +529,40 @@ class Store(Passes, LifeCycle):
     def step(self) -> None:
         """One optimizer step for every row touched since the last step (gradients summed per row).
 
-        Raises :class:`NonFiniteGradientError` before changing any row when a gradient is NaN/inf.
+        Tables of one row width, optimizer and step count are updated together: one gather, one
+        optimizer call and one scatter for all of them. Raises :class:`NonFiniteGradientError`
+        before changing any row when a gradient is NaN/inf.
         """
         self._check_open()
         pending = [p for p in self._pending if p.leaf.grad is not None]
         self._pending = []
         if not pending:
             return
-        grads = [_summed_grad(p.leaf) for p in pending]
-        finite = torch.stack([torch.isfinite(g).all() for g in grads])
-        grads = [g if p.rows is None else g[p.rows] for p, g in zip(pending, grads)]
+        grads = _summed_grads([p.leaf for p in pending])
+        finite = torch.stack([torch.isfinite(g).all() for g in _distinct_buffers(grads)])
         if not bool(finite.all()):
-            bad = sorted({p.table for p, ok in zip(pending, finite.tolist()) if not ok})
+            bad = sorted({p.table for p, g in zip(pending, grads) if not bool(torch.isfinite(g).all())})
             raise NonFiniteGradientError(
                 f"NaN or inf gradient for table(s) {bad}; the step was skipped and no row changed. "
                 "Lower the learning rate, clip gradients, or check the inputs of this mini-batch."
             )
+        grads = [g if p.rows is None else g[p.rows] for p, g in zip(pending, grads)]
         by_table: dict[str, list[tuple[_Pending, torch.Tensor]]] = {}
         for p, g in zip(pending, grads):
             by_table.setdefault(p.table, []).append((p, g))
+        fused: list[tuple[str, torch.Tensor, torch.Tensor]] = []
         for table, items in by_table.items():
             first = items[0][0]
             if len(items) == 1 and first.generation == self.device_tier.generation:
                 self.tables[table].step += 1
                 if first.keys.numel():
-                    self._apply_step(table, first.slots, items[0][1])  # the common case: slots still valid
+                    fused.append((table, first.slots, items[0][1]))  # the common case: slots still valid
             else:
                 self.apply_gradients(
                     table, torch.cat([p.keys for p, _ in items]), torch.cat([g for _, g in items])
                 )
+        self._apply_steps(fused)
+        self.device_tier.flush_seen()
         fault_point("store.step")
 
     def apply_gradients(self, table: str, keys: torch.Tensor, grads: torch.Tensor) -> None:
@@ -554,12 +582,31 @@ class Store(Passes, LifeCycle):
 
     def _apply_step(self, table: str, slots: torch.Tensor, grad: torch.Tensor) -> None:
         """Apply the table's optimizer (its step count already advanced) to resident ``slots``."""
-        info = self.tables[table]
-        resident = self.device_tier.rows(table)
-        rows = resident[slots]
-        apply_step(info.optimizer, rows, grad, info.step)
-        resident[slots] = rows
-        self.device_tier.mark_dirty(table, slots)
+        self._apply_steps([(table, slots, grad)])
+
+    def _apply_steps(self, updates: list[tuple[str, torch.Tensor, torch.Tensor]]) -> None:
+        """Apply each table's optimizer (step counts already advanced) to ``(table, slots, grads)``.
+
+        Tables sharing a device-tier arena, optimizer, dim and step count go through one gather,
+        one :func:`~hierps.optim.apply_step` and one scatter: the same arithmetic row by row.
+        """
+        groups: list[tuple[tuple[Any, ...], list[tuple[torch.Tensor, torch.Tensor]]]] = []
+        for table, slots, grad in updates:
+            info = self.tables[table]
+            key = (self.device_tier.arena(table), info.optimizer, info.dim, info.step)
+            for k, items in groups:
+                if k[0] is key[0] and k[1:] == key[1:]:
+                    items.append((slots, grad))
+                    break
+            else:
+                groups.append((key, [(slots, grad)]))
+        for (arena, opt, _, step), items in groups:
+            slots = torch.cat([s for s, _ in items]) if len(items) > 1 else items[0][0]
+            grad = torch.cat([g for _, g in items]) if len(items) > 1 else items[0][1]
+            rows = arena.rows.index_select(0, slots)
+            apply_step(opt, rows, grad, step)
+            arena.rows.index_copy_(0, slots, rows)
+            arena.dirty.index_fill_(0, slots, True)
 
     def zero_grad(self) -> None:
         """Forget gradients gathered since the last step."""
@@ -716,13 +763,35 @@ class Store(Passes, LifeCycle):
         }
 
 
-def _summed_grad(leaf: torch.Tensor) -> torch.Tensor:
-    """The gradient of a gathered leaf as a dense (U, dim) tensor, duplicates summed."""
-    grad = leaf.grad
-    if not grad.is_sparse:
-        return grad.detach()
-    dense = torch.zeros(leaf.shape, dtype=grad.dtype, device=grad.device)
-    return dense.index_add_(0, grad._indices()[0], grad._values())
+def _summed_grads(leaves: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The gradients of gathered leaves as dense (U_i, dim_i) tensors, duplicates summed.
+
+    Sparse gradients of one dim are summed by one ``index_add_`` into one buffer, of which the
+    results are views (see :func:`_distinct_buffers`).
+    """
+    out: list[torch.Tensor | None] = [None] * len(leaves)
+    by_dim: dict[int, list[int]] = {}
+    for i, leaf in enumerate(leaves):
+        if leaf.grad.is_sparse:
+            by_dim.setdefault(leaf.shape[1], []).append(i)
+        else:
+            out[i] = leaf.grad.detach()
+    for dim, idx in by_dim.items():
+        sizes = [leaves[i].shape[0] for i in idx]
+        grads = [leaves[i].grad for i in idx]
+        total = torch.zeros((sum(sizes), dim), dtype=grads[0].dtype, device=grads[0].device)
+        for i, g, part in zip(idx, grads, total.split(sizes)):
+            out[i] = part.index_add_(0, g._indices()[0], g._values())
+    return out  # type: ignore[return-value]
+
+
+def _distinct_buffers(grads: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The tensors holding ``grads``: each view's base once, the others as they are."""
+    seen: dict[int, torch.Tensor] = {}
+    for g in grads:
+        base = g._base if g._base is not None else g
+        seen.setdefault(id(base), base)
+    return list(seen.values())
 
 
 def _default_device() -> torch.device:
