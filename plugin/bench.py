@@ -56,6 +56,7 @@ FULL_VARIANTS = ("deepspeed-dense", "hierps-ram100-pipe")
 class BenchConfig:
     """Settings of one ``hierps bench`` run; the defaults take four to eight minutes on two cores."""
 
+    model: str = "dlrm"  # "dlrm" (the demo model) or "wide" (logistic regression: embedding-bound)
     rows: int = 1_000_000  # id population over the 26 features (torch tables have this many rows)
     dim: int = 16
     batch_size: int = 4096
@@ -270,6 +271,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of ``hierps bench``."""
     a = parser.add_argument
     a("--examples", type=_count, help="examples per epoch (default 65536; --quick 32768)")
+    a("--model", choices=("dlrm", "wide"), help="dlrm (the demo model, default) or wide (embedding-bound)")
     a("--rows", type=_count, help="id population over the 26 features (default 1000000)")
     a("--dim", type=_count, help="embedding dim (default 16)")
     a("--batch-size", type=_count, help="default 4096")
@@ -304,6 +306,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
 
     given = {
         "examples": args.examples,
+        "model": args.model,
         "rows": args.rows,
         "dim": args.dim,
         "batch_size": args.batch_size,

@@ -245,7 +245,8 @@ def _plot_throughput(ax: Any, results: dict[str, Any]) -> None:
     ax.set_xlabel("examples/s (median)", fontsize=8)
     cfg = results["config"]
     ax.set_title(
-        f"DLRM, {cfg['rows']:,}-id population, dim {cfg['dim']}, batch {cfg['batch_size']}", fontsize=9
+        f"{cfg.get('model', 'dlrm').upper()}, {cfg['rows']:,}-id population, dim {cfg['dim']}, batch {cfg['batch_size']}",
+        fontsize=9,
     )
     ax.set_xlim(0, max(values) * 1.45)
 

@@ -1,6 +1,7 @@
 """The trainers ``hierps bench`` compares: one function per variant, each run in its own process.
 
-Every variant trains the same DLRM (:mod:`hierps.models`) on the same synthetic Criteo-like
+Every variant trains the same model (:mod:`hierps.models`: the DLRM, or with ``--model wide`` a
+logistic regression over the embeddings) on the same synthetic Criteo-like
 workload (:mod:`hierps.data`: 26 power-law features) and returns a JSON-ready dict whose
 ``seconds`` is the wall time of one measured epoch (or of ``examples`` measured examples for the
 dense variants), taken after a warm-up of the same shape.
@@ -39,7 +40,7 @@ from torch import nn
 import hierps
 from hierps.data import CriteoData, CriteoSpec, generate
 from hierps.demo import DemoConfig, build_model, table_names
-from hierps.models import DLRM, remap_ids
+from hierps.models import make_model, remap_ids
 
 __all__ = ["PROFILER", "VARIANTS", "Workload", "make_workload", "peak_rss_bytes", "run_variant"]
 
@@ -133,7 +134,7 @@ _LOSS = nn.BCEWithLogitsLoss()
 # -- torch-sparse ---------------------------------------------------------------------------------
 def _torch_sparse(work: Workload, cfg: dict[str, Any], tmp: Path, params: dict[str, Any]) -> dict[str, Any]:
     torch.manual_seed(cfg["seed"])
-    model = DLRM(work.spec.vocab_sizes, embedding_dim=cfg["dim"])
+    model = make_model(cfg["model"], work.spec.vocab_sizes, cfg["dim"])
     sparse_opt = torch.optim.Adagrad(list(model.sparse_parameters()), lr=cfg["lr_sparse"])
     dense_opt = torch.optim.Adam(list(model.dense_parameters()), lr=cfg["lr_dense"])
 
@@ -149,9 +150,9 @@ def _torch_sparse(work: Workload, cfg: dict[str, Any], tmp: Path, params: dict[s
 
 
 # -- dense: torch Adam and DeepSpeed ----------------------------------------------------------------
-def _dense_model(work: Workload, cfg: dict[str, Any]) -> DLRM:
+def _dense_model(work: Workload, cfg: dict[str, Any]) -> nn.Module:
     torch.manual_seed(cfg["seed"])
-    model = DLRM(work.spec.vocab_sizes, embedding_dim=cfg["dim"])
+    model = make_model(cfg["model"], work.spec.vocab_sizes, cfg["dim"])
     for table in model.tables:
         table.sparse = False  # dense (rows, dim) gradients: what a model without sparse support trains
     return model
@@ -260,10 +261,10 @@ class _MmapBag(nn.Module):
         self._pending = []
 
 
-def _with_tables(work: Workload, cfg: dict[str, Any], tables: list[nn.Module]) -> DLRM:
-    """The DLRM with ``tables`` in place of its torch embedding tables."""
+def _with_tables(work: Workload, cfg: dict[str, Any], tables: list[nn.Module]) -> nn.Module:
+    """The model with ``tables`` in place of its torch embedding tables."""
     torch.manual_seed(cfg["seed"])
-    model = DLRM([1] * len(work.spec.vocab_sizes), embedding_dim=cfg["dim"])
+    model = make_model(cfg["model"], [1] * len(work.spec.vocab_sizes), cfg["dim"])
     for i, table in enumerate(tables):
         model.tables[i] = table
     return model
@@ -434,7 +435,9 @@ def _hierps(work: Workload, cfg: dict[str, Any], tmp: Path, params: dict[str, An
     )
     try:
         model = build_model(
-            store, DemoConfig(embedding_dim=cfg["dim"], seed=cfg["seed"], lr_sparse=cfg["lr_sparse"])
+            store,
+            DemoConfig(embedding_dim=cfg["dim"], seed=cfg["seed"], lr_sparse=cfg["lr_sparse"]),
+            kind=cfg["model"],
         )
         names = table_names(len(work.spec.vocab_sizes))
         # The table: every row the workload creates, at what the RAM tier charges per row (floats

@@ -21,7 +21,7 @@ from torch import nn
 import hierps
 from hierps.data import CriteoData, CriteoSpec, generate, read_criteo_tsv
 from hierps.metrics import auc
-from hierps.models import DLRM
+from hierps.models import make_model
 
 __all__ = ["DemoConfig", "build_model", "load_data", "run_demo", "table_names"]
 
@@ -58,10 +58,13 @@ def load_data(cfg: DemoConfig) -> tuple[CriteoData, CriteoData]:
     return data.split(1.0 - cfg.test_fraction)
 
 
-def build_model(store: hierps.Store, cfg: DemoConfig, n_dense: int = 13, n_sparse: int = 26) -> DLRM:
-    """The DLRM with each ``tables.i`` a ``hierps.EmbeddingBag`` keyed by raw feature ids."""
+def build_model(
+    store: hierps.Store, cfg: DemoConfig, n_dense: int = 13, n_sparse: int = 26, kind: str = "dlrm"
+) -> nn.Module:
+    """The model (``"dlrm"`` or ``"wide"``, see :mod:`hierps.models`) with each ``tables.i`` a
+    ``hierps.EmbeddingBag`` keyed by raw feature ids."""
     torch.manual_seed(cfg.seed)
-    model = DLRM([1] * n_sparse, embedding_dim=cfg.embedding_dim, n_dense=n_dense)
+    model = make_model(kind, [1] * n_sparse, cfg.embedding_dim, n_dense=n_dense)
     init = {"type": "uniform", "params": {"low": -0.01, "high": 0.01}}
     opt = {"type": "adagrad", "params": {"lr": cfg.lr_sparse}}
     for i, name in enumerate(table_names(n_sparse)):

@@ -1,4 +1,4 @@
-"""A small DLRM-style click model built only from standard torch modules.
+"""Click models built only from standard torch modules: a small DLRM, and a wide (logistic) model.
 
 Every categorical feature owns one plain ``nn.EmbeddingBag`` in ``model.tables`` (state-dict
 names ``tables.0.weight`` ... ``tables.25.weight``), called as ``table(ids, offsets)`` with one
@@ -20,7 +20,7 @@ from torch import nn
 
 from hierps.data import splitmix64
 
-__all__ = ["DLRM", "remap_ids"]
+__all__ = ["DLRM", "MODELS", "Wide", "make_model", "remap_ids"]
 
 
 def remap_ids(
@@ -139,3 +139,56 @@ class DLRM(nn.Module):
         offsets = torch.arange(sparse.shape[0], device=sparse.device)
         embeddings = [table(sparse[:, i], offsets) for i, table in enumerate(self.tables)]
         return self.top(self.interact(self.bottom(dense), embeddings)).squeeze(1)
+
+
+class Wide(nn.Module):
+    """A wide click model: one logistic regression over the dense features and the 26 embeddings.
+
+    Almost all of its work is the embedding lookups and updates, as in the sparse "wide" part of
+    ads models; it shows the cost of an embedding store where the DLRM's MLPs would hide it.
+    Same interface as :class:`DLRM` (``tables``, ``forward(dense, sparse)``, parameter groups).
+    """
+
+    def __init__(
+        self,
+        vocab_sizes: Sequence[int] | int,
+        embedding_dim: int = 16,
+        mode: str = "sum",
+        n_dense: int = 13,
+        n_sparse: int = 26,
+    ) -> None:
+        super().__init__()
+        sizes = [vocab_sizes] * n_sparse if isinstance(vocab_sizes, int) else [int(n) for n in vocab_sizes]
+        self.vocab_sizes = tuple(sizes)
+        self.embedding_dim = embedding_dim
+        self.n_dense = n_dense
+        self.tables = nn.ModuleList(nn.EmbeddingBag(n, embedding_dim, mode=mode, sparse=True) for n in sizes)
+        self.linear = nn.Linear(n_dense + len(sizes) * embedding_dim, 1)
+        with torch.no_grad():
+            for table in self.tables:
+                bound = 1.0 / math.sqrt(table.num_embeddings)
+                table.weight.uniform_(-bound, bound)
+
+    def sparse_parameters(self) -> Iterator[nn.Parameter]:
+        return self.tables.parameters()
+
+    def dense_parameters(self) -> Iterator[nn.Parameter]:
+        return self.linear.parameters()
+
+    def forward(self, dense: torch.Tensor, sparse: torch.Tensor) -> torch.Tensor:
+        """``dense (B, n_dense) float32``, ``sparse (B, F) int64`` ids in range -> ``(B,)`` logits."""
+        if sparse.shape[1] != len(self.tables):
+            raise ValueError(f"expected {len(self.tables)} id columns, got {sparse.shape[1]}")
+        offsets = torch.arange(sparse.shape[0], device=sparse.device)
+        embeddings = [table(sparse[:, i], offsets) for i, table in enumerate(self.tables)]
+        return self.linear(torch.cat([dense, *embeddings], dim=1)).squeeze(1)
+
+
+MODELS: dict[str, type[nn.Module]] = {"dlrm": DLRM, "wide": Wide}
+
+
+def make_model(kind: str, vocab_sizes: Sequence[int] | int, embedding_dim: int, **kwargs: int) -> nn.Module:
+    """A model of ``MODELS`` by name (``"dlrm"`` or ``"wide"``) with plain ``nn.EmbeddingBag`` tables."""
+    if kind not in MODELS:
+        raise ValueError(f"model: expected one of {sorted(MODELS)}. Got {kind!r} instead.")
+    return MODELS[kind](vocab_sizes, embedding_dim=embedding_dim, **kwargs)

@@ -21,6 +21,7 @@ The life of a key (admission, counters, shrinking, export for serving) is in the
 from __future__ import annotations
 
 import fcntl
+import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -601,8 +602,8 @@ class Store(Passes, LifeCycle):
             else:
                 groups.append((key, [(slots, grad)]))
         for (arena, opt, _, step), items in groups:
-            slots = torch.cat([s for s, _ in items]) if len(items) > 1 else items[0][0]
-            grad = torch.cat([g for _, g in items]) if len(items) > 1 else items[0][1]
+            slots = _joined([s for s, _ in items])
+            grad = _joined([g for _, g in items])
             rows = arena.rows.index_select(0, slots)
             apply_step(opt, rows, grad, step)
             arena.rows.index_copy_(0, slots, rows)
@@ -783,6 +784,29 @@ def _summed_grads(leaves: list[torch.Tensor]) -> list[torch.Tensor]:
         for i, g, part in zip(idx, grads, total.split(sizes)):
             out[i] = part.index_add_(0, g._indices()[0], g._values())
     return out  # type: ignore[return-value]
+
+
+def _joined(parts: list[torch.Tensor]) -> torch.Tensor:
+    """``torch.cat(parts)``, without a copy when the parts are consecutive slices of one tensor."""
+    if len(parts) == 1:
+        return parts[0]
+    base = parts[0]._base
+    if (
+        base is not None
+        and base.is_contiguous()
+        and all(p._base is base and p.is_contiguous() for p in parts)
+    ):
+        row = math.prod(base.shape[1:]) if base.dim() > 1 else 1
+        start = parts[0].storage_offset() - base.storage_offset()
+        at = start
+        for p in parts:
+            if p.storage_offset() - base.storage_offset() != at:
+                break
+            at += p.numel()
+        else:
+            if start % row == 0:
+                return base.narrow(0, start // row, sum(p.shape[0] for p in parts))
+    return torch.cat(parts)
 
 
 def _distinct_buffers(grads: list[torch.Tensor]) -> list[torch.Tensor]:

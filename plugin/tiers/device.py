@@ -136,7 +136,7 @@ class DeviceTier:
 
     def weights(self, table: str, slots: torch.Tensor, dim: int) -> torch.Tensor:
         """slots (U,) int64 -> (U, dim) float32 copy of the first ``dim`` columns of those rows."""
-        return self._tables[table].arena.rows[slots, :dim]
+        return self._tables[table].arena.rows[:, :dim].index_select(0, slots)
 
     def resolve(self, table: str, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """ids: (n,) int64 on the device -> (found (n,) bool, slots (n,) int64; valid where found)."""
@@ -204,7 +204,9 @@ class DeviceTier:
         """(rows (k, width), dirty (k,)) of ``r``'s resident rows ``at`` (positions; None: all), on the host."""
         slots = r.slots if at is None else r.slots[at]
         idx = torch.from_numpy(slots).to(self.device)
-        return r.arena.rows[idx].cpu().numpy(), r.arena.dirty[idx].cpu().numpy()
+        return r.arena.rows.index_select(0, idx).cpu().numpy(), r.arena.dirty.index_select(
+            0, idx
+        ).cpu().numpy()
 
     def drain(self) -> dict[str, DrainedRows]:
         """Empty the tier; returns every resident row with its dirty bit."""
@@ -310,12 +312,12 @@ def rebuild(
         if len(stay_at):
             to = torch.from_numpy(first + stay_at).to(tier.device)
             src = torch.from_numpy(r.slots[carry]).to(tier.device)
-            arena.rows[to] = r.arena.rows[src]
-            arena.dirty[to] = r.arena.dirty[src]
+            arena.rows.index_copy_(0, to, r.arena.rows.index_select(0, src))
+            arena.dirty.index_copy_(0, to, r.arena.dirty.index_select(0, src))
         if len(missing):
             to = torch.from_numpy(first + missing_at).to(tier.device)
-            arena.rows[to] = torch.from_numpy(new_rows).to(tier.device)
-            arena.dirty[to] = False
+            arena.rows.index_copy_(0, to, torch.from_numpy(new_rows).to(tier.device))
+            arena.dirty.index_fill_(0, to, False)
         fresh.keys = want
         fresh.slots = np.arange(first, first + len(want), dtype=np.int64)
         fresh.skeys = torch.from_numpy(want).to(tier.device)
