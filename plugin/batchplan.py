@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-__all__ = ["BatchPlan", "PassBatches", "translate"]
+__all__ = ["Batch", "BatchPlan", "FusedBags", "PassBatches", "pool_bags", "translate"]
 
 
 @dataclass
@@ -34,23 +34,130 @@ class BatchPlan:
 
 
 @dataclass
+class Batch:
+    """The plans of one mini-batch's tables, and the same joined over its tables in order.
+
+    ``slots``, ``counts`` and ``local`` (each table's local ids shifted past the keys of the
+    tables before it) let all tables of the mini-batch be gathered and pooled in one call
+    (:class:`FusedBags`); ``plans[t].slots`` / ``.counts`` are views into them.
+    """
+
+    plans: dict[str, BatchPlan]
+    slots: torch.Tensor  # (sum U,) int64
+    counts: torch.Tensor  # (sum U,) float32
+    local: torch.Tensor  # (sum n,) int64
+
+
+@dataclass
+class FusedBags:
+    """One ``embedding_bag`` over the rows of several tables of a mini-batch, split per table.
+
+    ``leaf`` holds the weights of every member table's keys (table after table); ``pieces[t]``
+    is table t's pooled output, a piece of one ``torch.split``, so autograd runs one backward
+    for all of them and leaves one gradient in ``leaf``.
+    """
+
+    leaf: torch.Tensor  # (sum U, dim), requires grad
+    rows: dict[str, slice]  # each member's rows of leaf
+    pieces: dict[str, torch.Tensor]  # each member's (B, dim) output
+    offsets: torch.Tensor  # (B,) the bags, as the first member's forward gave them
+    mode: str
+    used: set[str] = field(default_factory=set)
+
+
+_MODES = {"sum": 0, "mean": 1}  # torch's embedding_bag mode codes
+
+
+class _PooledBags(torch.autograd.Function):
+    """``embedding_bag`` over many tables' bags at once, its output split per table.
+
+    torch's own kernels pool and spread the gradient back to the ids (so the floats are those
+    of pooling table by table); the leaf's gradient is then summed per row table by table, into
+    that table's slice of one dense gradient: small, cache-friendly sums, in the order of the
+    ids. Nothing is kept as a saved tensor, so each table's output may be backpropagated on its
+    own, in separate ``backward`` calls, as with separate modules.
+    """
+
+    @staticmethod
+    def forward(ctx, leaf, local, bags, mode, bag_count, members):  # type: ignore[override]
+        out, offset2bag, bag_size, max_indices = torch.ops.aten._embedding_bag(
+            leaf, local, bags, False, _MODES[mode], True, None, False, -1
+        )
+        ctx.kept = (local, bags, offset2bag, bag_size, max_indices, leaf.shape, _MODES[mode], members)
+        return tuple(out.split(bag_count))
+
+    @staticmethod
+    def backward(ctx, *grads):  # type: ignore[override]
+        local, bags, offset2bag, bag_size, max_indices, shape, mode, members = ctx.kept
+        spread = torch.ops.aten._embedding_bag_backward(
+            torch.cat(grads),
+            local,
+            bags,
+            offset2bag,
+            bag_size,
+            max_indices,
+            shape[0],
+            False,
+            mode,
+            True,
+            None,
+            -1,
+        )
+        values = spread._values()  # (N, dim): one row per id, in the order of the ids
+        grad = torch.zeros(shape, dtype=values.dtype, device=values.device)
+        rows = ids = 0
+        for member_local, n_rows in members:
+            n_ids = member_local.numel()
+            grad.narrow(0, rows, n_rows).index_add_(0, member_local, values.narrow(0, ids, n_ids))
+            rows, ids = rows + n_rows, ids + n_ids
+        return grad, None, None, None, None, None
+
+
+def pool_bags(
+    leaf: torch.Tensor,
+    local: torch.Tensor,
+    bags: torch.Tensor,
+    mode: str,
+    bag_count: int,
+    members: list[tuple[torch.Tensor, int]],
+) -> tuple[torch.Tensor, ...]:
+    """Pool the rows of T tables at once -> T outputs of (B, dim).
+
+    leaf: (U, dim) the tables' rows one table after the other; local: (N,) each id's row of
+    leaf; bags: (T * B,) bag starts in local; mode ``"sum"`` or ``"mean"``; members: per table,
+    its ids' rows within its own slice (n_t,) and its row count U_t. The leaf's gradient is dense.
+    """
+    return _PooledBags.apply(leaf, local, bags, mode, bag_count, members)
+
+
+@dataclass
 class PassBatches:
     """The translated mini-batches of the current pass and, per table, the next one expected."""
 
-    plans: list[dict[str, BatchPlan]]
+    batches: list[Batch]
     generation: int  # the device tier's generation the slots belong to
     cursor: dict[str, int] = field(default_factory=dict)
+    # by (mini-batch index, arena, dim): the tables of a mini-batch that pool together
+    fused: dict[tuple[int, int, int], FusedBags] = field(default_factory=dict)
+    fuse: bool = True  # off once a mini-batch's tables did not pool alike
 
-    def match(self, table: str, ids: torch.Tensor, generation: int) -> BatchPlan | None:
-        """The plan of ``table``'s next announced mini-batch if ``ids`` are its ids, else None."""
+    def next_plan(self, table: str, ids: torch.Tensor, generation: int) -> tuple[int, BatchPlan] | None:
+        """(index, plan) of ``table``'s next announced mini-batch if ``ids`` are its ids, else None."""
         if generation != self.generation:
             return None
         k = self.cursor.get(table, 0)
-        plan = self.plans[k].get(table) if k < len(self.plans) else None
+        plan = self.batches[k].plans.get(table) if k < len(self.batches) else None
         if plan is None or plan.ids.numel() != ids.numel() or not torch.equal(plan.ids, ids.reshape(-1)):
             return None
-        self.cursor[table] = k + 1
-        return plan
+        return k, plan
+
+    def match(self, table: str, ids: torch.Tensor, generation: int) -> BatchPlan | None:
+        """:meth:`next_plan`'s plan, the mini-batch then counting as run for ``table``."""
+        found = self.next_plan(table, ids, generation)
+        if found is None:
+            return None
+        self.cursor[table] = found[0] + 1
+        return found[1]
 
 
 def translate(
@@ -58,28 +165,46 @@ def translate(
     keep: Mapping[str, np.ndarray],
     base: Mapping[str, int],
     device: torch.device,
-) -> list[dict[str, BatchPlan]]:
+) -> list[Batch]:
     """Plans of each mini-batch's tables in ``keep``.
 
     batches: per mini-batch ``{table: (n,) int64 ids}``; keep: per table the sorted distinct
     keys the pass makes resident (every id of ``batches`` among them); base: the table's first
     slot (:meth:`~hierps.tiers.DeviceTier.layout` of ``keep``).
     """
-    out: list[dict[str, BatchPlan]] = []
+    out: list[Batch] = []
     for batch in batches:
-        plans = {}
-        for table, raw in batch.items():
-            if table not in keep:
-                continue
-            ids = np.array(raw, dtype=np.int64, copy=True)  # later changes to the caller's ids don't leak in
-            keys, local, counts = np.unique(ids, return_inverse=True, return_counts=True)
-            slots = base[table] + np.searchsorted(keep[table], keys)
-            plans[table] = BatchPlan(
-                ids=torch.from_numpy(ids).to(device),
-                keys=torch.from_numpy(keys).to(device),
-                local=torch.from_numpy(local.reshape(-1).astype(np.int64)).to(device),
-                counts=torch.from_numpy(counts.astype(np.float32)).to(device),
-                slots=torch.from_numpy(slots.astype(np.int64)).to(device),
+        tables = [t for t in batch if t in keep]
+        ids, keys, local, counts, slots = [], [], [], [], []
+        for table in tables:
+            # A private copy: later changes to the caller's ids don't leak into the plan.
+            t_ids = np.array(batch[table], dtype=np.int64, copy=True)
+            t_keys, t_local, t_counts = np.unique(t_ids, return_inverse=True, return_counts=True)
+            ids.append(t_ids)
+            keys.append(t_keys)
+            local.append(t_local.reshape(-1).astype(np.int64))
+            counts.append(t_counts.astype(np.float32))
+            slots.append(base[table] + np.searchsorted(keep[table], t_keys))
+        sizes = [len(k) for k in keys]
+        j_slots = torch.from_numpy(np.concatenate(slots or [np.empty(0, np.int64)]).astype(np.int64)).to(
+            device
+        )
+        j_counts = torch.from_numpy(np.concatenate(counts or [np.empty(0, np.float32)])).to(device)
+        starts = np.cumsum([0, *sizes[:-1]]).astype(np.int64)
+        j_local = torch.from_numpy(
+            np.concatenate([loc + s for loc, s in zip(local, starts)] or [np.empty(0, np.int64)])
+        ).to(device)
+        plans = {
+            table: BatchPlan(
+                ids=torch.from_numpy(ids[i]).to(device),
+                keys=torch.from_numpy(keys[i]).to(device),
+                local=torch.from_numpy(local[i]).to(device),
+                counts=p_counts,
+                slots=p_slots,
             )
-        out.append(plans)
+            for i, (table, p_slots, p_counts) in enumerate(
+                zip(tables, j_slots.split(sizes), j_counts.split(sizes))
+            )
+        }
+        out.append(Batch(plans, j_slots, j_counts, j_local))
     return out

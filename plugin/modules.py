@@ -331,6 +331,18 @@ class EmbeddingBag(_StoreEmbedding):
                 raise ConfigError(
                     f"per_sample_weights need mode='sum' (torch's rule). Got mode {self.mode!r}."
                 )
+        if (
+            offsets is not None
+            and per_sample_weights is None
+            and self.padding_idx is None
+            and not self.include_last_offset
+            and self.mode != "max"
+            and self.training
+            and torch.is_grad_enabled()
+        ):
+            pooled = self._store.fused_bag(self.table, ids, offsets, self.mode)
+            if pooled is not None:  # pooled with the mini-batch's other tables, as announced
+                return pooled
         weights, local, pad = self._gather(ids)
         return F.embedding_bag(
             local,

@@ -19,7 +19,7 @@ import torch
 
 from hierps import ids as _ids
 from hierps._faults import fault_point
-from hierps.batchplan import BatchPlan, PassBatches, translate
+from hierps.batchplan import Batch, PassBatches, translate
 from hierps.errors import DeviceBudgetError
 from hierps.tiers.device import DrainedRows, rebuild
 
@@ -118,7 +118,7 @@ class Passes:
         raw: list[dict[str, np.ndarray]],
         group: dict[str, np.ndarray],
         base: dict[str, int],
-        plans: list[dict[str, BatchPlan]] | None,
+        plans: list[Batch] | None,
     ) -> None:
         """Attach the pass's translated mini-batches (see :mod:`hierps.batchplan`) to the working set
         :func:`rebuild` just laid out at ``base``: those read ahead if they were made for this

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, TypeVar
 
 import numpy as np
 
-from hierps.batchplan import BatchPlan, translate
+from hierps.batchplan import Batch, translate
 from hierps.tiers.device import DrainedRows
 
 if TYPE_CHECKING:
@@ -29,7 +29,7 @@ if TYPE_CHECKING:
 __all__ = ["PassPipeline"]
 
 Prepared = dict[str, tuple[np.ndarray, np.ndarray]]
-Plans = list[dict[str, BatchPlan]]
+Plans = list[Batch]
 T = TypeVar("T")
 
 

@@ -161,6 +161,10 @@ class ShardedStore:
         """Never a plan: every mini-batch's ids go to their owners (see :meth:`gather`)."""
         return None
 
+    def fused_bag(self, table: str, ids: torch.Tensor, offsets: torch.Tensor, mode: str) -> None:
+        """Never pooled ahead: every table's ids go to their owners."""
+        return None
+
     def gather(
         self, table: str, keys: torch.Tensor, *, requires_grad: bool, counts: torch.Tensor | None = None
     ) -> torch.Tensor:

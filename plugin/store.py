@@ -21,7 +21,6 @@ The life of a key (admission, counters, shrinking, export for serving) is in the
 from __future__ import annotations
 
 import fcntl
-import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,8 +32,9 @@ import torch
 from hierps import ids as _ids
 from hierps._faults import fault_point
 from hierps._files import write_json_atomic
+from hierps._tensors import joined
 from hierps.admission import PENDING_ARRAYS, PendingKeys
-from hierps.batchplan import BatchPlan, PassBatches
+from hierps.batchplan import Batch, BatchPlan, FusedBags, PassBatches, pool_bags
 from hierps.checkpoint import FORMAT_VERSION, MARKER, CheckpointCatalog, check_marker, valid_table_name
 from hierps.config import (
     EVICTION_POLICIES,
@@ -109,7 +109,7 @@ class _Pending:
     slots: torch.Tensor  # (R,) int64, valid while generation matches
     generation: int
     leaf: torch.Tensor  # (U, dim) requires_grad
-    rows: torch.Tensor | None = None  # (R,) positions of keys in the leaf; None: all of it (R == U)
+    rows: torch.Tensor | slice | None = None  # (R,) positions of keys in the leaf; None: all of it
 
 
 class Store(Passes, LifeCycle):
@@ -468,6 +468,70 @@ class Store(Passes, LifeCycle):
         self._pending.append(_Pending(table, plan.keys, plan.slots, tier.generation, weights))
         return weights, plan
 
+    def fused_bag(
+        self, table: str, ids: torch.Tensor, offsets: torch.Tensor, mode: str
+    ) -> torch.Tensor | None:
+        """``table``'s pooled output of an announced mini-batch, pooled with its other tables, or None.
+
+        ids: (n,) int64, offsets: (B,) int64 (``include_last_offset`` False), mode ``"sum"`` or
+        ``"mean"``, no per-sample weights or padding. At the first such forward of a mini-batch,
+        the rows of all its tables of this table's width and dim are gathered into one leaf and
+        pooled by one ``embedding_bag`` with these offsets (see :class:`hierps.batchplan.FusedBags`);
+        each table's forward then returns its piece: the same floats as pooling table by table.
+        None when ``ids`` are not the announced ones or the tables do not pool alike.
+        """
+        batches = self._batches
+        if batches is None or not batches.fuse:
+            return None
+        found = batches.next_plan(table, ids, self.device_tier.generation)
+        if found is None:
+            return None
+        k, plan = found
+        info = self.tables[table]
+        tier = self.device_tier
+        group = (k, id(tier.arena(table)), info.dim)
+        fused = batches.fused.get(group)
+        if fused is None:
+            fused = batches.fused[group] = self._fuse(batches.batches[k], table, offsets, mode)
+        if (
+            table not in fused.rows
+            or table in fused.used
+            or mode != fused.mode
+            or not (offsets is fused.offsets or torch.equal(offsets, fused.offsets))
+        ):
+            batches.fuse = False  # this model's tables pool differently: gather them one by one
+            return None
+        fused.used.add(table)
+        batches.cursor[table] = k + 1
+        tier.defer_seen(table, plan.slots, plan.counts, info.state_end, self.passes, info.eviction.decay)
+        self._pending.append(
+            _Pending(table, plan.keys, plan.slots, tier.generation, fused.leaf, fused.rows[table])
+        )
+        return fused.pieces[table]
+
+    def _fuse(self, batch: Batch, table: str, offsets: torch.Tensor, mode: str) -> FusedBags:
+        """Gather and pool in one go the tables of ``batch`` that share ``table``'s arena and dim."""
+        tier, dim = self.device_tier, self.tables[table].dim
+        arena = tier.arena(table)
+        members = [t for t in batch.plans if tier.arena(t) is arena and self.tables[t].dim == dim]
+        plans = [batch.plans[t] for t in members]
+        if len(members) == len(batch.plans):
+            slots, local = batch.slots, batch.local
+        else:
+            starts = np.cumsum([0, *[p.keys.numel() for p in plans[:-1]]]).tolist()
+            slots = torch.cat([p.slots for p in plans])
+            local = torch.cat([p.local + s for p, s in zip(plans, starts)])
+        ends = np.cumsum([p.ids.numel() for p in plans]).tolist()
+        bags = torch.cat([offsets] + [offsets + e for e in ends[:-1]])
+        leaf = arena.rows[:, :dim].index_select(0, slots).requires_grad_(True)
+        rows, at = {}, 0
+        for t, p in zip(members, plans):
+            rows[t] = slice(at, at + p.keys.numel())
+            at += p.keys.numel()
+        parts = [(p.local, p.keys.numel()) for p in plans]
+        pieces = dict(zip(members, pool_bags(leaf, local, bags, mode, offsets.numel(), parts)))
+        return FusedBags(leaf, rows, pieces, offsets, mode)
+
     def gather(
         self, table: str, keys: torch.Tensor, *, requires_grad: bool, counts: torch.Tensor | None = None
     ) -> torch.Tensor:
@@ -539,10 +603,13 @@ class Store(Passes, LifeCycle):
         self._pending = []
         if not pending:
             return
-        grads = _summed_grads([p.leaf for p in pending])
-        finite = torch.stack([torch.isfinite(g).all() for g in _distinct_buffers(grads)])
+        leaves = list({id(p.leaf): p.leaf for p in pending}.values())  # fused tables share a leaf
+        summed = dict(zip(map(id, leaves), _summed_grads(leaves)))
+        grads = [summed[id(p.leaf)] for p in pending]
+        finite = torch.stack([torch.isfinite(g).all() for g in _distinct_buffers(list(summed.values()))])
         if not bool(finite.all()):
-            bad = sorted({p.table for p, g in zip(pending, grads) if not bool(torch.isfinite(g).all())})
+            own = [g[p.rows] if isinstance(p.rows, slice) else g for p, g in zip(pending, grads)]
+            bad = sorted({p.table for p, g in zip(pending, own) if not bool(torch.isfinite(g).all())})
             raise NonFiniteGradientError(
                 f"NaN or inf gradient for table(s) {bad}; the step was skipped and no row changed. "
                 "Lower the learning rate, clip gradients, or check the inputs of this mini-batch."
@@ -602,8 +669,8 @@ class Store(Passes, LifeCycle):
             else:
                 groups.append((key, [(slots, grad)]))
         for (arena, opt, _, step), items in groups:
-            slots = _joined([s for s, _ in items])
-            grad = _joined([g for _, g in items])
+            slots = joined([s for s, _ in items])
+            grad = joined([g for _, g in items])
             rows = arena.rows.index_select(0, slots)
             apply_step(opt, rows, grad, step)
             arena.rows.index_copy_(0, slots, rows)
@@ -784,29 +851,6 @@ def _summed_grads(leaves: list[torch.Tensor]) -> list[torch.Tensor]:
         for i, g, part in zip(idx, grads, total.split(sizes)):
             out[i] = part.index_add_(0, g._indices()[0], g._values())
     return out  # type: ignore[return-value]
-
-
-def _joined(parts: list[torch.Tensor]) -> torch.Tensor:
-    """``torch.cat(parts)``, without a copy when the parts are consecutive slices of one tensor."""
-    if len(parts) == 1:
-        return parts[0]
-    base = parts[0]._base
-    if (
-        base is not None
-        and base.is_contiguous()
-        and all(p._base is base and p.is_contiguous() for p in parts)
-    ):
-        row = math.prod(base.shape[1:]) if base.dim() > 1 else 1
-        start = parts[0].storage_offset() - base.storage_offset()
-        at = start
-        for p in parts:
-            if p.storage_offset() - base.storage_offset() != at:
-                break
-            at += p.numel()
-        else:
-            if start % row == 0:
-                return base.narrow(0, start // row, sum(p.shape[0] for p in parts))
-    return torch.cat(parts)
 
 
 def _distinct_buffers(grads: list[torch.Tensor]) -> list[torch.Tensor]:

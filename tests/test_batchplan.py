@@ -32,11 +32,13 @@ def _batches(n: int, seed: int) -> list[dict[str, torch.Tensor]]:
     ]
 
 
-def _model(store: hierps.Store, optimizer: dict, eviction: dict | None) -> tuple[dict, nn.Linear]:
+def _model(
+    store: hierps.Store, optimizer: dict, eviction: dict | None, mode: str = "sum"
+) -> tuple[dict, nn.Linear]:
     torch.manual_seed(0)
     bags = {
         t: hierps.EmbeddingBag(
-            None, d, mode="sum", store=store, name=t, optimizer=optimizer, eviction=eviction
+            None, d, mode=mode, store=store, name=t, optimizer=optimizer, eviction=eviction
         )
         for t, d in DIMS.items()
     }
@@ -147,3 +149,45 @@ def test_non_finite_gradient_of_one_fused_table_changes_no_row(make_store):
         np.testing.assert_array_equal(
             store._whole_rows(t, KEYS)[:, : DIMS[t] * 2], before[t][:, : DIMS[t] * 2]
         )
+
+
+@pytest.mark.parametrize("mode", ["sum", "mean"])
+def test_pooled_tables_backpropagate_one_by_one(make_store, mode):
+    """Tables pooled together still take separate backward calls, one loss per table."""
+    passes = [_batches(2, seed=p) for p in range(3)]
+    offsets = torch.arange(0, 48, 3)
+    results = []
+    for planned in (False, True):
+        store = make_store(f"s{planned}", memory_budget="2KiB")
+        bags, _ = _model(store, {"type": "adam", "params": {"lr": 0.01}}, None, mode=mode)
+        for group in passes:
+            store.begin_pass(group if planned else _unmatched(group))
+            for batch in group:
+                for i, t in enumerate(DIMS):
+                    (bags[t](batch[t], offsets).square().sum() * (i + 1)).backward()
+                store.step()
+            assert bool(store._batches.fused) == planned
+            store.end_pass()
+        results.append({t: store._whole_rows(t, KEYS) for t in DIMS})
+    for t in DIMS:
+        np.testing.assert_array_equal(results[1][t], results[0][t])
+
+
+def test_tables_pooled_differently_fall_back_to_one_by_one(make_store):
+    passes = [_batches(2, seed=p) for p in range(2)]
+    other = torch.arange(0, 48, 4)  # table b pools other bags than table a
+    results = []
+    for planned in (False, True):
+        store = make_store(f"s{planned}")
+        bags, _ = _model(store, {"type": "adagrad", "params": {"lr": 0.1}}, None)
+        for group in passes:
+            store.begin_pass(group if planned else _unmatched(group))
+            for batch in group:
+                loss = bags["a"](batch["a"], torch.arange(0, 48, 2)).sum()
+                loss = loss + bags["b"](batch["b"], other).square().sum() + bags["c"](batch["c"], other).sum()
+                loss.backward()
+                store.step()
+            store.end_pass()
+        results.append({t: store._whole_rows(t, KEYS) for t in DIMS})
+    for t in DIMS:
+        np.testing.assert_array_equal(results[1][t], results[0][t])

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from hierps._tensors import joined
 from hierps.counters import COUNT, DECAYED, LAST_PASS, record_seen
 
 __all__ = ["DeviceTier", "DrainedRows", "rebuild"]
@@ -191,8 +192,8 @@ class DeviceTier:
                 s.arena.dirty[s.slots] = True
         for items in groups.values():
             first = items[0]
-            slots = torch.cat([s.slots for s in items]) if len(items) > 1 else first.slots
-            counts = torch.cat([s.counts for s in items]) if len(items) > 1 else first.counts
+            slots = joined([s.slots for s in items])
+            counts = joined([s.counts for s in items])
             rows = first.arena.rows
             rows[:, first.start + COUNT].index_add_(0, slots, counts)
             rows[:, first.start + DECAYED].index_add_(0, slots, counts)
