@@ -329,7 +329,13 @@ def read_array(arr: Array, root: Path, name: str, positions: np.ndarray | None =
             f"{arr.path}: positions up to {int(pos.max())} asked of an array of {n} rows."
         )
     chunk_of = pos // arr.chunk_rows
-    chunks = np.unique(chunk_of)
+    if np.all(chunk_of[1:] >= chunk_of[:-1]):  # sorted, as every caller asks: no sort needed
+        new = np.flatnonzero(chunk_of[1:] != chunk_of[:-1]) + 1
+        slot = np.zeros(len(pos), np.int64)
+        slot[new] = 1
+        chunks, slot = chunk_of[np.append(0, new)], np.cumsum(slot)
+    else:
+        chunks, slot = np.unique(chunk_of, return_inverse=True)
     file_of = chunks // arr.chunks_per_file
     start = arr.offsets[chunks]
     # Runs of chunks read by one pread: same file, in order, gaps below _GAP_BYTES, at most _PIECE_BYTES.
@@ -350,9 +356,10 @@ def read_array(arr: Array, root: Path, name: str, positions: np.ndarray | None =
     _read_runs(arr, buf, file_of[run_first], run_start, run_end, run_dest)
     at = run_dest[run_of] + start - run_start[run_of]  # each chunk in buf
     _check_crcs(arr, buf, at, file_of)
-    rows = at[np.searchsorted(chunks, chunk_of)] + (pos - chunk_of * arr.chunk_rows) * arr.row_bytes
-    strided = np.lib.stride_tricks.as_strided(buf, (len(buf) - arr.row_bytes + 1, arr.row_bytes), (1, 1))
-    out = strided[rows].view(arr.dtype).reshape(len(pos), *arr.shape[1:])
+    rows = at[slot] + (pos - chunk_of * arr.chunk_rows) * arr.row_bytes
+    # Every row as one opaque item starting at any byte of buf: a gather copies whole rows.
+    items = np.ndarray((len(buf) - arr.row_bytes + 1,), np.dtype((np.void, arr.row_bytes)), buf, 0, (1,))
+    out = items[rows].view(arr.dtype).reshape(len(pos), *arr.shape[1:])
     return out.astype(arr.dtype.newbyteorder("="), copy=False)
 
 
