@@ -326,7 +326,8 @@ def read_array(arr: Array, root: Path, name: str, positions: np.ndarray | None =
         return np.empty((0, *arr.shape[1:]), dtype=arr.dtype.newbyteorder("="))
     if pos.min() < 0 or pos.max() >= n:
         raise CorruptStoreError(
-            f"{arr.path}: positions up to {int(pos.max())} asked of an array of {n} rows."
+            f"{arr.path}: rows {int(pos.min())}..{int(pos.max())} asked of an array of {n} rows; the key "
+            "index does not match the segment. Open an earlier checkpoint or restore from a backup."
         )
     chunk_of = pos // arr.chunk_rows
     if np.all(chunk_of[1:] >= chunk_of[:-1]):  # sorted, as every caller asks: no sort needed
@@ -337,14 +338,26 @@ def read_array(arr: Array, root: Path, name: str, positions: np.ndarray | None =
     else:
         chunks, slot = np.unique(chunk_of, return_inverse=True)
     file_of = chunks // arr.chunks_per_file
+    buf, at = _read_chunks(arr, chunks, file_of)
+    _check_crcs(arr, buf, at, file_of)
+    rows = at[slot] + (pos - chunk_of * arr.chunk_rows) * arr.row_bytes
+    # Every row as one opaque item starting at any byte of buf: a gather copies whole rows.
+    items = np.ndarray((len(buf) - arr.row_bytes + 1,), np.dtype((np.void, arr.row_bytes)), buf, 0, (1,))
+    out = items[rows].view(arr.dtype).reshape(len(pos), *arr.shape[1:])
+    return out.astype(arr.dtype.newbyteorder("="), copy=False)
+
+
+def _read_chunks(arr: Array, chunks: np.ndarray, file_of: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Read sorted ``chunks`` (k,) of ``arr`` into one buffer; returns it and where each chunk lies in it.
+
+    Chunks are fetched in runs, one pread each: same file, in order, gaps below ``_GAP_BYTES``
+    read through, at most about ``_PIECE_BYTES`` long (so that a long run is read in parallel).
+    """
     start = arr.offsets[chunks]
-    # Runs of chunks read by one pread: same file, in order, gaps below _GAP_BYTES, at most _PIECE_BYTES.
     cut = np.ones(len(chunks), bool)
     cut[1:] = (file_of[1:] != file_of[:-1]) | (start[1:] - start[:-1] - arr.chunk_bytes > _GAP_BYTES)
     cut[1:] |= start[1:] < start[:-1]
-    run_first = np.flatnonzero(cut)
-    run_of = np.cumsum(cut) - 1
-    span = start - start[run_first[run_of]]
+    span = start - start[np.flatnonzero(cut)[np.cumsum(cut) - 1]]
     piece = span // _PIECE_BYTES
     cut[1:] |= piece[1:] != piece[:-1]
     run_first = np.flatnonzero(cut)
@@ -354,13 +367,7 @@ def read_array(arr: Array, root: Path, name: str, positions: np.ndarray | None =
     run_dest = np.concatenate([[0], np.cumsum(run_end - run_start)])
     buf = np.empty(int(run_dest[-1]), dtype=np.uint8)
     _read_runs(arr, buf, file_of[run_first], run_start, run_end, run_dest)
-    at = run_dest[run_of] + start - run_start[run_of]  # each chunk in buf
-    _check_crcs(arr, buf, at, file_of)
-    rows = at[slot] + (pos - chunk_of * arr.chunk_rows) * arr.row_bytes
-    # Every row as one opaque item starting at any byte of buf: a gather copies whole rows.
-    items = np.ndarray((len(buf) - arr.row_bytes + 1,), np.dtype((np.void, arr.row_bytes)), buf, 0, (1,))
-    out = items[rows].view(arr.dtype).reshape(len(pos), *arr.shape[1:])
-    return out.astype(arr.dtype.newbyteorder("="), copy=False)
+    return buf, run_dest[run_of] + start - run_start[run_of]
 
 
 def _read_runs(

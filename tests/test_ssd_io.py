@@ -90,15 +90,24 @@ def test_far_apart_rows_read_in_parallel_pieces(tmp_path, monkeypatch):
     np.testing.assert_array_equal(read_array(arr, tmp_path, "r", pos), ROWS[pos])
 
 
-def _shard(path: Path) -> Path:
-    return path / "c" / "0" / "0"
-
-
 @pytest.fixture
 def written(tmp_path) -> tuple[LocalStore, Path]:
     zstore = LocalStore(str(tmp_path))
     create_array(zstore, "r", ROWS, 27)
     return zstore, tmp_path
+
+
+def test_unsorted_and_repeated_positions(written):
+    zstore, root = written
+    arr = open_array(zstore, root, "r", "float32", 2)
+    pos = np.array([999, 3, 3, 500, 0, 998])
+    np.testing.assert_array_equal(read_array(arr, root, "r", pos), ROWS[pos])
+    with pytest.raises(CorruptStoreError, match="rows 0..1000 asked of an array of 1000 rows"):
+        read_array(arr, root, "r", np.array([0, 1000]))
+
+
+def _shard(path: Path) -> Path:
+    return path / "c" / "0" / "0"
 
 
 def test_flipped_byte_in_an_inner_chunk_names_the_shard(written):
