@@ -64,6 +64,7 @@ _GAP_BYTES = 32 << 10
 _PIECE_BYTES = 512 << 10
 # Threads issuing reads: an SSD serves many outstanding random reads at once.
 _THREADS = 16
+_PARALLEL_RUNS = 4  # fewer runs are read by the calling thread
 _pool: tuple[int, ThreadPoolExecutor] | None = None
 _pool_lock = threading.Lock()
 
@@ -391,7 +392,7 @@ def _read_runs(
         for f in sorted(set(files.tolist())):
             fds[f] = os.open(arr.files[f], os.O_RDONLY)
             os.posix_fadvise(fds[f], 0, 0, os.POSIX_FADV_RANDOM)  # read what is asked, no read-ahead
-        if len(runs) < 4:
+        if len(runs) < _PARALLEL_RUNS:
             read(runs)
         else:
             parts = [runs[i::_THREADS] for i in range(min(_THREADS, len(runs)))]
