@@ -1,34 +1,44 @@
-"""Zarr v3 arrays as hierps writes and reads them: one layout, checked before every open.
+"""Zarr v3 arrays as hierps writes and reads them: one layout, checked before every open, read and
+written with plain file I/O.
 
-Every array of a store (segment keys and rows, checkpoint index) is a plain Zarr v3 array with a
-regular chunk grid and the codecs ``bytes`` (little endian) + ``crc32c``, every chunk written,
-all-zero ones included. Before an array is opened, its ``zarr.json`` must describe exactly that
-layout with the expected data type: anything else (a ``numcodecs.pickle`` codec, an object data
-type, a Zarr v2 array, a storage transformer) is refused without decoding a byte, since decoding
-an unknown codec could run code or return unchecked data. A chunk that is missing would read as
-the fill value (zeros), so every chunk must be on disk; a chunk whose crc32c does not match is
+Every array of a store (segment keys and rows, checkpoint index) is a Zarr v3 array that
+``zarr.open_array`` reads: one shard file ``c/0`` (1-d) or ``c/0/0`` (2-d) holding inner chunks of
+``chunk_rows`` full-width rows, each encoded ``bytes`` (little endian) + ``crc32c``, every inner
+chunk written (the last one padded with zeros), followed by the shard index (``index_location``
+``end``, also ``bytes`` + ``crc32c``). Small inner chunks let a read fetch only the few KiB around
+the rows it wants; the shard keeps it one file per array. Stores written before sharding (one file
+per chunk, the same two codecs) still open and read.
+
+hierps reads and writes these files itself (``os.pread`` / ``os.write``, ``crc32c``,
+``np.frombuffer``): zarr's per-call machinery costs more than the I/O for the small, scattered
+reads of a pass. Before an array is opened, its ``zarr.json`` must describe exactly one of the two
+layouts with the expected data type: anything else (a ``numcodecs.pickle`` codec, an object data
+type, a Zarr v2 array, a storage transformer) is refused without decoding a byte, since decoding an
+unknown codec could run code or return unchecked data. A chunk that is missing would read as the
+fill value (zeros) in zarr, so every chunk must be on disk; a chunk whose crc32c does not match is
 reported with its file name.
 """
 
 from __future__ import annotations
 
-import itertools
 import json
 import math
 import os
+import threading
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import crc32c
 import numpy as np
-import zarr
-import zarr.codecs
 from zarr.storage import LocalStore
 
 from hierps._faults import fault_point
 from hierps.errors import CorruptStoreError
 
-__all__ = ["create_array", "encoded_bytes", "open_array", "read_array"]
+__all__ = ["Array", "create_array", "encoded_bytes", "open_array", "read_array"]
 
 _CODECS = [{"name": "bytes", "configuration": {"endian": "little"}}, {"name": "crc32c"}]
 _KEY_ENCODING = {"name": "default", "configuration": {"separator": "/"}}
@@ -44,42 +54,134 @@ _META_KEYS = {
     "attributes",
     "storage_transformers",
 }
-# Rows are written this many chunks at a time (64 MiB with 1 MiB chunks): zarr writes the chunks
-# of one call concurrently, and a crash test can stop between two blocks.
-_BLOCK_CHUNKS = 64
+_EMPTY = (1 << 64) - 1  # shard index entry of an inner chunk that was never written
+# Inner chunks per write block: a crash test can stop between two blocks.
+_BLOCK_CHUNKS = 2048
+# Chunks to read that lie closer than this are fetched by one read through the gap: on an SSD a
+# read costs about as much as streaming ~50 KiB, so fewer, longer reads win below that.
+_GAP_BYTES = 32 << 10
+# Longer reads are split into pieces of about this size, read in parallel.
+_PIECE_BYTES = 512 << 10
+# Threads issuing reads: an SSD serves many outstanding random reads at once.
+_THREADS = 16
+_PARALLEL_RUNS = 4  # fewer runs are read by the calling thread
+_pool: tuple[int, ThreadPoolExecutor] | None = None
+_pool_lock = threading.Lock()
+
+
+def _sharded_codecs(inner: list[int]) -> list[dict[str, Any]]:
+    config = {"chunk_shape": inner, "codecs": _CODECS, "index_codecs": _CODECS, "index_location": "end"}
+    return [{"name": "sharding_indexed", "configuration": config}]
+
+
+@dataclass(frozen=True, eq=False)
+class Array:
+    """An array hierps wrote, opened for direct reads: where every chunk lies, nothing decoded yet.
+
+    ``files`` holds one file per shard (or, in the layout before sharding, per chunk); chunk ``i``
+    lies in ``files[i // chunks_per_file]`` at byte ``offsets[i]``, ``chunk_rows`` rows of
+    ``row_bytes`` each followed by their crc32c.
+    """
+
+    path: Path
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    chunk_rows: int
+    chunks_per_file: int
+    files: tuple[Path, ...]
+    offsets: np.ndarray  # (n_chunks,) int64
+
+    @property
+    def row_bytes(self) -> int:
+        return self.dtype.itemsize * math.prod(self.shape[1:])
+
+    @property
+    def chunk_bytes(self) -> int:
+        """Bytes of one encoded chunk: its rows (padded) and the crc32c."""
+        return self.chunk_rows * self.row_bytes + 4
 
 
 def encoded_bytes(data: np.ndarray, chunk_rows: int) -> int:
     """Bytes ``data`` takes on disk as written by :func:`create_array` (padded chunks, checksums)."""
     n_chunks = math.ceil(len(data) / chunk_rows) if len(data) else 0
     per_row = data.itemsize * (math.prod(data.shape[1:]) if data.ndim > 1 else 1)
-    return n_chunks * (chunk_rows * per_row + 4) + 1024
+    return n_chunks * (chunk_rows * per_row + 4 + 16) + 4 + 1024
 
 
+# -- writing ---------------------------------------------------------------------------------------
 def create_array(
     zstore: LocalStore, name: str, data: np.ndarray, chunk_rows: int, block_point: str | None = None
 ) -> None:
-    """Write ``data`` (n, ...) as the array ``name``, chunked by ``chunk_rows`` rows."""
+    """Write ``data`` (n, ...) as the array ``name``: one shard of inner chunks of ``chunk_rows`` rows.
+
+    ``zarr.json`` first, then the chunks in blocks of ``_BLOCK_CHUNKS`` (``block_point`` is a
+    fault point after each), then the shard index. Not durable until the caller fsyncs.
+    """
+    path = Path(zstore.root) / name
     chunk_rows = max(1, chunk_rows)
-    arr = zarr.create_array(
-        zstore,
-        name=name,
-        shape=data.shape,
-        chunks=(chunk_rows, *data.shape[1:]),
-        dtype=data.dtype,
-        compressors=[zarr.codecs.Crc32cCodec()],
-        fill_value=0,
-        config={"write_empty_chunks": True},
-    )
-    block = chunk_rows * _BLOCK_CHUNKS
-    for start in range(0, len(data), block):
-        arr[start : start + block] = data[start : start + block]
-        if block_point is not None:
-            fault_point(block_point)
+    n, rest = len(data), list(data.shape[1:])
+    n_chunks = math.ceil(n / chunk_rows)
+    meta = {
+        "shape": [n, *rest],
+        "data_type": data.dtype.name,
+        "chunk_grid": {
+            "name": "regular",
+            "configuration": {"chunk_shape": [max(n_chunks, 1) * chunk_rows, *rest]},
+        },
+        "chunk_key_encoding": _KEY_ENCODING,
+        "fill_value": 0,
+        "codecs": _sharded_codecs([chunk_rows, *rest]),
+        "attributes": {},
+        "zarr_format": 3,
+        "node_type": "array",
+        "storage_transformers": [],
+    }
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "zarr.json").write_text(json.dumps(meta, indent=2), encoding="utf-8")
+    if n_chunks == 0:
+        return
+    shard = path / "c" / "/".join(["0"] * data.ndim)
+    shard.parent.mkdir(parents=True, exist_ok=True)
+    raw = np.ascontiguousarray(data, dtype=data.dtype.newbyteorder("<")).reshape(n, -1).view(np.uint8)
+    payload = chunk_rows * raw.shape[1]
+    fd = os.open(shard, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        for first in range(0, n_chunks, _BLOCK_CHUNKS):
+            count = min(_BLOCK_CHUNKS, n_chunks - first)
+            rows = raw[first * chunk_rows : (first + count) * chunk_rows]
+            if len(rows) < count * chunk_rows:  # the last chunk: padded with the fill value
+                rows = np.concatenate(
+                    [rows, np.zeros((count * chunk_rows - len(rows), raw.shape[1]), np.uint8)]
+                )
+            _write_all(fd, _encode_chunks(rows.reshape(count, payload)))
+            if block_point is not None:
+                fault_point(block_point)
+        index = np.empty((n_chunks, 2), dtype="<u8")
+        index[:, 0] = np.arange(n_chunks, dtype=np.uint64) * np.uint64(payload + 4)
+        index[:, 1] = payload + 4
+        _write_all(fd, _encode_chunks(index.view(np.uint8).reshape(1, -1)))
+    finally:
+        os.close(fd)
 
 
+def _encode_chunks(payloads: np.ndarray) -> np.ndarray:
+    """(k, p) uint8 chunk payloads -> (k, p + 4) uint8: each followed by its crc32c (little endian)."""
+    out = np.empty((len(payloads), payloads.shape[1] + 4), dtype=np.uint8)
+    out[:, :-4] = payloads
+    crcs = np.fromiter((crc32c.crc32c(p) for p in payloads), dtype="<u4", count=len(payloads))
+    out[:, -4:] = crcs.view(np.uint8).reshape(-1, 4)
+    return out
+
+
+def _write_all(fd: int, data: np.ndarray) -> None:
+    view = memoryview(data).cast("B")
+    while len(view):
+        view = view[os.write(fd, view) :]
+
+
+# -- opening ---------------------------------------------------------------------------------------
 def _layout_problem(meta: Any, dtype: str, ndim: int) -> str | None:
-    """What makes ``meta`` (a parsed zarr.json) differ from the layout hierps writes, or None."""
+    """What makes ``meta`` (a parsed zarr.json) differ from the layouts hierps writes, or None."""
     if not isinstance(meta, dict):
         return f"expected a JSON object, got {type(meta).__name__}"
     if meta.get("zarr_format") != 3 or meta.get("node_type") != "array":
@@ -89,8 +191,6 @@ def _layout_problem(meta: Any, dtype: str, ndim: int) -> str | None:
         return f"unexpected metadata key(s) {extra}"
     if meta.get("data_type") != dtype:
         return f"data type {meta.get('data_type')!r} where {dtype!r} was expected"
-    if meta.get("codecs") != _CODECS:
-        return f"codecs {meta.get('codecs')!r} where exactly {_CODECS!r} were expected"
     if meta.get("storage_transformers", []) != []:
         return f"storage transformers {meta.get('storage_transformers')!r}"
     if meta.get("chunk_key_encoding") != _KEY_ENCODING:
@@ -102,11 +202,31 @@ def _layout_problem(meta: Any, dtype: str, ndim: int) -> str | None:
         and grid.get("name") == "regular"
         and _ints(shape, ndim, 0)
         and _ints(chunks, ndim, 1)
+        and chunks[1:] == shape[1:]
     ):
-        return f"shape {shape!r} / chunk grid {grid!r} is not a regular {ndim}-d grid"
+        return f"shape {shape!r} / chunk grid {grid!r} is not a regular {ndim}-d grid of full-width chunks"
+    codecs = meta.get("codecs")
+    inner = _inner_chunk_shape(codecs)
+    if codecs != _CODECS and not (
+        _ints(inner, ndim, 1)
+        and codecs == _sharded_codecs(inner)
+        and inner[1:] == shape[1:]
+        and chunks[0] % inner[0] == 0
+    ):
+        return (
+            f"codecs {codecs!r} where exactly {_CODECS!r}, or sharding_indexed with those inside and "
+            "full-width inner chunks dividing the shard, were expected"
+        )
     if not isinstance(meta.get("fill_value"), (int, float)) or isinstance(meta.get("fill_value"), bool):
         return f"fill value {meta.get('fill_value')!r}"
     return None
+
+
+def _inner_chunk_shape(codecs: Any) -> Any:
+    try:
+        return codecs[0]["configuration"]["chunk_shape"]
+    except (TypeError, KeyError, IndexError):
+        return None
 
 
 def _ints(value: Any, n: int, low: int) -> bool:
@@ -117,8 +237,9 @@ def _ints(value: Any, n: int, low: int) -> bool:
     )
 
 
-def open_array(zstore: LocalStore, root: Path, name: str, dtype: str, ndim: int) -> zarr.Array:
-    """Open array ``name`` read-only after checking its layout and that every chunk is on disk."""
+def open_array(zstore: LocalStore, root: Path, name: str, dtype: str, ndim: int) -> Array:
+    """Open array ``name`` under ``root`` after checking its layout, that every chunk is on disk and,
+    for a shard, its index (crc32c, every inner chunk present and inside the file)."""
     path = root / name
     try:
         meta = json.loads((path / "zarr.json").read_bytes())
@@ -134,55 +255,178 @@ def open_array(zstore: LocalStore, root: Path, name: str, dtype: str, ndim: int)
             "arrays with the bytes + crc32c codecs and refuses others without decoding them. Replace "
             "the store with a trusted copy."
         )
-    expected = _chunk_keys(meta["shape"], meta["chunk_grid"]["configuration"]["chunk_shape"])
-    present = _files_under(path / "c")
-    missing = sorted(expected - present)
+    shape = tuple(meta["shape"])
+    file_rows = meta["chunk_grid"]["configuration"]["chunk_shape"][0]
+    sharded = meta["codecs"] != _CODECS
+    chunk_rows = _inner_chunk_shape(meta["codecs"])[0] if sharded else file_rows
+    n_files = math.ceil(shape[0] / file_rows)
+    n_chunks = math.ceil(shape[0] / chunk_rows)
+    files = tuple(path / "c" / "/".join([str(i)] + ["0"] * (ndim - 1)) for i in range(n_files))
+    missing = [f for f in files if not f.is_file()]
     if missing:
         raise CorruptStoreError(
-            f"{path / 'c' / missing[0]}: chunk missing ({len(missing)} of {len(expected)} "
-            "missing); the array was damaged or deleted while in use."
+            f"{missing[0]}: chunk missing ({len(missing)} of {n_files} missing); the array was damaged "
+            "or deleted while in use."
         )
+    arr = Array(
+        path,
+        shape,
+        np.dtype(dtype).newbyteorder("<"),
+        chunk_rows,
+        file_rows // chunk_rows,
+        files,
+        np.zeros(n_chunks, np.int64),
+    )
+    if sharded:
+        for i, file in enumerate(files):
+            first = i * arr.chunks_per_file
+            arr.offsets[first : first + arr.chunks_per_file] = _shard_offsets(arr, file, n_chunks - first)
+    return arr
+
+
+def _shard_offsets(arr: Array, file: Path, chunks_left: int) -> np.ndarray:
+    """Byte offsets of the inner chunks of shard ``file`` that lie inside the array, from its index."""
+    n_index = arr.chunks_per_file
     try:
-        return zarr.open_array(zstore, path=name, mode="r", zarr_format=3)
-    except Exception as exc:  # zarr raises many types for damaged metadata; all mean the same here
-        raise CorruptStoreError(f"{path}: cannot be opened as a Zarr array ({exc}).") from exc
-
-
-def _chunk_keys(shape: list[int], chunks: list[int]) -> set[str]:
-    grid = [range(math.ceil(s / c)) for s, c in zip(shape, chunks)]
-    return {"/".join(map(str, idx)) for idx in itertools.product(*grid)} if all(grid) else set()
-
-
-def _files_under(root: Path) -> set[str]:
-    out = set()
-    for dirpath, _dirs, files in os.walk(root):
-        rel = os.path.relpath(dirpath, root)
-        out.update(f if rel == "." else f"{rel}/{f}".replace(os.sep, "/") for f in files)
-    return out
-
-
-def read_array(arr: zarr.Array, root: Path, name: str, positions: np.ndarray | None = None) -> np.ndarray:
-    """All of ``arr``, or its rows at sorted ``positions``; ``CorruptStoreError`` naming bad chunks."""
-    try:
-        return arr[...] if positions is None else arr.oindex[positions.astype(np.int64)]
-    except Exception as exc:  # crc mismatch (ValueError), short chunk, vanished file, ...
-        bad = _bad_chunks(root / name)
-        where = ", ".join(str(p) for p in bad[:3]) if bad else str(root / name)
+        with open(file, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            index_at = size - (16 * n_index + 4)
+            raw = os.pread(f.fileno(), 16 * n_index + 4, max(index_at, 0))
+    except OSError as exc:
+        raise CorruptStoreError(f"{file}: the shard could not be read ({exc}).") from exc
+    if index_at < 0 or crc32c.crc32c(raw[:-4]) != int.from_bytes(raw[-4:], "little"):
         raise CorruptStoreError(
-            f"{where}: chunk failed its crc32c checksum or could not be read ({exc}). Restore the store "
-            "from a backup, or open an earlier checkpoint."
+            f"{file}: the shard index failed its crc32c checksum (or the file is truncated: {size} bytes). "
+            "Restore the store from a backup, or open an earlier checkpoint."
+        )
+    index = np.frombuffer(raw[:-4], dtype="<u8").reshape(n_index, 2)[: min(n_index, chunks_left)]
+    if np.any(index[:, 0] == _EMPTY):
+        raise CorruptStoreError(
+            f"{file}: chunk missing (inner chunk {int(np.flatnonzero(index[:, 0] == _EMPTY)[0])} was never "
+            "written); the array was damaged."
+        )
+    if np.any(index[:, 1] != arr.chunk_bytes) or np.any(index[:, 0] > index_at - arr.chunk_bytes):
+        raise CorruptStoreError(
+            f"{file}: the shard index points outside the file or at chunks of the wrong size "
+            f"(expected {arr.chunk_bytes} bytes each); the shard is damaged."
+        )
+    return index[:, 0].astype(np.int64)
+
+
+# -- reading ---------------------------------------------------------------------------------------
+def read_array(arr: Array, root: Path, name: str, positions: np.ndarray | None = None) -> np.ndarray:
+    """All of ``arr`` (n, ...), or its rows at sorted ``positions`` (k,) -> (k, ...).
+
+    Reads only the chunks holding those rows (nearby ones in one read, many reads in parallel) and
+    checks each chunk's crc32c; ``CorruptStoreError`` names a damaged, short or vanished file.
+    ``root`` and ``name`` are kept for the callers' symmetry with :func:`open_array`.
+    """
+    n = arr.shape[0]
+    pos = np.arange(n, dtype=np.int64) if positions is None else np.asarray(positions, dtype=np.int64)
+    if len(pos) == 0:
+        return np.empty((0, *arr.shape[1:]), dtype=arr.dtype.newbyteorder("="))
+    if pos.min() < 0 or pos.max() >= n:
+        raise CorruptStoreError(
+            f"{arr.path}: rows {int(pos.min())}..{int(pos.max())} asked of an array of {n} rows; the key "
+            "index does not match the segment. Open an earlier checkpoint or restore from a backup."
+        )
+    chunk_of = pos // arr.chunk_rows
+    if np.all(chunk_of[1:] >= chunk_of[:-1]):  # sorted, as every caller asks: no sort needed
+        new = np.flatnonzero(chunk_of[1:] != chunk_of[:-1]) + 1
+        slot = np.zeros(len(pos), np.int64)
+        slot[new] = 1
+        chunks, slot = chunk_of[np.append(0, new)], np.cumsum(slot)
+    else:
+        chunks, slot = np.unique(chunk_of, return_inverse=True)
+    file_of = chunks // arr.chunks_per_file
+    buf, at = _read_chunks(arr, chunks, file_of)
+    _check_crcs(arr, buf, at, file_of)
+    rows = at[slot] + (pos - chunk_of * arr.chunk_rows) * arr.row_bytes
+    # Every row as one opaque item starting at any byte of buf: a gather copies whole rows.
+    items = np.ndarray((len(buf) - arr.row_bytes + 1,), np.dtype((np.void, arr.row_bytes)), buf, 0, (1,))
+    out = items[rows].view(arr.dtype).reshape(len(pos), *arr.shape[1:])
+    return out.astype(arr.dtype.newbyteorder("="), copy=False)
+
+
+def _read_chunks(arr: Array, chunks: np.ndarray, file_of: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Read sorted ``chunks`` (k,) of ``arr`` into one buffer; returns it and where each chunk lies in it.
+
+    Chunks are fetched in runs, one pread each: same file, in order, gaps below ``_GAP_BYTES``
+    read through, at most about ``_PIECE_BYTES`` long (so that a long run is read in parallel).
+    """
+    start = arr.offsets[chunks]
+    cut = np.ones(len(chunks), bool)
+    cut[1:] = (file_of[1:] != file_of[:-1]) | (start[1:] - start[:-1] - arr.chunk_bytes > _GAP_BYTES)
+    cut[1:] |= start[1:] < start[:-1]
+    span = start - start[np.flatnonzero(cut)[np.cumsum(cut) - 1]]
+    piece = span // _PIECE_BYTES
+    cut[1:] |= piece[1:] != piece[:-1]
+    run_first = np.flatnonzero(cut)
+    run_of = np.cumsum(cut) - 1
+    run_last = np.append(run_first[1:], len(chunks)) - 1
+    run_start, run_end = start[run_first], start[run_last] + arr.chunk_bytes
+    run_dest = np.concatenate([[0], np.cumsum(run_end - run_start)])
+    buf = np.empty(int(run_dest[-1]), dtype=np.uint8)
+    _read_runs(arr, buf, file_of[run_first], run_start, run_end, run_dest)
+    return buf, run_dest[run_of] + start - run_start[run_of]
+
+
+def _read_runs(
+    arr: Array, buf: np.ndarray, files: np.ndarray, starts: np.ndarray, ends: np.ndarray, dests: np.ndarray
+) -> None:
+    """pread each run ``[starts[i], ends[i])`` of ``arr.files[files[i]]`` into ``buf[dests[i]:]``."""
+    view = memoryview(buf)
+    fds: dict[int, int] = {}
+    runs = list(zip(files.tolist(), starts.tolist(), ends.tolist(), dests.tolist()))
+
+    def read(part: list[tuple[int, int, int, int]]) -> None:
+        for f, lo, hi, dest in part:
+            got = os.preadv(fds[f], [view[dest : dest + hi - lo]], lo)
+            if got != hi - lo:
+                raise CorruptStoreError(
+                    f"{arr.files[f]}: chunk could not be read (the file ends at {lo + got} bytes, before "
+                    f"{hi}); the array was truncated. Restore the store from a backup."
+                )
+
+    try:
+        for f in sorted(set(files.tolist())):
+            fds[f] = os.open(arr.files[f], os.O_RDONLY)
+            os.posix_fadvise(fds[f], 0, 0, os.POSIX_FADV_RANDOM)  # read what is asked, no read-ahead
+        if len(runs) < _PARALLEL_RUNS:
+            read(runs)
+        else:
+            parts = [runs[i::_THREADS] for i in range(min(_THREADS, len(runs)))]
+            for done in _executor().map(read, parts):
+                del done
+    except OSError as exc:
+        raise CorruptStoreError(
+            f"{arr.path}: a chunk file could not be read ({exc}); the array was damaged or deleted while "
+            "in use. Restore the store from a backup, or open an earlier checkpoint."
         ) from exc
+    finally:
+        for fd in fds.values():
+            os.close(fd)
 
 
-def _bad_chunks(path: Path) -> list[Path]:
-    """Chunk files under ``path/c`` whose trailing crc32c does not match their bytes."""
-    bad = []
-    for rel in sorted(_files_under(path / "c")):
-        try:
-            data = (path / "c" / rel).read_bytes()
-        except OSError:
-            bad.append(path / "c" / rel)
-            continue
-        if len(data) < 4 or crc32c.crc32c(data[:-4]).to_bytes(4, "little") != data[-4:]:
-            bad.append(path / "c" / rel)
-    return bad
+def _check_crcs(arr: Array, buf: np.ndarray, at: np.ndarray, file_of: np.ndarray) -> None:
+    """Raise ``CorruptStoreError`` naming the file of the first chunk in ``buf`` whose crc32c fails."""
+    size = arr.chunk_bytes - 4
+    view = memoryview(buf)
+    stored = np.lib.stride_tricks.as_strided(buf, (len(buf) - 3, 4), (1, 1))[at + size].view("<u4")[:, 0]
+    check: Callable[[memoryview], int] = crc32c.crc32c
+    actual = np.fromiter((check(view[a : a + size]) for a in at.tolist()), dtype=np.uint32, count=len(at))
+    bad = np.flatnonzero(actual != stored)
+    if len(bad):
+        raise CorruptStoreError(
+            f"{arr.files[int(file_of[bad[0]])]}: chunk failed its crc32c checksum ({len(bad)} chunk(s) of "
+            f"{arr.path}). Restore the store from a backup, or open an earlier checkpoint."
+        )
+
+
+def _executor() -> ThreadPoolExecutor:
+    """The process's read threads (made anew in a forked child, whose parent's threads are gone)."""
+    global _pool
+    with _pool_lock:
+        if _pool is None or _pool[0] != os.getpid():
+            _pool = (os.getpid(), ThreadPoolExecutor(_THREADS, thread_name_prefix="hierps-read"))
+        return _pool[1]

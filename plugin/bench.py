@@ -111,10 +111,12 @@ def _worker(spec: dict[str, Any]) -> dict[str, Any]:
     if task == "variant":
         record = run_variant(spec["name"], cfg, tmp)
     elif task == "machine":
+        ram = bench_machine.ram_copy()
+        disk = bench_machine.disk_read(tmp, cfg["disk_bytes"])
         record = {
-            "ram_copy": bench_machine.ram_copy(),
-            "disk_read": bench_machine.disk_read(tmp, cfg["disk_bytes"]),
-            "ssd_tier_read": bench_machine.ssd_tier_read(cfg, tmp),
+            "ram_copy": ram,
+            "disk_read": disk,
+            "ssd_tier_read": bench_machine.ssd_tier_read(cfg, tmp, disk_bytes_per_s=disk["bytes_per_s"]),
         }
     elif task == "scaling":
         record = bench_machine.ssd_scaling(spec["rows"], cfg, tmp)

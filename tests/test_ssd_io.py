@@ -1,0 +1,212 @@
+"""The SSD tier's direct chunk I/O: what hierps writes is a Zarr v3 array zarr reads identically,
+what zarr writes in the accepted layouts hierps reads identically, and damage is reported."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import crc32c
+import numpy as np
+import pytest
+import zarr
+import zarr.codecs
+from zarr.storage import LocalStore
+
+from hierps import _arrays
+from hierps._arrays import create_array, open_array, read_array
+from hierps.errors import CorruptStoreError
+from hierps.tiers.ssd import SsdTier
+
+RNG = np.random.default_rng(7)
+ROWS = RNG.standard_normal((1000, 37), dtype=np.float32)
+KEYS = np.sort(RNG.choice(1 << 40, 1000, replace=False)).astype(np.int64)
+
+
+def _positions(n: int, k: int, seed: int = 0) -> np.ndarray:
+    return np.sort(np.random.default_rng(seed).choice(n, k, replace=False))
+
+
+@pytest.mark.parametrize("chunk_rows", [1, 27, 999, 1000, 4096])
+def test_zarr_reads_what_hierps_writes(tmp_path, chunk_rows):
+    zstore = LocalStore(str(tmp_path))
+    create_array(zstore, "s/rows", ROWS, chunk_rows)
+    create_array(zstore, "s/keys", KEYS, chunk_rows)
+    rows = zarr.open_array(zstore, path="s/rows", mode="r")
+    assert rows.shards is not None and rows.chunks == (min(chunk_rows, 4096), 37)
+    np.testing.assert_array_equal(rows[:], ROWS)
+    np.testing.assert_array_equal(zarr.open_array(zstore, path="s/keys", mode="r")[:], KEYS)
+    # ... and hierps reads it back, whole and at scattered positions.
+    arr = open_array(zstore, tmp_path, "s/rows", "float32", 2)
+    np.testing.assert_array_equal(read_array(arr, tmp_path, "s/rows"), ROWS)
+    for k in (1, 5, 300, 1000):
+        pos = _positions(1000, k, k)
+        np.testing.assert_array_equal(read_array(arr, tmp_path, "s/rows", pos), ROWS[pos])
+        keys = open_array(zstore, tmp_path, "s/keys", "int64", 1)
+        np.testing.assert_array_equal(read_array(keys, tmp_path, "s/keys", pos), KEYS[pos])
+
+
+def test_empty_array_round_trips(tmp_path):
+    zstore = LocalStore(str(tmp_path))
+    create_array(zstore, "e", np.empty(0, np.int64), 1)
+    assert zarr.open_array(zstore, path="e", mode="r")[:].shape == (0,)
+    assert read_array(open_array(zstore, tmp_path, "e", "int64", 1), tmp_path, "e").shape == (0,)
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [
+        {"chunks": (8, 37), "shards": (64, 37)},  # several shards, the last one partly empty
+        {"chunks": (50, 37), "shards": (1000, 37)},
+        {"chunks": (64, 37)},  # the layout before sharding: one file per chunk
+    ],
+)
+def test_hierps_reads_what_zarr_writes(tmp_path, layout):
+    zstore = LocalStore(str(tmp_path))
+    zarr.create_array(
+        zstore,
+        name="a",
+        data=ROWS,
+        compressors=[zarr.codecs.Crc32cCodec()],
+        fill_value=0,
+        config={"write_empty_chunks": True},
+        **layout,
+    )
+    arr = open_array(zstore, tmp_path, "a", "float32", 2)
+    np.testing.assert_array_equal(read_array(arr, tmp_path, "a"), ROWS)
+    pos = _positions(1000, 77)
+    np.testing.assert_array_equal(read_array(arr, tmp_path, "a", pos), ROWS[pos])
+
+
+def test_far_apart_rows_read_in_parallel_pieces(tmp_path, monkeypatch):
+    """Many runs (no coalescing, tiny pieces) go through the thread pool and come back in order."""
+    monkeypatch.setattr(_arrays, "_GAP_BYTES", 0)
+    monkeypatch.setattr(_arrays, "_PIECE_BYTES", 1)
+    zstore = LocalStore(str(tmp_path))
+    create_array(zstore, "r", ROWS, 3)
+    arr = open_array(zstore, tmp_path, "r", "float32", 2)
+    pos = _positions(1000, 400, 3)
+    np.testing.assert_array_equal(read_array(arr, tmp_path, "r", pos), ROWS[pos])
+
+
+@pytest.fixture
+def written(tmp_path) -> tuple[LocalStore, Path]:
+    zstore = LocalStore(str(tmp_path))
+    create_array(zstore, "r", ROWS, 27)
+    return zstore, tmp_path
+
+
+def test_unsorted_and_repeated_positions(written):
+    zstore, root = written
+    arr = open_array(zstore, root, "r", "float32", 2)
+    pos = np.array([999, 3, 3, 500, 0, 998])
+    np.testing.assert_array_equal(read_array(arr, root, "r", pos), ROWS[pos])
+    with pytest.raises(CorruptStoreError, match="rows 0..1000 asked of an array of 1000 rows"):
+        read_array(arr, root, "r", np.array([0, 1000]))
+
+
+def _shard(path: Path) -> Path:
+    return path / "c" / "0" / "0"
+
+
+def test_flipped_byte_in_an_inner_chunk_names_the_shard(written):
+    zstore, root = written
+    shard = _shard(root / "r")
+    data = bytearray(shard.read_bytes())
+    data[(27 * 148 + 4) * 5 + 10] ^= 1  # inside inner chunk 5 (rows 135..161)
+    shard.write_bytes(bytes(data))
+    arr = open_array(zstore, root, "r", "float32", 2)
+    # Rows of other chunks still read; any read touching chunk 5 fails.
+    np.testing.assert_array_equal(read_array(arr, root, "r", np.arange(0, 100)), ROWS[:100])
+    with pytest.raises(CorruptStoreError, match=re.escape(str(shard)) + ".*crc32c"):
+        read_array(arr, root, "r", np.array([140]))
+
+
+def test_damaged_shard_index_is_refused_on_open(written):
+    zstore, root = written
+    shard = _shard(root / "r")
+    data = bytearray(shard.read_bytes())
+    data[-10] ^= 1
+    shard.write_bytes(bytes(data))
+    with pytest.raises(
+        CorruptStoreError, match=re.escape(str(shard)) + ": the shard index failed its crc32c"
+    ):
+        open_array(zstore, root, "r", "float32", 2)
+
+
+def test_index_with_a_missing_inner_chunk_is_refused(written):
+    """An inner chunk marked empty would read as zeros in zarr: hierps refuses the array."""
+    zstore, root = written
+    shard = _shard(root / "r")
+    data = bytearray(shard.read_bytes())
+    n_chunks = 38
+    index = np.frombuffer(bytes(data[-(16 * n_chunks + 4) : -4]), "<u8").copy().reshape(n_chunks, 2)
+    index[3] = (1 << 64) - 1
+    raw = index.tobytes()
+    data[-(16 * n_chunks + 4) :] = raw + crc32c.crc32c(raw).to_bytes(4, "little")
+    shard.write_bytes(bytes(data))
+    with pytest.raises(CorruptStoreError, match="chunk missing"):
+        open_array(zstore, root, "r", "float32", 2)
+
+
+def test_missing_and_truncated_shard(written):
+    zstore, root = written
+    shard = _shard(root / "r")
+    arr = open_array(zstore, root, "r", "float32", 2)
+    shard.write_bytes(shard.read_bytes()[: 27 * 148 * 2])
+    with pytest.raises(CorruptStoreError, match=re.escape(str(shard)) + ".*truncated"):
+        read_array(arr, root, "r", np.array([999]))
+    with pytest.raises(CorruptStoreError, match=re.escape(str(shard))):
+        open_array(zstore, root, "r", "float32", 2)
+    shard.unlink()
+    with pytest.raises(CorruptStoreError, match="chunk missing"):
+        open_array(zstore, root, "r", "float32", 2)
+
+
+@pytest.mark.parametrize(
+    "edit",
+    [
+        lambda c: c.update(index_location="start"),
+        lambda c: c.update(index_codecs=[_arrays._CODECS[0]]),
+        lambda c: c.update(codecs=[*_arrays._CODECS, {"name": "gzip", "configuration": {"level": 1}}]),
+        lambda c: c.update(chunk_shape=[27, 5]),  # inner chunks not full width
+        lambda c: c.update(chunk_shape=[25, 37]),  # not dividing the shard
+    ],
+)
+def test_other_sharding_configurations_are_refused(written, edit):
+    zstore, root = written
+    meta_path = root / "r" / "zarr.json"
+    meta = json.loads(meta_path.read_text())
+    edit(meta["codecs"][0]["configuration"])
+    meta_path.write_text(json.dumps(meta))
+    with pytest.raises(CorruptStoreError, match="not an array hierps wrote"):
+        open_array(zstore, root, "r", "float32", 2)
+
+
+def test_ssd_tier_reads_exact_rows_across_segments(tmp_path):
+    """Rows overwritten across several segments read back as the latest written, through scan too."""
+    tier = SsdTier(tmp_path, chunk_bytes=1024)
+    tier.add_table("t", 37)
+    expected = {}
+    for i in range(4):
+        keys = np.random.default_rng(i).choice(5000, 1500, replace=False).astype(np.int64)
+        rows = np.random.default_rng(100 + i).standard_normal((len(keys), 37), dtype=np.float32)
+        tier.write("t", keys, rows)
+        expected.update(zip(keys.tolist(), rows))
+    want = np.array(sorted(expected), dtype=np.int64)
+    found, rows = tier.read("t", want)
+    assert found.all()
+    np.testing.assert_array_equal(rows, np.stack([expected[k] for k in want.tolist()]))
+    scanned = {
+        k: v for keys, vals in tier.scan("t", slice(0, 37), batch=100) for k, v in zip(keys.tolist(), vals)
+    }
+    assert sorted(scanned) == want.tolist()
+    np.testing.assert_array_equal(np.stack([scanned[k] for k in want.tolist()]), rows)
+    tier.compact("t", max_segments=1)
+    assert len(tier.segments("t")) == 1
+    np.testing.assert_array_equal(tier.read("t", want)[1], rows)
+    seg = tier.segments("t")[0][1]
+    np.testing.assert_array_equal(
+        zarr.open_array(str(tmp_path / "t" / f"{seg:08d}" / "keys"), mode="r")[:], want
+    )
