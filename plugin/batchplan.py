@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-__all__ = ["Batch", "BatchPlan", "FusedBags", "PassBatches", "pool_bags", "translate"]
+__all__ = ["Batch", "BatchPlan", "FusedBags", "PassBatches", "pool_bags", "translate", "union_keys"]
 
 
 @dataclass
@@ -158,6 +158,12 @@ class PassBatches:
             return None
         self.cursor[table] = found[0] + 1
         return found[1]
+
+
+def union_keys(batches: Sequence[Mapping[str, np.ndarray]]) -> dict[str, np.ndarray]:
+    """The sorted distinct ids of each table over all ``batches``: the working set of a pass."""
+    tables = dict.fromkeys(t for batch in batches for t in batch)
+    return {t: np.unique(np.concatenate([b[t] for b in batches if t in b])) for t in tables}
 
 
 def translate(

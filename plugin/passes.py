@@ -19,9 +19,9 @@ import torch
 
 from hierps import ids as _ids
 from hierps._faults import fault_point
-from hierps.batchplan import Batch, PassBatches, translate
+from hierps.batchplan import Batch, PassBatches, translate, union_keys
 from hierps.errors import DeviceBudgetError
-from hierps.tiers.device import DrainedRows, rebuild
+from hierps.tiers.device import DrainedRows, apply_moves, rebuild
 
 if TYPE_CHECKING:
     from hierps.pipeline import PassPipeline
@@ -40,6 +40,15 @@ class _PassPlan:
 
     groups: list[dict[str, np.ndarray]] = field(default_factory=list)
     cursor: int = 0
+
+
+def _id_counts(batches: list[dict[str, np.ndarray]]) -> dict[str, int]:
+    """Ids per table over all ``batches``, repeats included."""
+    out: dict[str, int] = {}
+    for batch in batches:
+        for table, keys in batch.items():
+            out[table] = out.get(table, 0) + len(keys)
+    return out
 
 
 class Passes:
@@ -81,7 +90,8 @@ class Passes:
         self._check_open()
         per_batch = [batches] if isinstance(batches, Mapping) else list(batches)
         raw = [self._batch_keys(b) for b in per_batch]
-        groups = self._planned(raw)  # bad input: raise, change nothing
+        ahead = self._pipe.take(raw)  # None unless this pass was announced and read ahead
+        groups = [ahead.group] if ahead is not None else self._planned(raw)  # bad input: raise here
         if self._in_pass:
             self.end_pass()
         self._plan = _PassPlan(groups, cursor=0)
@@ -89,22 +99,30 @@ class Passes:
         self.stats.begin_pass(self.passes)
         groups = [self._admitted_only(g) for g in groups]
         fetch = partial(self._fetch, touch=True)
+        tier = self.device_tier
         if self.pipeline and len(groups) == 1:
-            base = self.device_tier.layout({t: len(k) for t, k in groups[0].items()})
-            prepared, plans = self._pipe.take(groups[0], base)
             # The last write-back had a whole pass to finish; waiting for it bounds the queue to one
             # and reports its failure (e.g. a full disk) at this pass, not some later one.
             self._pipe.wait_writebacks()
-            # No write-back is pending now, so rows the read-ahead lacks are read fresh from the tiers.
-            drained = rebuild(self.device_tier, groups[0], prepared, fetch)
+            plans = None
+            if ahead is not None and ahead.moves.version == tier.version:
+                # Nothing changed in the device tier since the pass was announced: the moves
+                # planned then hold, and the rows read then are exactly those missing.
+                base = ahead.moves.base
+                drained = apply_moves(tier, ahead.moves, ahead.rows)
+                plans = ahead.plans
+            else:
+                # No write-back is pending now, so rows the read-ahead lacks are read fresh.
+                base = tier.layout({t: len(k) for t, k in groups[0].items()})
+                prepared = {t: (k, ahead.rows[t]) for t, k in ahead.moves.missing.items()} if ahead else None
+                drained = rebuild(tier, groups[0], prepared, fetch)
             self._pipe.submit_writeback(drained)
             self._translated(raw, groups[0], base, plans)
         else:
-            self._pipe.take({})  # a read-ahead of another shape is of no use now
             self._write_back()
             if len(groups) == 1:
-                base = self.device_tier.layout({t: len(k) for t, k in groups[0].items()})
-                rebuild(self.device_tier, groups[0], None, fetch)  # nothing is resident: nothing leaves
+                base = tier.layout({t: len(k) for t, k in groups[0].items()})
+                rebuild(tier, groups[0], None, fetch)  # nothing is resident: nothing leaves
                 self._translated(raw, groups[0], base, None)
             elif groups:
                 self._load(groups[0], create=False)
@@ -142,12 +160,15 @@ class Passes:
             self._announced = batches
             return
         raw = [self._batch_keys(b) for b in batches]
-        groups = self._planned(raw)
-        if len(groups) == 1 and not any(self.tables[t].admission.filters for t in groups[0]):
-            # (tables filtering admission are loaded at begin_pass, when admission is known)
-            resident = {t: self.device_tier.resident_keys(t) for t in groups[0]}
-            base = self.device_tier.layout({t: len(k) for t, k in groups[0].items()})
-            self._pipe.submit_prepare(groups[0], resident, raw, base)
+        if any(self.tables[t].admission.filters for b in raw for t in b):
+            return  # tables filtering admission are loaded at begin_pass, when admission is known
+        group = None  # fits even counting repeats: one group, found on the worker
+        if self.device_tier.bytes_for(_id_counts(raw)) > self.device_tier.budget:
+            groups = self._planned(raw)
+            if len(groups) != 1:
+                return  # a pass split into groups is loaded group by group as training reaches them
+            group = groups[0]
+        self._pipe.submit_prepare(raw, group, self.device_tier.snapshot())
 
     def end_pass(self) -> None:
         """Close the pass. Without the pipeline its working set is written back now; with it, when
@@ -226,11 +247,9 @@ class Passes:
     def _plan_groups(self, batches: list[dict[str, np.ndarray]]) -> list[dict[str, np.ndarray]]:
         """Consecutive mini-batches merged while their distinct rows fit the device budget."""
         budget = self.device_tier.budget
-        tables = {t for keys in batches for t in keys}
-        merged_all = {t: np.concatenate([keys[t] for keys in batches if t in keys]) for t in tables}
-        if self.device_tier.bytes_for({t: len(k) for t, k in merged_all.items()}) <= budget:
+        if self.device_tier.bytes_for(_id_counts(batches)) <= budget:
             # Fits even counting repeats: one group, one sort per table.
-            return [{t: np.unique(k) for t, k in merged_all.items()}] if merged_all else []
+            return [union_keys(batches)] if any(batches) else []
         groups: list[dict[str, np.ndarray]] = []
         current: dict[str, np.ndarray] = {}
         for keys in [{t: np.unique(k) for t, k in b.items()} for b in batches]:

@@ -16,21 +16,30 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, TypeVar
 
 import numpy as np
 
-from hierps.batchplan import Batch, translate
-from hierps.tiers.device import DrainedRows
+from hierps.batchplan import Batch, translate, union_keys
+from hierps.tiers.device import DrainedRows, Moves, Snapshot, plan_moves
 
 if TYPE_CHECKING:
     from hierps.store import Store
 
-__all__ = ["PassPipeline"]
+__all__ = ["PassPipeline", "ReadAhead"]
 
-Prepared = dict[str, tuple[np.ndarray, np.ndarray]]
-Plans = list[Batch]
 T = TypeVar("T")
+
+
+@dataclass
+class ReadAhead:
+    """A pass prepared in the background: everything but the copies into the device tier."""
+
+    group: dict[str, np.ndarray]  # its working set: sorted distinct keys per table
+    moves: Moves  # from the device tier as it was when the pass was announced
+    rows: dict[str, np.ndarray]  # rows of moves.missing, read from RAM / SSD / the initializer
+    plans: list[Batch]  # its mini-batches, translated for moves.base
 
 
 class PassPipeline:
@@ -41,10 +50,7 @@ class PassPipeline:
         self.lock = threading.RLock()
         self._executor: ThreadPoolExecutor | None = None
         self._writebacks: list[Future[None]] = []
-        # the announced group, the device-tier layout its plans assume, the read-ahead
-        self._prepared: (
-            tuple[dict[str, np.ndarray], dict[str, int], Future[tuple[Prepared, Plans]]] | None
-        ) = None
+        self._prepared: tuple[list[dict[str, np.ndarray]], Future[ReadAhead]] | None = None  # announced
         self._background: list[Future[object]] = []
         self.prepare_seconds = 0.0
         self.writeback_seconds = 0.0
@@ -86,53 +92,42 @@ class PassPipeline:
 
     # -- read-ahead ----------------------------------------------------------------------------
     def submit_prepare(
-        self,
-        group: dict[str, np.ndarray],
-        resident: dict[str, np.ndarray],
-        batches: list[dict[str, np.ndarray]],
-        base: dict[str, int],
+        self, batches: list[dict[str, np.ndarray]], group: dict[str, np.ndarray] | None, snapshot: Snapshot
     ) -> None:
-        """Read ahead the rows of ``group`` (sorted unique keys per table) not in ``resident``, and
-        translate the mini-batches ``batches`` into the slots the device tier will give them
-        (``base``: its :meth:`~hierps.tiers.DeviceTier.layout` of ``group``)."""
-        wanted = {
-            t: np.setdiff1d(k, resident.get(t, np.empty(0, np.int64)), assume_unique=True)
-            for t, k in group.items()
-        }
-        self._prepared = (group, base, self._submit(self._prepare, wanted, group, batches, base))
+        """Prepare the pass of ``batches`` ({table: ids} per mini-batch) in the background.
+
+        Its working set (``group``, or the union of the batches' ids), the moves of the device
+        tier from ``snapshot`` to it, the rows not resident in ``snapshot``, and the mini-batches
+        translated into the slots they will have: see :class:`ReadAhead`.
+        """
+        self._prepared = (batches, self._submit(self._prepare, batches, group, snapshot))
 
     def _prepare(
-        self,
-        wanted: dict[str, np.ndarray],
-        group: dict[str, np.ndarray],
-        batches: list[dict[str, np.ndarray]],
-        base: dict[str, int],
-    ) -> tuple[Prepared, Plans]:
+        self, batches: list[dict[str, np.ndarray]], group: dict[str, np.ndarray] | None, snapshot: Snapshot
+    ) -> ReadAhead:
         t0 = time.perf_counter()
+        group = union_keys(batches) if group is None else group
+        moves = plan_moves(snapshot, group)
         with self.lock:
-            out = {
-                t: (k, self.store._fetch(t, k, touch=True, ahead=True)) for t, k in wanted.items() if len(k)
-            }
-        plans = translate(batches, group, base, self.store.device)
+            rows = {t: self.store._fetch(t, k, touch=True, ahead=True) for t, k in moves.missing.items()}
+        plans = translate(batches, group, moves.base, self.store.device)
         self.prepare_seconds += time.perf_counter() - t0
-        return out, plans
+        return ReadAhead(group, moves, rows, plans)
 
-    def take(
-        self, group: dict[str, np.ndarray], base: dict[str, int] | None = None
-    ) -> tuple[Prepared | None, Plans | None]:
-        """The read-ahead of ``group`` if it is the one announced, else None (and it is dropped),
-        and its translated mini-batches if they were made for the layout ``base``, else None."""
+    def take(self, batches: list[dict[str, np.ndarray]]) -> ReadAhead | None:
+        """The read-ahead of ``batches`` if they are the ones announced, else None (and it is dropped)."""
         if self._prepared is None:
-            return None, None
-        announced, announced_base, fut = self._prepared
+            return None
+        announced, fut = self._prepared
         self._prepared = None
         t0 = time.perf_counter()
-        rows, plans = fut.result()
+        ahead = fut.result()
         self.wait_seconds += time.perf_counter() - t0
-        same = announced.keys() == group.keys() and all(np.array_equal(announced[t], group[t]) for t in group)
-        if not same:
-            return None, None
-        return rows, plans if base == announced_base else None
+        same = len(announced) == len(batches) and all(
+            a.keys() == b.keys() and all(np.array_equal(a[t], b[t]) for t in a)
+            for a, b in zip(announced, batches)
+        )
+        return ahead if same else None
 
     def drain(self) -> None:
         """Wait for every background task; the tiers below are then quiet."""

@@ -17,7 +17,8 @@ tier or is read whole.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -25,7 +26,7 @@ import torch
 from hierps._tensors import joined
 from hierps.counters import COUNT, DECAYED, LAST_PASS, record_seen
 
-__all__ = ["DeviceTier", "DrainedRows", "rebuild"]
+__all__ = ["DeviceTier", "DrainedRows", "Moves", "Snapshot", "apply_moves", "plan_moves", "rebuild"]
 
 # Bytes per resident row besides its floats: sorted key (8) + slot (8) + host key (8) + dirty (1).
 ROW_OVERHEAD = 25
@@ -105,12 +106,14 @@ class DeviceTier:
         self._arenas: dict[int, _Arena] = {}
         self._tables: dict[str, _Resident] = {}
         self._seen: list[_Seen] = []
-        self.generation = 0
+        self.generation = 0  # changes when slots handed out may have become invalid
+        self.version = 0  # changes whenever any table's resident keys change
 
     def add_table(self, table: str, width: int) -> None:
         if table not in self._tables:
             arena = self._arenas.setdefault(width, _Arena(width, self.device))
             self._tables[table] = _Resident(arena)
+            self.version += 1
 
     def row_bytes(self, table: str) -> int:
         return self._tables[table].width * 4 + ROW_OVERHEAD
@@ -163,6 +166,7 @@ class DeviceTier:
         order = torch.argsort(skeys, stable=True)
         r.skeys = skeys[order]
         r.sslots = torch.cat([r.sslots, torch.from_numpy(new_slots).to(self.device)])[order]
+        self.version += 1
 
     def resident_keys(self, table: str) -> np.ndarray:
         """Sorted keys resident for ``table``."""
@@ -241,23 +245,160 @@ class DeviceTier:
             return
         self._tables[table] = _Resident(self._tables[table].arena)  # its slots stay unused until rebuilt
         self.generation += 1
+        self.version += 1
 
     def _reset(self) -> None:
         self._arenas = {w: _Arena(w, self.device) for w in self._arenas}
         self._tables = {t: _Resident(self._arenas[r.width]) for t, r in self._tables.items()}
         self.generation += 1
+        self.version += 1
 
     def layout(self, sizes: dict[str, int]) -> dict[str, int]:
-        """First arena slot of each table when :func:`rebuild` makes ``sizes[t]`` rows resident.
+        """First arena slot of each table when :func:`rebuild` makes ``sizes[t]`` rows resident."""
+        return self.snapshot().layout(sizes)
+
+    def snapshot(self) -> Snapshot:
+        """What is resident now, for planning the next pass's moves off the training thread."""
+        return Snapshot(self.version, [(t, r.width, r.keys, r.slots) for t, r in self._tables.items()])
+
+
+@dataclass
+class Snapshot:
+    """The resident keys of each table (in the order tables were added) at tier ``version``.
+
+    The arrays are the tier's own; the tier replaces them instead of changing them in place.
+    """
+
+    version: int
+    tables: list[tuple[str, int, np.ndarray, np.ndarray]]  # (table, width, keys, their slots)
+
+    def layout(self, sizes: dict[str, int]) -> dict[str, int]:
+        """First arena slot of each table when ``sizes[t]`` of its rows are made resident.
 
         Tables follow in the order they were added, each in key order, within its width's arena.
         """
         nxt: dict[int, int] = {}
         out = {}
-        for table, r in self._tables.items():
-            out[table] = nxt.get(r.width, 0)
-            nxt[r.width] = out[table] + sizes.get(table, 0)
+        for table, width, _, _ in self.tables:
+            out[table] = nxt.get(width, 0)
+            nxt[width] = out[table] + sizes.get(table, 0)
         return out
+
+
+@dataclass
+class Moves:
+    """How the tier goes from a :class:`Snapshot` to a new working set (see :func:`plan_moves`).
+
+    Per width (arena): the slots of rows that stay and where they go, where the rows of missing
+    keys go, and the slots of rows that leave; index arrays joined over the arena's tables.
+    """
+
+    version: int
+    keep: dict[str, np.ndarray]
+    base: dict[str, int]
+    missing: dict[str, np.ndarray]  # per table: sorted keys to read from the tiers below
+    capacity: dict[int, int] = field(default_factory=dict)
+    stay_from: dict[int, np.ndarray] = field(default_factory=dict)
+    stay_to: dict[int, np.ndarray] = field(default_factory=dict)
+    new_to: dict[int, np.ndarray] = field(default_factory=dict)
+    new_tables: dict[int, list[str]] = field(default_factory=dict)
+    leave_from: dict[int, np.ndarray] = field(default_factory=dict)
+    leave_keys: dict[int, list[tuple[str, np.ndarray]]] = field(default_factory=dict)
+
+
+def plan_moves(snap: Snapshot, keep: dict[str, np.ndarray]) -> Moves:
+    """Plan making the working set exactly ``keep`` (sorted unique keys per table): pure numpy.
+
+    Rows already resident stay (never re-read: they may be newer than every tier below); each
+    table ends up at the slots :meth:`Snapshot.layout` gives, in key order.
+    """
+    base = snap.layout({t: len(k) for t, k in keep.items()})
+    moves = Moves(snap.version, {}, base, {})
+    parts: dict[int, dict[str, list[Any]]] = {}
+    for table, width, keys, slots in snap.tables:
+        want = keep.get(table, _EMPTY)
+        moves.keep[table] = want
+        p = parts.setdefault(width, {"stay_from": [], "stay_to": [], "new_to": [], "leave": []})
+        moves.capacity[width] = moves.capacity.get(width, 0) + len(want)
+        moves.new_tables.setdefault(width, [])
+        moves.leave_keys.setdefault(width, [])
+        # Positions in ``want`` of the resident keys (both unique; want sorted): stay or leave.
+        at = np.minimum(np.searchsorted(want, keys), max(len(want) - 1, 0))
+        carry = want[at] == keys if len(want) else np.zeros(len(keys), bool)
+        if not carry.all():
+            leave = np.flatnonzero(~carry)
+            p["leave"].append(slots[leave])
+            moves.leave_keys[width].append((table, keys[leave]))
+        stay_at = at[carry]
+        p["stay_from"].append(slots[carry])
+        p["stay_to"].append(base[table] + stay_at)
+        is_missing = np.ones(len(want), bool)
+        is_missing[stay_at] = False
+        missing_at = np.flatnonzero(is_missing)
+        if len(missing_at):
+            moves.missing[table] = want[missing_at]
+            moves.new_tables[width].append(table)
+            p["new_to"].append(base[table] + missing_at)
+    for width, p in parts.items():
+        moves.stay_from[width] = _cat(p["stay_from"])
+        moves.stay_to[width] = _cat(p["stay_to"])
+        moves.new_to[width] = _cat(p["new_to"])
+        moves.leave_from[width] = _cat(p["leave"])
+    return moves
+
+
+def _cat(arrays: list[np.ndarray]) -> np.ndarray:
+    return np.concatenate(arrays).astype(np.int64, copy=False) if arrays else _EMPTY
+
+
+def apply_moves(tier: DeviceTier, moves: Moves, rows: dict[str, np.ndarray]) -> dict[str, DrainedRows]:
+    """Carry out ``moves`` (planned at the tier's current version) with ``rows[t]``, the rows of
+    ``moves.missing[t]``. A few whole-arena copies; returns the rows that leave, for write-back."""
+    if moves.version != tier.version:
+        raise RuntimeError("device tier changed since the moves were planned")  # callers check first
+    tier.flush_seen()
+    dev = tier.device
+    out: dict[str, DrainedRows] = {}
+    arenas = {}
+    for width, old in tier._arenas.items():
+        new = _Arena(width, dev, moves.capacity.get(width, 0))
+        new.n = new.rows.shape[0]
+        arenas[width] = new
+        leave = moves.leave_from.get(width, _EMPTY)
+        if len(leave):
+            idx = torch.from_numpy(leave).to(dev)
+            left, dirty = (
+                old.rows.index_select(0, idx).cpu().numpy(),
+                old.dirty.index_select(0, idx).cpu().numpy(),
+            )
+            at = 0
+            for table, keys in moves.leave_keys[width]:
+                out[table] = DrainedRows(keys, left[at : at + len(keys)], dirty[at : at + len(keys)])
+                at += len(keys)
+        stay = moves.stay_from.get(width, _EMPTY)
+        if len(stay):
+            src, dst = torch.from_numpy(stay).to(dev), torch.from_numpy(moves.stay_to[width]).to(dev)
+            new.rows.index_copy_(0, dst, old.rows.index_select(0, src))
+            new.dirty.index_copy_(0, dst, old.dirty.index_select(0, src))
+        fresh = moves.new_to.get(width, _EMPTY)
+        if len(fresh):
+            dst = torch.from_numpy(fresh).to(dev)
+            loaded = np.concatenate([rows[t] for t in moves.new_tables[width]])
+            new.rows.index_copy_(0, dst, torch.from_numpy(loaded).to(dev))
+            new.dirty.index_fill_(0, dst, False)
+    tables = {}
+    for table, r in tier._tables.items():
+        fresh_r = _Resident(arenas[r.width])
+        want, first = moves.keep.get(table, _EMPTY), moves.base[table]
+        fresh_r.keys = want
+        fresh_r.slots = np.arange(first, first + len(want), dtype=np.int64)
+        fresh_r.skeys = torch.from_numpy(want).to(dev)
+        fresh_r.sslots = torch.from_numpy(fresh_r.slots).to(dev)
+        tables[table] = fresh_r
+    tier._arenas, tier._tables = arenas, tables
+    tier.generation += 1
+    tier.version += 1
+    return out
 
 
 def rebuild(
@@ -268,62 +409,22 @@ def rebuild(
 ) -> dict[str, DrainedRows]:
     """Make the working set exactly ``keep`` (sorted unique keys per table), moving as little as possible.
 
-    Rows already resident are carried over (never re-read: they may be newer than every tier below);
-    the others come from ``prepared`` (read ahead in the background) or else from ``fetch``. Each
-    table ends up at the slots :meth:`DeviceTier.layout` gives, in key order. Returns the rows
-    that leave the tier, with their dirty bits, for write-back. Nothing changes if ``fetch`` fails.
+    Rows already resident are carried over; the others come from ``prepared`` (``{table: (sorted
+    keys, rows)}`` read ahead in the background) or else from ``fetch``. Returns the rows that
+    leave the tier, with their dirty bits, for write-back. Nothing changes if ``fetch`` fails.
     """
     tier.flush_seen()
-    base = tier.layout({t: len(k) for t, k in keep.items()})
-    arenas = {
-        w: _Arena(
-            w, tier.device, sum(len(keep.get(t, _EMPTY)) for t, r in tier._tables.items() if r.width == w)
-        )
-        for w in tier._arenas
-    }
-    for arena in arenas.values():
-        arena.n = arena.rows.shape[0]
-    tables: dict[str, _Resident] = {}
-    out: dict[str, DrainedRows] = {}
-    for table, r in tier._tables.items():
-        want = keep.get(table, _EMPTY)
-        # Positions in ``want`` of the resident keys (both sorted unique): which stay, which leave.
-        at = np.minimum(np.searchsorted(want, r.keys), max(len(want) - 1, 0))
-        carry = want[at] == r.keys if len(want) else np.zeros(r.n, bool)
-        if not carry.all():
-            leave = np.flatnonzero(~carry)
-            rows, dirty = tier._taken(r, leave)
-            out[table] = DrainedRows(keys=r.keys[leave].copy(), rows=rows, dirty=dirty)
-        stay_at = at[carry]
-        is_missing = np.ones(len(want), bool)
-        is_missing[stay_at] = False
-        missing_at = np.flatnonzero(is_missing)
-        missing = want[missing_at]
-        new_rows = np.empty((len(missing), r.width), dtype=np.float32)
+    moves = plan_moves(tier.snapshot(), keep)
+    rows = {}
+    for table, missing in moves.missing.items():
+        got = np.empty((len(missing), tier._tables[table].width), dtype=np.float32)
         have = np.zeros(len(missing), bool)
-        if prepared is not None and table in prepared and len(missing):
+        if prepared is not None and table in prepared:
             pk, pr = prepared[table]
-            got = np.minimum(np.searchsorted(pk, missing), max(len(pk) - 1, 0))
-            have = (pk[got] == missing) if len(pk) else have
-            new_rows[have] = pr[got[have]]
+            at = np.minimum(np.searchsorted(pk, missing), max(len(pk) - 1, 0))
+            have = (pk[at] == missing) if len(pk) else have
+            got[have] = pr[at[have]]
         if (~have).any():
-            new_rows[~have] = fetch(table, missing[~have])
-        arena, first = arenas[r.width], base[table]
-        fresh = _Resident(arena)
-        if len(stay_at):
-            to = torch.from_numpy(first + stay_at).to(tier.device)
-            src = torch.from_numpy(r.slots[carry]).to(tier.device)
-            arena.rows.index_copy_(0, to, r.arena.rows.index_select(0, src))
-            arena.dirty.index_copy_(0, to, r.arena.dirty.index_select(0, src))
-        if len(missing):
-            to = torch.from_numpy(first + missing_at).to(tier.device)
-            arena.rows.index_copy_(0, to, torch.from_numpy(new_rows).to(tier.device))
-            arena.dirty.index_fill_(0, to, False)
-        fresh.keys = want
-        fresh.slots = np.arange(first, first + len(want), dtype=np.int64)
-        fresh.skeys = torch.from_numpy(want).to(tier.device)
-        fresh.sslots = torch.from_numpy(fresh.slots).to(tier.device)
-        tables[table] = fresh
-    tier._arenas, tier._tables = arenas, tables
-    tier.generation += 1
-    return out
+            got[~have] = fetch(table, missing[~have])
+        rows[table] = got
+    return apply_moves(tier, moves, rows)
