@@ -83,33 +83,47 @@ class _PooledBags(torch.autograd.Function):
         out, offset2bag, bag_size, max_indices = torch.ops.aten._embedding_bag(
             leaf, local, bags, False, _MODES[mode], True, None, False, -1
         )
-        ctx.kept = (local, bags, offset2bag, bag_size, max_indices, leaf.shape, _MODES[mode], members)
-        return tuple(out.split(bag_count))
-
-    @staticmethod
-    def backward(ctx, *grads):  # type: ignore[override]
-        local, bags, offset2bag, bag_size, max_indices, shape, mode, members = ctx.kept
-        spread = torch.ops.aten._embedding_bag_backward(
-            torch.cat(grads),
+        # Summed bags of one id each (one-hot features): each id's gradient is its bag's.
+        one_hot = mode == "sum" and bool((bag_size == 1).all())
+        ctx.kept = (
             local,
             bags,
             offset2bag,
             bag_size,
             max_indices,
-            shape[0],
-            False,
-            mode,
-            True,
-            None,
-            -1,
+            leaf.shape,
+            _MODES[mode],
+            members,
+            one_hot,
         )
-        values = spread._values()  # (N, dim): one row per id, in the order of the ids
-        grad = torch.zeros(shape, dtype=values.dtype, device=values.device)
-        rows = ids = 0
-        for member_local, n_rows in members:
-            n_ids = member_local.numel()
-            grad.narrow(0, rows, n_rows).index_add_(0, member_local, values.narrow(0, ids, n_ids))
-            rows, ids = rows + n_rows, ids + n_ids
+        return tuple(out.split(bag_count))
+
+    @staticmethod
+    def backward(ctx, *grads):  # type: ignore[override]
+        local, bags, offset2bag, bag_size, max_indices, shape, mode, members, one_hot = ctx.kept
+        if one_hot:
+            values = grads  # member t's ids are its bags, in order
+        else:
+            spread = torch.ops.aten._embedding_bag_backward(
+                torch.cat(grads),
+                local,
+                bags,
+                offset2bag,
+                bag_size,
+                max_indices,
+                shape[0],
+                False,
+                mode,
+                True,
+                None,
+                -1,
+            )
+            values = spread._values().split([m.numel() for m, _ in members])  # one row per id, in order
+        grad = torch.zeros(shape, dtype=grads[0].dtype, device=grads[0].device)
+        rows = 0
+        for (member_local, n_rows), member_values in zip(members, values):
+            grad.narrow(0, rows, n_rows).index_add_(0, member_local, member_values)
+            rows += n_rows
         return grad, None, None, None, None, None
 
 

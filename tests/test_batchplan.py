@@ -151,11 +151,12 @@ def test_non_finite_gradient_of_one_fused_table_changes_no_row(make_store):
         )
 
 
+@pytest.mark.parametrize("bag", [1, 3], ids=["one-hot", "bags-of-3"])
 @pytest.mark.parametrize("mode", ["sum", "mean"])
-def test_pooled_tables_backpropagate_one_by_one(make_store, mode):
+def test_pooled_tables_backpropagate_one_by_one(make_store, mode, bag):
     """Tables pooled together still take separate backward calls, one loss per table."""
     passes = [_batches(2, seed=p) for p in range(3)]
-    offsets = torch.arange(0, 48, 3)
+    offsets = torch.arange(0, 48, bag)
     results = []
     for planned in (False, True):
         store = make_store(f"s{planned}", memory_budget="2KiB")
