@@ -84,7 +84,11 @@ class _PooledBags(torch.autograd.Function):
             leaf, local, bags, False, _MODES[mode], True, None, False, -1
         )
         # Summed bags of one id each (one-hot features): each id's gradient is its bag's.
-        one_hot = mode == "sum" and bool((bag_size == 1).all())
+        one_hot = (
+            mode == "sum"
+            and local.numel() == bags.numel()
+            and torch.equal(bags, torch.arange(bags.numel(), device=bags.device))
+        )
         ctx.kept = (
             local,
             bags,
@@ -101,11 +105,12 @@ class _PooledBags(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads):  # type: ignore[override]
         local, bags, offset2bag, bag_size, max_indices, shape, mode, members, one_hot = ctx.kept
+        grad_out = torch.cat(grads)  # contiguous: index_add_ reads strided rows slowly
         if one_hot:
-            values = grads  # member t's ids are its bags, in order
+            values = grad_out.split([m.numel() for m, _ in members])  # each id's bag is itself
         else:
             spread = torch.ops.aten._embedding_bag_backward(
-                torch.cat(grads),
+                grad_out,
                 local,
                 bags,
                 offset2bag,
