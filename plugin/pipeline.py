@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, TypeVar
 
 import numpy as np
 
-from hierps.batchplan import Batch, translate, union_keys
+from hierps.batchplan import Batch, translate, union_positions
 from hierps.tiers.device import DrainedRows, Moves, Snapshot, plan_moves
 
 if TYPE_CHECKING:
@@ -106,11 +106,13 @@ class PassPipeline:
         self, batches: list[dict[str, np.ndarray]], group: dict[str, np.ndarray] | None, snapshot: Snapshot
     ) -> ReadAhead:
         t0 = time.perf_counter()
-        group = union_keys(batches) if group is None else group
+        positions = None
+        if group is None:
+            group, positions = union_positions(batches)
         moves = plan_moves(snapshot, group)
         with self.lock:
             rows = {t: self.store._fetch(t, k, touch=True, ahead=True) for t, k in moves.missing.items()}
-        plans = translate(batches, group, moves.base, self.store.device)
+        plans = translate(batches, group, moves.base, self.store.device, positions)
         self.prepare_seconds += time.perf_counter() - t0
         return ReadAhead(group, moves, rows, plans)
 
