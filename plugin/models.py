@@ -46,6 +46,18 @@ def remap_ids(
     return torch.from_numpy(out).to(sparse.device) if is_tensor else out
 
 
+def _add_tables(
+    model: nn.Module, vocab_sizes: Sequence[int] | int, dim: int, mode: str, n_dense: int, n_sparse: int
+) -> list[int]:
+    """Give ``model`` its ``tables`` (one sparse ``nn.EmbeddingBag`` per feature) and sizes."""
+    sizes = [vocab_sizes] * n_sparse if isinstance(vocab_sizes, int) else [int(n) for n in vocab_sizes]
+    model.vocab_sizes = tuple(sizes)
+    model.embedding_dim = dim
+    model.n_dense = n_dense
+    model.tables = nn.ModuleList(nn.EmbeddingBag(n, dim, mode=mode, sparse=True) for n in sizes)
+    return sizes
+
+
 def _mlp(n_in: int, widths: Sequence[int], relu_last: bool) -> nn.Sequential:
     """Linear layers of the given widths with ReLU between them (and after the last if asked)."""
     layers: list[nn.Module] = []
@@ -83,13 +95,9 @@ class DLRM(nn.Module):
         n_sparse: int = 26,
     ) -> None:
         super().__init__()
-        sizes = [vocab_sizes] * n_sparse if isinstance(vocab_sizes, int) else [int(n) for n in vocab_sizes]
         if not bottom or bottom[-1] != embedding_dim:
             raise ValueError(f"bottom MLP must end at embedding_dim={embedding_dim}, got {tuple(bottom)}")
-        self.vocab_sizes = tuple(sizes)
-        self.embedding_dim = embedding_dim
-        self.n_dense = n_dense
-        self.tables = nn.ModuleList(nn.EmbeddingBag(n, embedding_dim, mode=mode, sparse=True) for n in sizes)
+        sizes = _add_tables(self, vocab_sizes, embedding_dim, mode, n_dense, n_sparse)
         self.bottom = _mlp(n_dense, bottom, relu_last=True)
         # Interaction over the bottom output plus one vector per table: the strict upper
         # triangle of their Gram matrix, i.e. each unordered pair once and no self-products.
@@ -158,11 +166,7 @@ class Wide(nn.Module):
         n_sparse: int = 26,
     ) -> None:
         super().__init__()
-        sizes = [vocab_sizes] * n_sparse if isinstance(vocab_sizes, int) else [int(n) for n in vocab_sizes]
-        self.vocab_sizes = tuple(sizes)
-        self.embedding_dim = embedding_dim
-        self.n_dense = n_dense
-        self.tables = nn.ModuleList(nn.EmbeddingBag(n, embedding_dim, mode=mode, sparse=True) for n in sizes)
+        sizes = _add_tables(self, vocab_sizes, embedding_dim, mode, n_dense, n_sparse)
         self.linear = nn.Linear(n_dense + len(sizes) * embedding_dim, 1)
         with torch.no_grad():
             for table in self.tables:

@@ -45,6 +45,14 @@ def _model(
     return bags, nn.Linear(sum(DIMS.values()), 1)
 
 
+def _step(store, bags, head, opt, batch, offsets) -> None:
+    out = torch.cat([bags[t](batch[t], offsets) for t in DIMS], dim=1)
+    head(out).square().mean().backward()
+    opt.step()
+    opt.zero_grad()
+    store.step()
+
+
 def _train(store, passes, *, planned: bool, optimizer: dict, eviction: dict | None = None):
     """Train pass by pass; ``planned`` False announces batches no forward matches (generic path)."""
     bags, head = _model(store, optimizer, eviction)
@@ -56,11 +64,7 @@ def _train(store, passes, *, planned: bool, optimizer: dict, eviction: dict | No
         if p + 1 < len(passes):
             store.prefetch(announced[p + 1])
         for batch in group:
-            out = torch.cat([bags[t](batch[t], offsets) for t in DIMS], dim=1)
-            head(out).square().mean().backward()
-            opt.step()
-            opt.zero_grad()
-            store.step()
+            _step(store, bags, head, opt, batch, offsets)
         assert (store._batches.cursor.get("a", 0) == len(group)) == planned
         store.end_pass()
     store.checkpoint()
@@ -123,11 +127,7 @@ def test_ids_that_were_not_announced_take_the_generic_path(make_store):
             store.prefetch(announced[p + 1])
         announced[p][0]["a"].copy_(ran[p][0]["a"])  # the caller reuses its buffer after announcing
         for batch in group:
-            out = torch.cat([bags[t](batch[t], offsets) for t in DIMS], dim=1)
-            head(out).square().mean().backward()
-            opt.step()
-            opt.zero_grad()
-            store.step()
+            _step(store, bags, head, opt, batch, offsets)
         store.end_pass()
     store.checkpoint()
     for t in DIMS:
