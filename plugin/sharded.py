@@ -26,7 +26,8 @@ from hierps.errors import ConfigError, NonFiniteGradientError
 from hierps.initializers import _splitmix64
 from hierps.passes import Passes
 from hierps.reader import CheckpointReader
-from hierps.store import Store, TableInfo, _summed_grads
+from hierps.store import Store, TableInfo
+from hierps.training import _summed_grads
 
 __all__ = ["ShardedStore", "Transport", "owner_of", "rank_dir"]
 
