@@ -9,6 +9,11 @@ gathers its rows: no sort, no search, no host round trip on the training thread.
 Example: a pass of two mini-batches of table ``"user"`` with ids ``[7, 3, 7]`` then ``[3]``,
 resident as keys ``[3, 7]`` from slot 10 on, translates into ``keys [3, 7]``, ``local [1, 0, 1]``,
 ``counts [1, 2]``, ``slots [10, 11]``, then ``keys [3]``, ``local [0]``, ``counts [1]``, ``slots [10]``.
+
+The tables of a mini-batch that share a row width and pool alike go further (:class:`FusedBags`):
+the first table's forward gathers the rows of all of them into one leaf and pools them with one
+``embedding_bag`` (:func:`pool_bags`); each table's forward returns its piece, and the step sums
+their gradients into one buffer and updates them with one optimizer call.
 """
 
 from __future__ import annotations
