@@ -25,9 +25,9 @@ import json
 import math
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -38,7 +38,7 @@ from zarr.storage import LocalStore
 from hierps._faults import fault_point
 from hierps.errors import CorruptStoreError
 
-__all__ = ["Array", "create_array", "encoded_bytes", "open_array", "read_array"]
+__all__ = ["Array", "create_array", "encoded_bytes", "open_array", "read_array", "read_arrays"]
 
 _CODECS = [{"name": "bytes", "configuration": {"endian": "little"}}, {"name": "crc32c"}]
 _KEY_ENCODING = {"name": "default", "configuration": {"separator": "/"}}
@@ -315,16 +315,113 @@ def _shard_offsets(arr: Array, file: Path, chunks_left: int) -> np.ndarray:
 
 # -- reading ---------------------------------------------------------------------------------------
 def read_array(arr: Array, root: Path, name: str, positions: np.ndarray | None = None) -> np.ndarray:
-    """All of ``arr`` (n, ...), or its rows at sorted ``positions`` (k,) -> (k, ...).
+    """All of ``arr`` (n, ...), or its rows at ``positions`` (k,) -> (k, ...); see :func:`read_arrays`.
 
-    Reads only the chunks holding those rows (nearby ones in one read, many reads in parallel) and
-    checks each chunk's crc32c; ``CorruptStoreError`` names a damaged, short or vanished file.
     ``root`` and ``name`` are kept for the callers' symmetry with :func:`open_array`.
     """
+    return next(read_arrays([(arr, positions)]))
+
+
+def read_arrays(requests: Sequence[tuple[Array, np.ndarray | None]]) -> Iterator[np.ndarray]:
+    """Rows of many arrays at once: for each ``(arr, positions)``, all of ``arr`` (n, ...) when
+    ``positions`` is None, else its rows at ``positions`` (k,) int64 -> (k, ...), in request order.
+
+    Every chunk of every request is read first, in one dispatch to the read threads (so reads of
+    different arrays overlap on the device); only the chunks holding wanted rows, nearby ones in one
+    read. Each result is then checked (crc32c of its chunks) and decoded as it is taken from the
+    iterator, so an error surfaces at the request it concerns. ``CorruptStoreError`` names a
+    damaged, short or vanished file; positions outside an array are refused before any read.
+    Sorted positions (as every caller asks) need no sort.
+    """
+    plans = [_plan(arr, positions) for arr, positions in requests]
+    runs: list[_Run] = []
+    size = 0
+    for plan in plans:
+        size = plan.place(runs, size)
+    buf = np.empty(size, dtype=np.uint8)
+    _read_runs(buf, runs)
+    for plan in plans:
+        yield plan.decode(buf)
+
+
+@dataclass(frozen=True, eq=False)
+class _Run:
+    """One pread: bytes ``[start, end)`` of ``file`` (a file of array ``arr``) into the buffer at ``dest``."""
+
+    arr: Array
+    file: Path
+    start: int
+    end: int
+    dest: int
+
+
+@dataclass(eq=False)
+class _Plan:
+    """The chunks one request needs, and (once placed) where each lies in the shared buffer."""
+
+    arr: Array
+    pos: np.ndarray  # (k,) int64 rows wanted
+    chunks: np.ndarray  # (c,) sorted chunk numbers holding them
+    slot: np.ndarray  # (k,) index into ``chunks`` of each row's chunk
+    at: np.ndarray = field(
+        default_factory=lambda: np.empty(0, np.int64)
+    )  # (c,) where each lies in the buffer
+
+    @property
+    def file_of(self) -> np.ndarray:
+        return self.chunks // self.arr.chunks_per_file
+
+    def place(self, runs: list[_Run], base: int) -> int:
+        """Append the reads of this request's chunks to ``runs``, laid out in the buffer from
+        ``base``; returns where the next request's bytes start.
+
+        Chunks are fetched in runs, one pread each: same file, in order, gaps below ``_GAP_BYTES``
+        read through, at most about ``_PIECE_BYTES`` long (so that a long run is read in parallel).
+        """
+        arr, chunks, file_of = self.arr, self.chunks, self.file_of
+        if len(chunks) == 0:
+            self.at = np.empty(0, np.int64)
+            return base
+        start = arr.offsets[chunks]
+        cut = np.ones(len(chunks), bool)
+        cut[1:] = (file_of[1:] != file_of[:-1]) | (start[1:] - start[:-1] - arr.chunk_bytes > _GAP_BYTES)
+        cut[1:] |= start[1:] < start[:-1]
+        span = start - start[np.flatnonzero(cut)[np.cumsum(cut) - 1]]
+        piece = span // _PIECE_BYTES
+        cut[1:] |= piece[1:] != piece[:-1]
+        run_first = np.flatnonzero(cut)
+        run_of = np.cumsum(cut) - 1
+        run_last = np.append(run_first[1:], len(chunks)) - 1
+        run_start, run_end = start[run_first], start[run_last] + arr.chunk_bytes
+        run_dest = base + np.concatenate([[0], np.cumsum(run_end - run_start)])
+        runs.extend(
+            _Run(arr, arr.files[f], lo, hi, dest)
+            for f, lo, hi, dest in zip(
+                file_of[run_first].tolist(), run_start.tolist(), run_end.tolist(), run_dest.tolist()
+            )
+        )
+        self.at = run_dest[run_of] + start - run_start[run_of]
+        return int(run_dest[-1])
+
+    def decode(self, buf: np.ndarray) -> np.ndarray:
+        """Check this request's chunks in ``buf`` and gather its rows: (k, ...) in native byte order."""
+        arr = self.arr
+        if len(self.pos) == 0:
+            return np.empty((0, *arr.shape[1:]), dtype=arr.dtype.newbyteorder("="))
+        _check_crcs(arr, buf, self.at, self.file_of)
+        rows = self.at[self.slot] + (self.pos - self.chunks[self.slot] * arr.chunk_rows) * arr.row_bytes
+        # Every row as one opaque item starting at any byte of buf: a gather copies whole rows.
+        items = np.ndarray((len(buf) - arr.row_bytes + 1,), np.dtype((np.void, arr.row_bytes)), buf, 0, (1,))
+        out = items[rows].view(arr.dtype).reshape(len(self.pos), *arr.shape[1:])
+        return out.astype(arr.dtype.newbyteorder("="), copy=False)
+
+
+def _plan(arr: Array, positions: np.ndarray | None) -> _Plan:
+    """The chunks of ``arr`` holding ``positions`` (all rows when None); refuses rows outside it."""
     n = arr.shape[0]
     pos = np.arange(n, dtype=np.int64) if positions is None else np.asarray(positions, dtype=np.int64)
     if len(pos) == 0:
-        return np.empty((0, *arr.shape[1:]), dtype=arr.dtype.newbyteorder("="))
+        return _Plan(arr, pos, np.empty(0, np.int64), np.empty(0, np.int64))
     if pos.min() < 0 or pos.max() >= n:
         raise CorruptStoreError(
             f"{arr.path}: rows {int(pos.min())}..{int(pos.max())} asked of an array of {n} rows; the key "
@@ -335,77 +432,52 @@ def read_array(arr: Array, root: Path, name: str, positions: np.ndarray | None =
         new = np.flatnonzero(chunk_of[1:] != chunk_of[:-1]) + 1
         slot = np.zeros(len(pos), np.int64)
         slot[new] = 1
-        chunks, slot = chunk_of[np.append(0, new)], np.cumsum(slot)
-    else:
-        chunks, slot = np.unique(chunk_of, return_inverse=True)
-    file_of = chunks // arr.chunks_per_file
-    buf, at = _read_chunks(arr, chunks, file_of)
-    _check_crcs(arr, buf, at, file_of)
-    rows = at[slot] + (pos - chunk_of * arr.chunk_rows) * arr.row_bytes
-    # Every row as one opaque item starting at any byte of buf: a gather copies whole rows.
-    items = np.ndarray((len(buf) - arr.row_bytes + 1,), np.dtype((np.void, arr.row_bytes)), buf, 0, (1,))
-    out = items[rows].view(arr.dtype).reshape(len(pos), *arr.shape[1:])
-    return out.astype(arr.dtype.newbyteorder("="), copy=False)
+        return _Plan(arr, pos, chunk_of[np.append(0, new)], np.cumsum(slot))
+    chunks, slot = np.unique(chunk_of, return_inverse=True)
+    return _Plan(arr, pos, chunks, slot)
 
 
-def _read_chunks(arr: Array, chunks: np.ndarray, file_of: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Read sorted ``chunks`` (k,) of ``arr`` into one buffer; returns it and where each chunk lies in it.
-
-    Chunks are fetched in runs, one pread each: same file, in order, gaps below ``_GAP_BYTES``
-    read through, at most about ``_PIECE_BYTES`` long (so that a long run is read in parallel).
-    """
-    start = arr.offsets[chunks]
-    cut = np.ones(len(chunks), bool)
-    cut[1:] = (file_of[1:] != file_of[:-1]) | (start[1:] - start[:-1] - arr.chunk_bytes > _GAP_BYTES)
-    cut[1:] |= start[1:] < start[:-1]
-    span = start - start[np.flatnonzero(cut)[np.cumsum(cut) - 1]]
-    piece = span // _PIECE_BYTES
-    cut[1:] |= piece[1:] != piece[:-1]
-    run_first = np.flatnonzero(cut)
-    run_of = np.cumsum(cut) - 1
-    run_last = np.append(run_first[1:], len(chunks)) - 1
-    run_start, run_end = start[run_first], start[run_last] + arr.chunk_bytes
-    run_dest = np.concatenate([[0], np.cumsum(run_end - run_start)])
-    buf = np.empty(int(run_dest[-1]), dtype=np.uint8)
-    _read_runs(arr, buf, file_of[run_first], run_start, run_end, run_dest)
-    return buf, run_dest[run_of] + start - run_start[run_of]
-
-
-def _read_runs(
-    arr: Array, buf: np.ndarray, files: np.ndarray, starts: np.ndarray, ends: np.ndarray, dests: np.ndarray
-) -> None:
-    """pread each run ``[starts[i], ends[i])`` of ``arr.files[files[i]]`` into ``buf[dests[i]:]``."""
+def _read_runs(buf: np.ndarray, runs: list[_Run]) -> None:
+    """pread every run into ``buf``: by the calling thread when there are few, else by the read threads."""
     view = memoryview(buf)
-    fds: dict[int, int] = {}
-    runs = list(zip(files.tolist(), starts.tolist(), ends.tolist(), dests.tolist()))
+    fds: dict[Path, int] = {}
 
-    def read(part: list[tuple[int, int, int, int]]) -> None:
-        for f, lo, hi, dest in part:
-            got = os.preadv(fds[f], [view[dest : dest + hi - lo]], lo)
-            if got != hi - lo:
+    def read(part: list[_Run]) -> None:
+        for run in part:
+            try:
+                got = os.preadv(fds[run.file], [view[run.dest : run.dest + run.end - run.start]], run.start)
+            except OSError as exc:
+                raise _unreadable(run.arr, exc) from exc
+            if got != run.end - run.start:
                 raise CorruptStoreError(
-                    f"{arr.files[f]}: chunk could not be read (the file ends at {lo + got} bytes, before "
-                    f"{hi}); the array was truncated. Restore the store from a backup."
+                    f"{run.file}: chunk could not be read (the file ends at {run.start + got} bytes, before "
+                    f"{run.end}); the array was truncated. Restore the store from a backup."
                 )
 
     try:
-        for f in sorted(set(files.tolist())):
-            fds[f] = os.open(arr.files[f], os.O_RDONLY)
-            os.posix_fadvise(fds[f], 0, 0, os.POSIX_FADV_RANDOM)  # read what is asked, no read-ahead
+        for run in runs:
+            if run.file not in fds:
+                try:
+                    fds[run.file] = os.open(run.file, os.O_RDONLY)
+                    os.posix_fadvise(fds[run.file], 0, 0, os.POSIX_FADV_RANDOM)  # no read-ahead
+                except OSError as exc:
+                    raise _unreadable(run.arr, exc) from exc
         if len(runs) < _PARALLEL_RUNS:
             read(runs)
         else:
             parts = [runs[i::_THREADS] for i in range(min(_THREADS, len(runs)))]
             for done in _executor().map(read, parts):
                 del done
-    except OSError as exc:
-        raise CorruptStoreError(
-            f"{arr.path}: a chunk file could not be read ({exc}); the array was damaged or deleted while "
-            "in use. Restore the store from a backup, or open an earlier checkpoint."
-        ) from exc
     finally:
         for fd in fds.values():
             os.close(fd)
+
+
+def _unreadable(arr: Array, exc: OSError) -> CorruptStoreError:
+    return CorruptStoreError(
+        f"{arr.path}: a chunk file could not be read ({exc}); the array was damaged or deleted while "
+        "in use. Restore the store from a backup, or open an earlier checkpoint."
+    )
 
 
 def _check_crcs(arr: Array, buf: np.ndarray, at: np.ndarray, file_of: np.ndarray) -> None:
