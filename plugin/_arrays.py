@@ -26,7 +26,8 @@ import math
 import os
 import threading
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as futures_wait
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -326,62 +327,58 @@ def read_arrays(requests: Sequence[tuple[Array, np.ndarray | None]]) -> Iterator
     """Rows of many arrays at once: for each ``(arr, positions)``, all of ``arr`` (n, ...) when
     ``positions`` is None, else its rows at ``positions`` (k,) int64 -> (k, ...), in request order.
 
-    Every chunk of every request is read first, in one dispatch to the read threads (so reads of
-    different arrays overlap on the device); only the chunks holding wanted rows, nearby ones in one
-    read. Each result is then checked (crc32c of its chunks) and decoded as it is taken from the
-    iterator, so an error surfaces at the request it concerns. ``CorruptStoreError`` names a
-    damaged, short or vanished file; positions outside an array are refused before any read.
-    Sorted positions (as every caller asks) need no sort.
+    Only the chunks holding wanted rows are read, nearby ones in one read. The reads of every
+    request are handed to the read threads at once, in request order (so reads of different arrays
+    overlap on the device), and each result is checked (crc32c of its chunks) and decoded as it is
+    taken from the iterator, while the reads of later requests go on. An error surfaces at the
+    request it concerns: ``CorruptStoreError`` names a damaged, short or vanished file. Positions
+    outside an array are refused before any read. Sorted positions (as every caller asks) need no sort.
     """
     plans = [_plan(arr, positions) for arr, positions in requests]
-    runs: list[_Run] = []
-    size = 0
-    for plan in plans:
-        size = plan.place(runs, size)
-    buf = np.empty(size, dtype=np.uint8)
-    _read_runs(buf, runs)
-    for plan in plans:
-        yield plan.decode(buf)
+    reader = _Reader()
+    try:
+        marks = [reader.start(plan.place(), inline=len(plans) == 1) for plan in plans]
+        for plan, mark in zip(plans, marks):
+            reader.wait(mark)
+            yield plan.decode()
+    finally:
+        reader.close()
 
 
 @dataclass(frozen=True, eq=False)
 class _Run:
-    """One pread: bytes ``[start, end)`` of ``file`` (a file of array ``arr``) into the buffer at ``dest``."""
+    """One pread: bytes from ``start`` of ``file`` (a file of ``arr``) into all of ``into``."""
 
     arr: Array
     file: Path
     start: int
-    end: int
-    dest: int
+    into: memoryview
 
 
 @dataclass(eq=False)
 class _Plan:
-    """The chunks one request needs, and (once placed) where each lies in the shared buffer."""
+    """The chunks one request needs and, once placed, its buffer and where each chunk lies in it."""
 
     arr: Array
     pos: np.ndarray  # (k,) int64 rows wanted
     chunks: np.ndarray  # (c,) sorted chunk numbers holding them
     slot: np.ndarray  # (k,) index into ``chunks`` of each row's chunk
-    at: np.ndarray = field(
-        default_factory=lambda: np.empty(0, np.int64)
-    )  # (c,) where each lies in the buffer
+    buf: np.ndarray = field(default_factory=lambda: np.empty(0, np.uint8))
+    at: np.ndarray = field(default_factory=lambda: np.empty(0, np.int64))  # (c,) offsets in buf
 
     @property
     def file_of(self) -> np.ndarray:
         return self.chunks // self.arr.chunks_per_file
 
-    def place(self, runs: list[_Run], base: int) -> int:
-        """Append the reads of this request's chunks to ``runs``, laid out in the buffer from
-        ``base``; returns where the next request's bytes start.
+    def place(self) -> list[_Run]:
+        """Allocate the buffer and return the reads that fill it.
 
         Chunks are fetched in runs, one pread each: same file, in order, gaps below ``_GAP_BYTES``
         read through, at most about ``_PIECE_BYTES`` long (so that a long run is read in parallel).
         """
         arr, chunks, file_of = self.arr, self.chunks, self.file_of
         if len(chunks) == 0:
-            self.at = np.empty(0, np.int64)
-            return base
+            return []
         start = arr.offsets[chunks]
         cut = np.ones(len(chunks), bool)
         cut[1:] = (file_of[1:] != file_of[:-1]) | (start[1:] - start[:-1] - arr.chunk_bytes > _GAP_BYTES)
@@ -393,19 +390,20 @@ class _Plan:
         run_of = np.cumsum(cut) - 1
         run_last = np.append(run_first[1:], len(chunks)) - 1
         run_start, run_end = start[run_first], start[run_last] + arr.chunk_bytes
-        run_dest = base + np.concatenate([[0], np.cumsum(run_end - run_start)])
-        runs.extend(
-            _Run(arr, arr.files[f], lo, hi, dest)
+        run_dest = np.concatenate([[0], np.cumsum(run_end - run_start)])
+        self.buf = np.empty(int(run_dest[-1]), dtype=np.uint8)
+        self.at = run_dest[run_of] + start - run_start[run_of]
+        view = memoryview(self.buf)
+        return [
+            _Run(arr, arr.files[f], lo, view[dest : dest + hi - lo])
             for f, lo, hi, dest in zip(
                 file_of[run_first].tolist(), run_start.tolist(), run_end.tolist(), run_dest.tolist()
             )
-        )
-        self.at = run_dest[run_of] + start - run_start[run_of]
-        return int(run_dest[-1])
+        ]
 
-    def decode(self, buf: np.ndarray) -> np.ndarray:
-        """Check this request's chunks in ``buf`` and gather its rows: (k, ...) in native byte order."""
-        arr = self.arr
+    def decode(self) -> np.ndarray:
+        """Check this request's chunks (once read) and gather its rows: (k, ...) in native byte order."""
+        arr, buf = self.arr, self.buf
         if len(self.pos) == 0:
             return np.empty((0, *arr.shape[1:]), dtype=arr.dtype.newbyteorder("="))
         _check_crcs(arr, buf, self.at, self.file_of)
@@ -428,7 +426,7 @@ def _plan(arr: Array, positions: np.ndarray | None) -> _Plan:
             "index does not match the segment. Open an earlier checkpoint or restore from a backup."
         )
     chunk_of = pos // arr.chunk_rows
-    if np.all(chunk_of[1:] >= chunk_of[:-1]):  # sorted, as every caller asks: no sort needed
+    if np.all(chunk_of[1:] >= chunk_of[:-1]):  # sorted: no sort needed
         new = np.flatnonzero(chunk_of[1:] != chunk_of[:-1]) + 1
         slot = np.zeros(len(pos), np.int64)
         slot[new] = 1
@@ -437,40 +435,59 @@ def _plan(arr: Array, positions: np.ndarray | None) -> _Plan:
     return _Plan(arr, pos, chunks, slot)
 
 
-def _read_runs(buf: np.ndarray, runs: list[_Run]) -> None:
-    """pread every run into ``buf``: by the calling thread when there are few, else by the read threads."""
-    view = memoryview(buf)
-    fds: dict[Path, int] = {}
+class _Reader:
+    """Runs handed over request by request, read by the read threads in that order (or, for a lone
+    request of few runs, at once by the calling thread); ``wait`` blocks until a request's are in."""
 
-    def read(part: list[_Run]) -> None:
-        for run in part:
-            try:
-                got = os.preadv(fds[run.file], [view[run.dest : run.dest + run.end - run.start]], run.start)
-            except OSError as exc:
-                raise _unreadable(run.arr, exc) from exc
-            if got != run.end - run.start:
-                raise CorruptStoreError(
-                    f"{run.file}: chunk could not be read (the file ends at {run.start + got} bytes, before "
-                    f"{run.end}); the array was truncated. Restore the store from a backup."
-                )
+    def __init__(self) -> None:
+        self._fds: dict[Path, int] = {}
+        self._tasks: list[Future[None]] = []
+        self._waited = 0
 
-    try:
+    def start(self, runs: list[_Run], inline: bool) -> int:
+        """Start reading ``runs``; returns the mark to :meth:`wait` for before using their bytes."""
         for run in runs:
-            if run.file not in fds:
+            if run.file not in self._fds:
                 try:
-                    fds[run.file] = os.open(run.file, os.O_RDONLY)
-                    os.posix_fadvise(fds[run.file], 0, 0, os.POSIX_FADV_RANDOM)  # no read-ahead
+                    self._fds[run.file] = os.open(run.file, os.O_RDONLY)
+                    os.posix_fadvise(self._fds[run.file], 0, 0, os.POSIX_FADV_RANDOM)  # no read-ahead
                 except OSError as exc:
                     raise _unreadable(run.arr, exc) from exc
-        if len(runs) < _PARALLEL_RUNS:
-            read(runs)
-        else:
-            parts = [runs[i::_THREADS] for i in range(min(_THREADS, len(runs)))]
-            for done in _executor().map(read, parts):
-                del done
-    finally:
-        for fd in fds.values():
+        if inline and len(runs) < _PARALLEL_RUNS:
+            self._read(runs)
+            return len(self._tasks)
+        # Tasks of a few runs each: enough tasks to keep every thread busy, few enough that
+        # handing them over costs little next to the reads.
+        per_task = max(1, len(runs) // (4 * _THREADS))
+        pool = _executor()
+        for first in range(0, len(runs), per_task):
+            self._tasks.append(pool.submit(self._read, runs[first : first + per_task]))
+        return len(self._tasks)
+
+    def wait(self, mark: int) -> None:
+        """Block until the tasks before ``mark`` are done; raise the first one's error, if any."""
+        for task in self._tasks[self._waited : mark]:
+            task.result()
+        self._waited = max(self._waited, mark)
+
+    def close(self) -> None:
+        """Let every task finish (none may read a closed descriptor), then close the files."""
+        futures_wait(self._tasks)
+        for fd in self._fds.values():
             os.close(fd)
+        self._fds.clear()
+
+    def _read(self, runs: list[_Run]) -> None:
+        for run in runs:
+            try:
+                got = os.preadv(self._fds[run.file], [run.into], run.start)
+            except OSError as exc:
+                raise _unreadable(run.arr, exc) from exc
+            if got != len(run.into):
+                raise CorruptStoreError(
+                    f"{run.file}: chunk could not be read (the file ends at {run.start + got} bytes, before "
+                    f"{run.start + len(run.into)}); the array was truncated. Restore the store from a backup."
+                )
 
 
 def _unreadable(arr: Array, exc: OSError) -> CorruptStoreError:
