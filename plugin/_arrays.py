@@ -25,9 +25,10 @@ import json
 import math
 import os
 import threading
-from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as futures_wait
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -38,7 +39,7 @@ from zarr.storage import LocalStore
 from hierps._faults import fault_point
 from hierps.errors import CorruptStoreError
 
-__all__ = ["Array", "create_array", "encoded_bytes", "open_array", "read_array"]
+__all__ = ["Array", "create_array", "encoded_bytes", "open_array", "read_array", "read_arrays"]
 
 _CODECS = [{"name": "bytes", "configuration": {"endian": "little"}}, {"name": "crc32c"}]
 _KEY_ENCODING = {"name": "default", "configuration": {"separator": "/"}}
@@ -315,97 +316,185 @@ def _shard_offsets(arr: Array, file: Path, chunks_left: int) -> np.ndarray:
 
 # -- reading ---------------------------------------------------------------------------------------
 def read_array(arr: Array, root: Path, name: str, positions: np.ndarray | None = None) -> np.ndarray:
-    """All of ``arr`` (n, ...), or its rows at sorted ``positions`` (k,) -> (k, ...).
+    """All of ``arr`` (n, ...), or its rows at ``positions`` (k,) -> (k, ...); see :func:`read_arrays`.
 
-    Reads only the chunks holding those rows (nearby ones in one read, many reads in parallel) and
-    checks each chunk's crc32c; ``CorruptStoreError`` names a damaged, short or vanished file.
     ``root`` and ``name`` are kept for the callers' symmetry with :func:`open_array`.
     """
+    return next(read_arrays([(arr, positions)]))
+
+
+def read_arrays(requests: Sequence[tuple[Array, np.ndarray | None]]) -> Iterator[np.ndarray]:
+    """Rows of many arrays at once: for each ``(arr, positions)``, all of ``arr`` (n, ...) when
+    ``positions`` is None, else its rows at ``positions`` (k,) int64 -> (k, ...), in request order.
+
+    Only the chunks holding wanted rows are read, nearby ones in one read. The reads of every
+    request are handed to the read threads at once, in request order (so reads of different arrays
+    overlap on the device), and each result is checked (crc32c of its chunks) and decoded as it is
+    taken from the iterator, while the reads of later requests go on. An error surfaces at the
+    request it concerns: ``CorruptStoreError`` names a damaged, short or vanished file. Positions
+    outside an array are refused before any read. Sorted positions (as every caller asks) need no sort.
+    """
+    plans = [_plan(arr, positions) for arr, positions in requests]
+    reader = _Reader()
+    try:
+        marks = [reader.start(plan.place(), inline=len(plans) == 1) for plan in plans]
+        for plan, mark in zip(plans, marks):
+            reader.wait(mark)
+            yield plan.decode()
+    finally:
+        reader.close()
+
+
+@dataclass(frozen=True, eq=False)
+class _Run:
+    """One pread: bytes from ``start`` of ``file`` (a file of ``arr``) into all of ``into``."""
+
+    arr: Array
+    file: Path
+    start: int
+    into: memoryview
+
+
+@dataclass(eq=False)
+class _Plan:
+    """The chunks one request needs and, once placed, its buffer and where each chunk lies in it."""
+
+    arr: Array
+    pos: np.ndarray  # (k,) int64 rows wanted
+    chunks: np.ndarray  # (c,) sorted chunk numbers holding them
+    slot: np.ndarray  # (k,) index into ``chunks`` of each row's chunk
+    buf: np.ndarray = field(default_factory=lambda: np.empty(0, np.uint8))
+    at: np.ndarray = field(default_factory=lambda: np.empty(0, np.int64))  # (c,) offsets in buf
+
+    @property
+    def file_of(self) -> np.ndarray:
+        return self.chunks // self.arr.chunks_per_file
+
+    def place(self) -> list[_Run]:
+        """Allocate the buffer and return the reads that fill it.
+
+        Chunks are fetched in runs, one pread each: same file, in order, gaps below ``_GAP_BYTES``
+        read through, at most about ``_PIECE_BYTES`` long (so that a long run is read in parallel).
+        """
+        arr, chunks, file_of = self.arr, self.chunks, self.file_of
+        if len(chunks) == 0:
+            return []
+        start = arr.offsets[chunks]
+        cut = np.ones(len(chunks), bool)
+        cut[1:] = (file_of[1:] != file_of[:-1]) | (start[1:] - start[:-1] - arr.chunk_bytes > _GAP_BYTES)
+        cut[1:] |= start[1:] < start[:-1]
+        span = start - start[np.flatnonzero(cut)[np.cumsum(cut) - 1]]
+        piece = span // _PIECE_BYTES
+        cut[1:] |= piece[1:] != piece[:-1]
+        run_first = np.flatnonzero(cut)
+        run_of = np.cumsum(cut) - 1
+        run_last = np.append(run_first[1:], len(chunks)) - 1
+        run_start, run_end = start[run_first], start[run_last] + arr.chunk_bytes
+        run_dest = np.concatenate([[0], np.cumsum(run_end - run_start)])
+        self.buf = np.empty(int(run_dest[-1]), dtype=np.uint8)
+        self.at = run_dest[run_of] + start - run_start[run_of]
+        view = memoryview(self.buf)
+        return [
+            _Run(arr, arr.files[f], lo, view[dest : dest + hi - lo])
+            for f, lo, hi, dest in zip(
+                file_of[run_first].tolist(), run_start.tolist(), run_end.tolist(), run_dest.tolist()
+            )
+        ]
+
+    def decode(self) -> np.ndarray:
+        """Check this request's chunks (once read) and gather its rows: (k, ...) in native byte order."""
+        arr, buf = self.arr, self.buf
+        if len(self.pos) == 0:
+            return np.empty((0, *arr.shape[1:]), dtype=arr.dtype.newbyteorder("="))
+        _check_crcs(arr, buf, self.at, self.file_of)
+        rows = self.at[self.slot] + (self.pos - self.chunks[self.slot] * arr.chunk_rows) * arr.row_bytes
+        # Every row as one opaque item starting at any byte of buf: a gather copies whole rows.
+        items = np.ndarray((len(buf) - arr.row_bytes + 1,), np.dtype((np.void, arr.row_bytes)), buf, 0, (1,))
+        out = items[rows].view(arr.dtype).reshape(len(self.pos), *arr.shape[1:])
+        return out.astype(arr.dtype.newbyteorder("="), copy=False)
+
+
+def _plan(arr: Array, positions: np.ndarray | None) -> _Plan:
+    """The chunks of ``arr`` holding ``positions`` (all rows when None); refuses rows outside it."""
     n = arr.shape[0]
     pos = np.arange(n, dtype=np.int64) if positions is None else np.asarray(positions, dtype=np.int64)
     if len(pos) == 0:
-        return np.empty((0, *arr.shape[1:]), dtype=arr.dtype.newbyteorder("="))
+        return _Plan(arr, pos, np.empty(0, np.int64), np.empty(0, np.int64))
     if pos.min() < 0 or pos.max() >= n:
         raise CorruptStoreError(
             f"{arr.path}: rows {int(pos.min())}..{int(pos.max())} asked of an array of {n} rows; the key "
             "index does not match the segment. Open an earlier checkpoint or restore from a backup."
         )
     chunk_of = pos // arr.chunk_rows
-    if np.all(chunk_of[1:] >= chunk_of[:-1]):  # sorted, as every caller asks: no sort needed
+    if np.all(chunk_of[1:] >= chunk_of[:-1]):  # sorted: no sort needed
         new = np.flatnonzero(chunk_of[1:] != chunk_of[:-1]) + 1
         slot = np.zeros(len(pos), np.int64)
         slot[new] = 1
-        chunks, slot = chunk_of[np.append(0, new)], np.cumsum(slot)
-    else:
-        chunks, slot = np.unique(chunk_of, return_inverse=True)
-    file_of = chunks // arr.chunks_per_file
-    buf, at = _read_chunks(arr, chunks, file_of)
-    _check_crcs(arr, buf, at, file_of)
-    rows = at[slot] + (pos - chunk_of * arr.chunk_rows) * arr.row_bytes
-    # Every row as one opaque item starting at any byte of buf: a gather copies whole rows.
-    items = np.ndarray((len(buf) - arr.row_bytes + 1,), np.dtype((np.void, arr.row_bytes)), buf, 0, (1,))
-    out = items[rows].view(arr.dtype).reshape(len(pos), *arr.shape[1:])
-    return out.astype(arr.dtype.newbyteorder("="), copy=False)
+        return _Plan(arr, pos, chunk_of[np.append(0, new)], np.cumsum(slot))
+    chunks, slot = np.unique(chunk_of, return_inverse=True)
+    return _Plan(arr, pos, chunks, slot)
 
 
-def _read_chunks(arr: Array, chunks: np.ndarray, file_of: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Read sorted ``chunks`` (k,) of ``arr`` into one buffer; returns it and where each chunk lies in it.
+class _Reader:
+    """Runs handed over request by request, read by the read threads in that order (or, for a lone
+    request of few runs, at once by the calling thread); ``wait`` blocks until a request's are in."""
 
-    Chunks are fetched in runs, one pread each: same file, in order, gaps below ``_GAP_BYTES``
-    read through, at most about ``_PIECE_BYTES`` long (so that a long run is read in parallel).
-    """
-    start = arr.offsets[chunks]
-    cut = np.ones(len(chunks), bool)
-    cut[1:] = (file_of[1:] != file_of[:-1]) | (start[1:] - start[:-1] - arr.chunk_bytes > _GAP_BYTES)
-    cut[1:] |= start[1:] < start[:-1]
-    span = start - start[np.flatnonzero(cut)[np.cumsum(cut) - 1]]
-    piece = span // _PIECE_BYTES
-    cut[1:] |= piece[1:] != piece[:-1]
-    run_first = np.flatnonzero(cut)
-    run_of = np.cumsum(cut) - 1
-    run_last = np.append(run_first[1:], len(chunks)) - 1
-    run_start, run_end = start[run_first], start[run_last] + arr.chunk_bytes
-    run_dest = np.concatenate([[0], np.cumsum(run_end - run_start)])
-    buf = np.empty(int(run_dest[-1]), dtype=np.uint8)
-    _read_runs(arr, buf, file_of[run_first], run_start, run_end, run_dest)
-    return buf, run_dest[run_of] + start - run_start[run_of]
+    def __init__(self) -> None:
+        self._fds: dict[Path, int] = {}
+        self._tasks: list[Future[None]] = []
+        self._waited = 0
 
+    def start(self, runs: list[_Run], inline: bool) -> int:
+        """Start reading ``runs``; returns the mark to :meth:`wait` for before using their bytes."""
+        for run in runs:
+            if run.file not in self._fds:
+                try:
+                    self._fds[run.file] = os.open(run.file, os.O_RDONLY)
+                    os.posix_fadvise(self._fds[run.file], 0, 0, os.POSIX_FADV_RANDOM)  # no read-ahead
+                except OSError as exc:
+                    raise _unreadable(run.arr, exc) from exc
+        if inline and len(runs) < _PARALLEL_RUNS:
+            self._read(runs)
+            return len(self._tasks)
+        # Tasks of a few runs each: enough tasks to keep every thread busy, few enough that
+        # handing them over costs little next to the reads.
+        per_task = max(1, len(runs) // (4 * _THREADS))
+        pool = _executor()
+        for first in range(0, len(runs), per_task):
+            self._tasks.append(pool.submit(self._read, runs[first : first + per_task]))
+        return len(self._tasks)
 
-def _read_runs(
-    arr: Array, buf: np.ndarray, files: np.ndarray, starts: np.ndarray, ends: np.ndarray, dests: np.ndarray
-) -> None:
-    """pread each run ``[starts[i], ends[i])`` of ``arr.files[files[i]]`` into ``buf[dests[i]:]``."""
-    view = memoryview(buf)
-    fds: dict[int, int] = {}
-    runs = list(zip(files.tolist(), starts.tolist(), ends.tolist(), dests.tolist()))
+    def wait(self, mark: int) -> None:
+        """Block until the tasks before ``mark`` are done; raise the first one's error, if any."""
+        for task in self._tasks[self._waited : mark]:
+            task.result()
+        self._waited = max(self._waited, mark)
 
-    def read(part: list[tuple[int, int, int, int]]) -> None:
-        for f, lo, hi, dest in part:
-            got = os.preadv(fds[f], [view[dest : dest + hi - lo]], lo)
-            if got != hi - lo:
+    def close(self) -> None:
+        """Let every task finish (none may read a closed descriptor), then close the files."""
+        futures_wait(self._tasks)
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
+
+    def _read(self, runs: list[_Run]) -> None:
+        for run in runs:
+            try:
+                got = os.preadv(self._fds[run.file], [run.into], run.start)
+            except OSError as exc:
+                raise _unreadable(run.arr, exc) from exc
+            if got != len(run.into):
                 raise CorruptStoreError(
-                    f"{arr.files[f]}: chunk could not be read (the file ends at {lo + got} bytes, before "
-                    f"{hi}); the array was truncated. Restore the store from a backup."
+                    f"{run.file}: chunk could not be read (the file ends at {run.start + got} bytes, before "
+                    f"{run.start + len(run.into)}); the array was truncated. Restore the store from a backup."
                 )
 
-    try:
-        for f in sorted(set(files.tolist())):
-            fds[f] = os.open(arr.files[f], os.O_RDONLY)
-            os.posix_fadvise(fds[f], 0, 0, os.POSIX_FADV_RANDOM)  # read what is asked, no read-ahead
-        if len(runs) < _PARALLEL_RUNS:
-            read(runs)
-        else:
-            parts = [runs[i::_THREADS] for i in range(min(_THREADS, len(runs)))]
-            for done in _executor().map(read, parts):
-                del done
-    except OSError as exc:
-        raise CorruptStoreError(
-            f"{arr.path}: a chunk file could not be read ({exc}); the array was damaged or deleted while "
-            "in use. Restore the store from a backup, or open an earlier checkpoint."
-        ) from exc
-    finally:
-        for fd in fds.values():
-            os.close(fd)
+
+def _unreadable(arr: Array, exc: OSError) -> CorruptStoreError:
+    return CorruptStoreError(
+        f"{arr.path}: a chunk file could not be read ({exc}); the array was damaged or deleted while "
+        "in use. Restore the store from a backup, or open an earlier checkpoint."
+    )
 
 
 def _check_crcs(arr: Array, buf: np.ndarray, at: np.ndarray, file_of: np.ndarray) -> None:

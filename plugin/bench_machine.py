@@ -4,7 +4,7 @@
 - :func:`disk_read` — sequential read bandwidth of a freshly written file, dropped from the page
   cache first (``posix_fadvise(DONTNEED)`` after ``fsync``);
 - :func:`ssd_tier_read` — the SSD tier reading each pass's rows of the bench workload, cold:
-  row bytes delivered (and device bytes fetched) per second spent in ``SsdTier.read``;
+  row bytes delivered (and device bytes fetched) per second spent in ``SsdTier.read_many``;
 - :func:`ssd_scaling` — the time of a pass over a fixed working set with ``n`` rows on SSD, and
   the key-index memory per row resident only on SSD.
 
@@ -126,7 +126,8 @@ def ssd_tier_read(
 
     Every distinct id of the workload is written through ``Store.write_rows`` with no RAM
     budget (so it lands in SSD segments), checkpointed, and then, per pass, the segment files are
-    dropped from the page cache and ``store.ssd.read`` fetches the pass's sorted keys, table by table.
+    dropped from the page cache and one ``store.ssd.read_many`` fetches the pass's sorted keys of
+    every table, as the store asks for a pass's missing rows.
     """
     from hierps.bench_variants import make_workload
     from hierps.demo import table_names
@@ -150,8 +151,7 @@ def ssd_tier_read(
             drop_from_page_cache(store.path / "segments")
             r0, io0 = store.ssd.bytes_read, io_read_bytes()
             t0 = time.perf_counter()
-            for name, keys in wanted.items():
-                store.ssd.read(name, keys)
+            store.ssd.read_many(wanted)
             seconds = time.perf_counter() - t0
             runs.append(
                 {

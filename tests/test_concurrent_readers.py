@@ -146,16 +146,18 @@ def test_checkpoint_retired_in_the_middle_of_a_read(trainer, monkeypatch):
     """Segments deleted between two segment reads: the rows already read are not returned."""
     store, step = trainer
     reader = CheckpointReader(store.path)
-    real = hierps.tiers.ssd.read_array
-    calls = []
+    real = hierps.tiers.ssd.read_arrays
+    taken = []
 
-    def racing(*args, **kwargs):
-        calls.append(1)
-        if len(calls) == 2:  # after the first array read of the first segment
-            step()
-            step()
-        return real(*args, **kwargs)
+    def racing(requests):
+        for out in real(requests):
+            taken.append(1)
+            if len(taken) == 2:  # after the first array read of the first segment
+                step()
+                step()
+            yield out
 
-    monkeypatch.setattr(hierps.tiers.ssd, "read_array", racing)
+    monkeypatch.setattr(hierps.tiers.ssd, "read_arrays", racing)
     with pytest.raises(CheckpointRetiredError):
         reader.read("user", reader.keys("user"))
+    assert len(taken) >= 2

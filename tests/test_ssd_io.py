@@ -210,3 +210,56 @@ def test_ssd_tier_reads_exact_rows_across_segments(tmp_path):
     np.testing.assert_array_equal(
         zarr.open_array(str(tmp_path / "t" / f"{seg:08d}" / "keys"), mode="r")[:], want
     )
+
+
+def _tier_of_many_tables(root: Path) -> tuple[SsdTier, dict[str, np.ndarray]]:
+    """Five tables of different widths, each written as several overlapping segments."""
+    tier = SsdTier(root, chunk_bytes=1024)
+    requests = {}
+    for t, width in enumerate([3, 16, 37, 5, 64]):
+        name = f"t{t}"
+        tier.add_table(name, width)
+        for i in range(3 + t % 2):
+            rng = np.random.default_rng(10 * t + i)
+            keys = rng.choice(4000, 1200, replace=False).astype(np.int64)
+            tier.write(name, keys, rng.standard_normal((len(keys), width), dtype=np.float32))
+        # Keys from the whole range: some were never written.
+        requests[name] = np.sort(np.random.default_rng(t).choice(5000, 900 + 100 * t, replace=False)).astype(
+            np.int64
+        )
+    requests["t3"] = np.empty(0, np.int64)  # an empty request
+    return tier, requests
+
+
+def test_read_many_equals_read_per_table(tmp_path):
+    tier, requests = _tier_of_many_tables(tmp_path)
+    expected = {name: tier.read(name, keys) for name, keys in requests.items()}
+    rows_read, bytes_read = tier.rows_read, tier.bytes_read
+    got = tier.read_many(requests)
+    assert list(got) == list(requests)
+    for name, (found, rows) in got.items():
+        np.testing.assert_array_equal(found, expected[name][0])
+        np.testing.assert_array_equal(rows, expected[name][1])
+        assert rows.dtype == np.float32 and rows.shape == (found.sum(), tier.widths[name])
+    assert not found.all() and got["t0"][0].any()  # both absent and present keys were asked
+    assert tier.rows_read - rows_read == sum(len(r) for _, r in got.values())
+    assert tier.bytes_read - bytes_read == sum(r.nbytes for _, r in got.values())
+    assert tier.read_many({}) == {}
+
+
+def test_read_many_names_the_corrupted_segment(tmp_path):
+    tier, requests = _tier_of_many_tables(tmp_path)
+    seg = tier.segments("t2")[-1][1]
+    shard = _shard(tmp_path / "t2" / f"{seg:08d}" / "rows")
+    data = bytearray(shard.read_bytes())
+    data[100] ^= 1  # inside the first inner chunk
+    shard.write_bytes(bytes(data))
+    idx = tier.index["t2"]
+    in_first_chunk = idx.keys[(idx.seg == seg) & (idx.pos < 6)]  # 1024 // (4 * 37) rows a chunk
+    requests["t2"] = np.union1d(requests["t2"], in_first_chunk[:1])
+    others = {name: keys for name, keys in requests.items() if name != "t2"}
+    assert set(tier.read_many(others)) == set(others)  # the other tables still read
+    with pytest.raises(CorruptStoreError, match=re.escape(str(shard)) + ".*crc32c"):
+        tier.read_many(requests)
+    with pytest.raises(CorruptStoreError, match=re.escape(str(shard)) + ".*crc32c"):
+        tier.read("t2", requests["t2"])

@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 from zarr.storage import LocalStore
 
-from hierps._arrays import Array, create_array, encoded_bytes, open_array, read_array
+from hierps._arrays import Array, create_array, encoded_bytes, open_array, read_array, read_arrays
 from hierps._faults import fault_point
 from hierps._files import disk_full_as_error, fsync_dir, fsync_tree
 from hierps.errors import CorruptStoreError, StoreFullError
@@ -171,35 +171,46 @@ class SsdTier:
     def read(self, table: str, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """keys: (n,) int64 sorted unique -> (found (n,) bool, rows (found.sum(), width) float32).
 
-        Reads each segment once, at sorted positions (segments are sorted by key).
+        The one-table case of :meth:`read_many`.
         """
-        found, seg_of, pos_of = self.index[table].lookup(keys)
-        segs, pos_found, found_keys = seg_of[found], pos_of[found], keys[found]
-        out = np.empty((len(segs), self.widths[table]), dtype=np.float32)
-        if len(segs) == 0:
-            return found, out
-        order = np.argsort(segs, kind="stable")
-        bounds = np.flatnonzero(np.diff(segs[order])) + 1
-        for group in np.split(order, bounds):
-            seg = int(segs[group[0]])
-            positions = pos_found[group]
-            keys_arr, rows_arr = self._open(table, seg)
-            name = _segment_name(table, seg)
-            # The segment's own keys at those positions must be the keys asked for: a damaged
-            # index or segment is reported instead of returning another key's row.
-            stored = read_array(keys_arr, self.root, f"{name}/keys", positions)
-            wanted = found_keys[group]
+        return self.read_many({table: keys})[table]
+
+    def read_many(self, requests: dict[str, np.ndarray]) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+        """Rows of many tables at once, as :meth:`read` gives them table by table.
+
+        ``{table: keys (n,) int64 sorted unique}`` -> ``{table: (found (n,) bool, rows
+        (found.sum(), width) float32)}``. Every wanted chunk of every table's segments is read in
+        one dispatch, so that the reads of different tables overlap on the device; then, segment by
+        segment, the segment's own keys at the positions read must be the keys asked for (a damaged
+        index or segment is reported instead of returning another key's row) before its rows are
+        taken. Each segment is read once, at sorted positions (segments are sorted by key).
+        """
+        results: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+        groups: list[tuple[str, int, np.ndarray, np.ndarray, np.ndarray]] = []
+        for table, keys in requests.items():
+            found, seg_of, pos_of = self.index[table].lookup(keys)
+            segs, pos_found, found_keys = seg_of[found], pos_of[found], keys[found]
+            results[table] = (found, np.empty((len(segs), self.widths[table]), dtype=np.float32))
+            order = np.argsort(segs, kind="stable")
+            for group in np.split(order, np.flatnonzero(np.diff(segs[order])) + 1) if len(segs) else []:
+                groups.append((table, int(segs[group[0]]), group, pos_found[group], found_keys[group]))
+        fetched = read_arrays(
+            [(arr, positions) for table, seg, _, positions, _ in groups for arr in self._open(table, seg)]
+        )
+        for table, seg, group, positions, wanted in groups:
+            stored = next(fetched)
             if not np.array_equal(stored, wanted):
                 bad = int(np.flatnonzero(stored != wanted)[0])
                 raise CorruptStoreError(
-                    f"{self.root / name}: holds key {int(stored[bad])} at position {int(positions[bad])} where "
-                    f"the key index expects key {int(wanted[bad])}; the segment or the index is damaged. "
-                    "Restore the store from a backup or open an earlier checkpoint."
+                    f"{self.root / _segment_name(table, seg)}: holds key {int(stored[bad])} at position "
+                    f"{int(positions[bad])} where the key index expects key {int(wanted[bad])}; the segment "
+                    "or the index is damaged. Restore the store from a backup or open an earlier checkpoint."
                 )
-            out[group] = read_array(rows_arr, self.root, f"{name}/rows", positions)
-        self.rows_read += len(segs)
-        self.bytes_read += out.nbytes
-        return found, out
+            results[table][1][group] = next(fetched)
+        for _, out in results.values():
+            self.rows_read += len(out)
+            self.bytes_read += out.nbytes
+        return results
 
     def scan(
         self, table: str, columns: slice, batch: int = 1 << 18
