@@ -325,18 +325,18 @@ def _mlp_only(work: Workload, cfg: dict[str, Any], tmp: Path, params: dict[str, 
 
 # -- hierps -------------------------------------------------------------------------------------
 class _SsdClock:
-    """Wall time spent in the SSD tier's ``read`` / ``write`` of one store (any thread)."""
+    """Wall time spent in the SSD tier's ``read_many`` (every read) / ``write`` of one store (any thread)."""
 
     def __init__(self, store: hierps.Store) -> None:
         self.read_seconds = 0.0
         self.write_seconds = 0.0
         ssd = store.ssd
-        read, write = ssd.read, ssd.write
+        read, write = ssd.read_many, ssd.write
 
-        def timed_read(table: str, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        def timed_read(requests: dict[str, np.ndarray]) -> dict[str, tuple[np.ndarray, np.ndarray]]:
             t0 = time.perf_counter()
             try:
-                return read(table, keys)
+                return read(requests)
             finally:
                 self.read_seconds += time.perf_counter() - t0
 
@@ -347,7 +347,7 @@ class _SsdClock:
             finally:
                 self.write_seconds += time.perf_counter() - t0
 
-        ssd.read, ssd.write = timed_read, timed_write  # instance attributes shadow the methods
+        ssd.read_many, ssd.write = timed_read, timed_write  # instance attributes shadow the methods
 
 
 def _hierps_run(

@@ -111,7 +111,7 @@ class PassPipeline:
             group, positions = union_positions(batches)
         moves = plan_moves(snapshot, group)
         with self.lock:
-            rows = {t: self.store._fetch(t, k, touch=True, ahead=True) for t, k in moves.missing.items()}
+            rows = self.store._fetch_many(moves.missing, touch=True, ahead=True)
         plans = translate(batches, group, moves.base, self.store.device, positions)
         self.prepare_seconds += time.perf_counter() - t0
         return ReadAhead(group, moves, rows, plans)

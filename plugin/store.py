@@ -306,21 +306,35 @@ class Store(Passes, Training, LifeCycle):
     # -- reading rows through the tiers -------------------------------------------------------
     def _fetch(self, table: str, keys: np.ndarray, *, touch: bool, ahead: bool = False) -> np.ndarray:
         """Rows of sorted unique ``keys`` from RAM, else SSD, else the initializer: (n, width) float32."""
-        info = self.tables[table]
-        out = np.empty((len(keys), info.width), dtype=np.float32)
+        return self._fetch_many({table: keys}, touch=touch, ahead=ahead)[table]
+
+    def _fetch_many(
+        self, requests: dict[str, np.ndarray], *, touch: bool, ahead: bool = False
+    ) -> dict[str, np.ndarray]:
+        """:meth:`_fetch` for many tables at once: the SSD reads of all of them go out together."""
+        out, hits, rests = {}, {}, {}
         with self._pipe.lock:
-            hit, ram_rows = self.memory.get(table, keys, touch=touch)
-            out[hit] = ram_rows
-            rest = np.flatnonzero(~hit)
-            found, ssd_rows = self.ssd.read(table, keys[rest])
-        out[rest[found]] = ssd_rows
-        new = rest[~found]
-        if len(new):
-            out[new, : info.dim] = initial_rows(keys[new], info.dim, info.salt, info.initializer)
-            out[new, info.dim : info.state_end] = initial_state(info.optimizer, len(new), info.dim)
-            out[new, info.state_end :] = initial_counters(len(new), self.passes)
-        if touch:
-            self.stats.count_load(table, ram=int(hit.sum()), ssd=int(found.sum()), new=len(new), ahead=ahead)
+            for table, keys in requests.items():
+                out[table] = np.empty((len(keys), self.tables[table].width), dtype=np.float32)
+                hit, ram_rows = self.memory.get(table, keys, touch=touch)
+                out[table][hit] = ram_rows
+                hits[table], rests[table] = hit, np.flatnonzero(~hit)
+            read = self.ssd.read_many({t: requests[t][rest] for t, rest in rests.items() if len(rest)})
+        for table, keys in requests.items():
+            info, rest = self.tables[table], rests[table]
+            found, ssd_rows = read.get(table, (np.zeros(0, bool), None))
+            rows = out[table]
+            if len(found):
+                rows[rest[found]] = ssd_rows
+            new = rest[~found] if len(found) else rest
+            if len(new):
+                rows[new, : info.dim] = initial_rows(keys[new], info.dim, info.salt, info.initializer)
+                rows[new, info.dim : info.state_end] = initial_state(info.optimizer, len(new), info.dim)
+                rows[new, info.state_end :] = initial_counters(len(new), self.passes)
+            if touch:
+                self.stats.count_load(
+                    table, ram=int(hits[table].sum()), ssd=int(found.sum()), new=len(new), ahead=ahead
+                )
         return out
 
     def lookup(self, table: str, ids: Any) -> torch.Tensor:

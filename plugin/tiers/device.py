@@ -405,17 +405,18 @@ def rebuild(
     tier: DeviceTier,
     keep: dict[str, np.ndarray],
     prepared: dict[str, tuple[np.ndarray, np.ndarray]] | None,
-    fetch: Callable[[str, np.ndarray], np.ndarray],
+    fetch: Callable[[dict[str, np.ndarray]], dict[str, np.ndarray]],
 ) -> dict[str, DrainedRows]:
     """Make the working set exactly ``keep`` (sorted unique keys per table), moving as little as possible.
 
     Rows already resident are carried over; the others come from ``prepared`` (``{table: (sorted
-    keys, rows)}`` read ahead in the background) or else from ``fetch``. Returns the rows that
-    leave the tier, with their dirty bits, for write-back. Nothing changes if ``fetch`` fails.
+    keys, rows)}`` read ahead in the background) or else from one ``fetch({table: keys})`` for
+    all tables. Returns the rows that leave the tier, with their dirty bits, for write-back.
+    Nothing changes if ``fetch`` fails.
     """
     tier.flush_seen()
     moves = plan_moves(tier.snapshot(), keep)
-    rows = {}
+    rows, lacking = {}, {}
     for table, missing in moves.missing.items():
         got = np.empty((len(missing), tier._tables[table].width), dtype=np.float32)
         have = np.zeros(len(missing), bool)
@@ -424,7 +425,11 @@ def rebuild(
             at = np.minimum(np.searchsorted(pk, missing), max(len(pk) - 1, 0))
             have = (pk[at] == missing) if len(pk) else have
             got[have] = pr[at[have]]
-        if (~have).any():
-            got[~have] = fetch(table, missing[~have])
         rows[table] = got
+        if not have.all():
+            lacking[table] = np.flatnonzero(~have)
+    if lacking:
+        fetched = fetch({t: moves.missing[t][at] for t, at in lacking.items()})
+        for table, at in lacking.items():
+            rows[table][at] = fetched[table]
     return apply_moves(tier, moves, rows)
