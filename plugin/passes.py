@@ -19,7 +19,7 @@ import torch
 
 from hierps import ids as _ids
 from hierps._faults import fault_point
-from hierps.batchplan import Batch, PassBatches, translate, union_keys
+from hierps.batchplan import Batch, PassBatches, translate, union_positions
 from hierps.errors import DeviceBudgetError
 from hierps.tiers.device import DrainedRows, apply_moves, rebuild
 
@@ -40,6 +40,12 @@ class _PassPlan:
 
     groups: list[dict[str, np.ndarray]] = field(default_factory=list)
     cursor: int = 0
+
+
+# The batches of the last plan, its groups, and each id's position in the group (one group only).
+_LastPlan = tuple[
+    list[dict[str, np.ndarray]], list[dict[str, np.ndarray]], list[dict[str, np.ndarray]] | None
+]
 
 
 def _id_counts(batches: list[dict[str, np.ndarray]]) -> dict[str, int]:
@@ -69,7 +75,7 @@ class Passes:
         _batches: PassBatches | None
         _in_pass: bool
         _announced: list[Mapping[str, Any]] | None
-        _last_plan: tuple[list[dict[str, np.ndarray]], list[dict[str, np.ndarray]]] | None
+        _last_plan: _LastPlan | None
 
         def _check_open(self) -> None: ...
         def _info(self, table: str) -> TableInfo: ...
@@ -94,7 +100,11 @@ class Passes:
         per_batch = [batches] if isinstance(batches, Mapping) else list(batches)
         raw = [self._batch_keys(b) for b in per_batch]
         ahead = self._pipe.take(raw)  # None unless this pass was announced and read ahead
-        groups = [ahead.group] if ahead is not None else self._planned(raw)  # bad input: raise here
+        positions = None
+        if ahead is not None:
+            groups = [ahead.group]
+        else:
+            groups, positions = self._planned(raw)  # bad input: raise here, change nothing
         if self._in_pass:
             self.end_pass()
         self._plan = _PassPlan(groups, cursor=0)
@@ -120,13 +130,13 @@ class Passes:
                 prepared = {t: (k, ahead.rows[t]) for t, k in ahead.moves.missing.items()} if ahead else None
                 drained = rebuild(tier, groups[0], prepared, fetch)
             self._pipe.submit_writeback(drained)
-            self._translated(raw, groups[0], base, plans)
+            self._translated(raw, groups[0], base, plans, positions)
         else:
             self._write_back()
             if len(groups) == 1:
                 base = tier.layout({t: len(k) for t, k in groups[0].items()})
                 rebuild(tier, groups[0], None, fetch)  # nothing is resident: nothing leaves
-                self._translated(raw, groups[0], base, None)
+                self._translated(raw, groups[0], base, None, positions)
             elif groups:
                 self._load(groups[0], create=False)
         fault_point("pass.loaded")
@@ -140,13 +150,15 @@ class Passes:
         group: dict[str, np.ndarray],
         base: dict[str, int],
         plans: list[Batch] | None,
+        positions: list[dict[str, np.ndarray]] | None,
     ) -> None:
         """Attach the pass's translated mini-batches (see :mod:`hierps.batchplan`) to the working set
         :func:`rebuild` just laid out at ``base``: those read ahead if they were made for this
-        layout, else translated now. Tables filtering admission are left to the generic gather."""
+        layout, else translated now (``positions``: each id's in the pass's keys, if known).
+        Tables filtering admission are left to the generic gather."""
         keep = {t: k for t, k in group.items() if not self.tables[t].admission.filters}
         if plans is None or len(keep) != len(group):
-            plans = translate(raw, keep, base, self.device)
+            plans = translate(raw, keep, base, self.device, positions)
         self._batches = PassBatches(plans, self.device_tier.generation)
 
     def prefetch(self, batches: Mapping[str, Any] | Sequence[Mapping[str, Any]]) -> None:
@@ -167,7 +179,7 @@ class Passes:
             return  # tables filtering admission are loaded at begin_pass, when admission is known
         group = None  # fits even counting repeats: one group, found on the worker
         if self.device_tier.bytes_for(_id_counts(raw)) > self.device_tier.budget:
-            groups = self._planned(raw)
+            groups, _ = self._planned(raw)
             if len(groups) != 1:
                 return  # a pass split into groups is loaded group by group as training reaches them
             group = groups[0]
@@ -231,7 +243,9 @@ class Passes:
             out[table] = _ids.as_int64_array(ids, what=f"ids for table {table!r}")
         return out
 
-    def _planned(self, batches: list[dict[str, np.ndarray]]) -> list[dict[str, np.ndarray]]:
+    def _planned(
+        self, batches: list[dict[str, np.ndarray]]
+    ) -> tuple[list[dict[str, np.ndarray]], list[dict[str, np.ndarray]] | None]:
         """:meth:`_plan_groups`, reusing the plan of the same batches (announced, then begun)."""
         last = self._last_plan
         if (
@@ -242,17 +256,23 @@ class Passes:
                 for a, b in zip(last[0], batches)
             )
         ):
-            return last[1]
-        groups = self._plan_groups(batches)
-        self._last_plan = (batches, groups)
-        return groups
+            return last[1], last[2]
+        groups, positions = self._plan_groups(batches)
+        self._last_plan = (batches, groups, positions)
+        return groups, positions
 
-    def _plan_groups(self, batches: list[dict[str, np.ndarray]]) -> list[dict[str, np.ndarray]]:
-        """Consecutive mini-batches merged while their distinct rows fit the device budget."""
+    def _plan_groups(
+        self, batches: list[dict[str, np.ndarray]]
+    ) -> tuple[list[dict[str, np.ndarray]], list[dict[str, np.ndarray]] | None]:
+        """Consecutive mini-batches merged while their distinct rows fit the device budget; for a
+        pass that is one group, also each id's position in it (see :func:`union_positions`)."""
         budget = self.device_tier.budget
         if self.device_tier.bytes_for(_id_counts(batches)) <= budget:
             # Fits even counting repeats: one group, one sort per table.
-            return [union_keys(batches)] if any(batches) else []
+            if not any(batches):
+                return [], None
+            keys, positions = union_positions(batches)
+            return [keys], positions
         groups: list[dict[str, np.ndarray]] = []
         current: dict[str, np.ndarray] = {}
         for keys in [{t: np.unique(k) for t, k in b.items()} for b in batches]:
@@ -269,7 +289,7 @@ class Passes:
             current = merged
         if current:
             groups.append(current)
-        return groups
+        return groups, None
 
     def _budget_message(self, need: int) -> str:
         return (

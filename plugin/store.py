@@ -56,7 +56,7 @@ from hierps.errors import (
 from hierps.initializers import initial_rows, table_salt
 from hierps.lifecycle import LifeCycle
 from hierps.optim import initial_state, state_width
-from hierps.passes import Passes, _PassPlan
+from hierps.passes import Passes, _LastPlan, _PassPlan
 from hierps.pipeline import PassPipeline
 from hierps.stats import PassStats
 from hierps.tiers import DeviceTier, MemoryTier, SsdTier, TableIndex
@@ -164,7 +164,7 @@ class Store(Passes, Training, LifeCycle):
         self._in_pass = False
         self.pipeline = bool(pipeline)
         self._announced: list[dict[str, np.ndarray]] | None = None
-        self._last_plan: tuple[list[dict[str, np.ndarray]], list[dict[str, np.ndarray]]] | None = None
+        self._last_plan: _LastPlan | None = None
         self.passes = 0
         self.stats = PassStats()
         self.checkpoint_id: int | None = None
