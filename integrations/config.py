@@ -128,6 +128,10 @@ class HierarchicalPSConfig(BaseModel):
     """Seed of the initializer of new rows."""
     keep_checkpoints: StrictInt = Field(3, ge=1)
     """Store checkpoints kept restorable; older ones (and the tags that map to them) are retired."""
+    pipeline: bool = Field(True, strict=True)
+    """Read the next pass ahead and write the last one back in the background (same parameters as false)."""
+    max_segments: StrictInt = Field(16, ge=2)
+    """SSD segments per table before background compaction merges them (bounds the files a read opens)."""
     batch_ids: Annotated[dict[str, str | int] | None, BeforeValidator(_batch_ids)] = None
     """For PassLoader on dict / tuple batches: module name -> batch key holding that module's ids."""
 

@@ -212,6 +212,8 @@ def _open_store(
         "optimizer": section.optimizer,
         "initializer": section.initializer,
         "keep_checkpoints": section.keep_checkpoints,
+        "pipeline": section.pipeline,
+        "max_segments": section.max_segments,
     }
     path = Path(section.path or "")
     if not (torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1):

@@ -144,19 +144,20 @@ def engines():
 
 
 @pytest.mark.parametrize(
-    ("stage", "gas", "opt", "pass_batches"),
+    ("stage", "gas", "opt", "pass_batches", "section"),
     [
-        (0, 1, "adagrad", 4),
-        (0, 3, "adagrad", 4),
-        (0, 3, "adam", None),
-        (1, 1, "sgd", 4),
-        (1, 3, "adagrad", 5),
-        (2, 1, "adam", 4),
-        (2, 3, "adagrad", None),
-        (3, 3, "adagrad", 4),
+        (0, 1, "adagrad", 4, {}),
+        (0, 3, "adagrad", 4, {}),
+        (0, 3, "adam", None, {}),
+        (1, 1, "sgd", 4, {}),
+        (1, 3, "adagrad", 5, {}),
+        (2, 1, "adam", 4, {}),
+        (2, 3, "adagrad", None, {}),
+        (3, 3, "adagrad", 4, {}),
+        (0, 1, "adam", 4, {"pipeline": False, "max_segments": 2}),
     ],
 )
-def test_training_matches_torch_with_rows_on_ssd(engines, tmp_path, stage, gas, opt, pass_batches):
+def test_training_matches_torch_with_rows_on_ssd(engines, tmp_path, stage, gas, opt, pass_batches, section):
     ref, model = twins()
     batches = zipf_batches(12, batch=BATCH, bag=BAG, vocab=VOCAB)
     ref_losses = train_torch(ref, opt, batches, gas)
@@ -165,8 +166,10 @@ def test_training_matches_torch_with_rows_on_ssd(engines, tmp_path, stage, gas, 
         model=model,
         model_parameters=model.parameters(),
         optimizer=torch.optim.Adam(model.parameters(), lr=0.01),
-        config=ds_config(tmp_path, gas=gas, stage=stage, opt=opt),
+        config=ds_config(tmp_path, gas=gas, stage=stage, opt=opt, **section),
     )
+    assert engine.hierps_store.pipeline is section.get("pipeline", True)
+    assert engine.hierps_store.max_segments == section.get("max_segments", 16)
     assert isinstance(engine, DeepSpeedEngine) and isinstance(engine, hds.HierpsEngine)
     assert isinstance(engine.module.emb, hierps.EmbeddingBag) and not list(engine.module.emb.parameters())
     assert engine.hierps_store.path == tmp_path / "rank-00000"
@@ -272,6 +275,8 @@ def test_load_checkpoint_resumes_identically_also_in_a_fresh_engine(engines, tmp
         ({"path": None}, ["hierarchical_ps.path", "None"]),
         ({"dense_allreduce": "mpi"}, ["hierarchical_ps.dense_allreduce", "'mpi'"]),
         ({"dense_allreduce": "horovod"}, ["hierarchical_ps.dense_allreduce", "horovod"]),
+        ({"pipeline": "no"}, ["hierarchical_ps.pipeline", "'no'"]),
+        ({"max_segments": 1}, ["hierarchical_ps.max_segments", "1"]),
     ],
 )
 def test_bad_section_fails_before_anything_is_built(tmp_path, monkeypatch, section, named):
