@@ -25,7 +25,8 @@ import json
 import math
 import os
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as futures_wait
 from dataclasses import dataclass, field
@@ -39,7 +40,16 @@ from zarr.storage import LocalStore
 from hierps._faults import fault_point
 from hierps.errors import CorruptStoreError
 
-__all__ = ["Array", "create_array", "encoded_bytes", "open_array", "read_array", "read_arrays"]
+__all__ = [
+    "Array",
+    "OpenFiles",
+    "create_array",
+    "encoded_bytes",
+    "make_dir",
+    "open_array",
+    "read_array",
+    "read_arrays",
+]
 
 _CODECS = [{"name": "bytes", "configuration": {"endian": "little"}}, {"name": "crc32c"}]
 _KEY_ENCODING = {"name": "default", "configuration": {"separator": "/"}}
@@ -137,12 +147,19 @@ def create_array(
         "node_type": "array",
         "storage_transformers": [],
     }
-    path.mkdir(parents=True, exist_ok=True)
-    (path / "zarr.json").write_text(json.dumps(meta, indent=2), encoding="utf-8")
+    make_dir(path)
+    fd = os.open(path / "zarr.json", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        _write_all(fd, np.frombuffer(json.dumps(meta).encode("utf-8"), np.uint8))
+    finally:
+        os.close(fd)
     if n_chunks == 0:
         return
-    shard = path / "c" / "/".join(["0"] * data.ndim)
-    shard.parent.mkdir(parents=True, exist_ok=True)
+    folder = path
+    for part in ["c"] + ["0"] * (data.ndim - 1):  # parent first: each mkdir succeeds at once
+        folder = folder / part
+        make_dir(folder)
+    shard = folder / "0"
     raw = np.ascontiguousarray(data, dtype=data.dtype.newbyteorder("<")).reshape(n, -1).view(np.uint8)
     payload = chunk_rows * raw.shape[1]
     fd = os.open(shard, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
@@ -165,6 +182,19 @@ def create_array(
         os.close(fd)
 
 
+def make_dir(path: Path) -> None:
+    """``mkdir -p path`` with one ``mkdir`` per directory made: existing parents are not probed
+    (creating a directory costs far more than a failed ``mkdir``, which only a new parent causes)."""
+    try:
+        os.mkdir(path)
+    except FileNotFoundError:
+        make_dir(path.parent)
+        os.mkdir(path)
+    except FileExistsError:
+        if not path.is_dir():
+            raise
+
+
 def _encode_chunks(payloads: np.ndarray) -> np.ndarray:
     """(k, p) uint8 chunk payloads -> (k, p + 4) uint8: each followed by its crc32c (little endian)."""
     out = np.empty((len(payloads), payloads.shape[1] + 4), dtype=np.uint8)
@@ -178,6 +208,73 @@ def _write_all(fd: int, data: np.ndarray) -> None:
     view = memoryview(data).cast("B")
     while len(view):
         view = view[os.write(fd, view) :]
+
+
+# -- open files ----------------------------------------------------------------------------------
+class OpenFiles:
+    """Read-only descriptors of array files kept open between reads: at most ``capacity`` (the
+    least recently used beyond that are closed), each closed by :meth:`forget` when its file is
+    retired (deleted or rewritten), or by :meth:`close`.
+
+    A descriptor in use by a read (between :meth:`acquire` and :meth:`release`) is closed only once
+    released, so that no read ever meets a closed or reused descriptor. A file removed while open
+    still reads as it was: an index pointing into it sees the rows it pointed at. Thread-safe.
+    """
+
+    def __init__(self, capacity: int = 512) -> None:
+        self.capacity = capacity
+        self._lock = threading.Lock()
+        self._fds: OrderedDict[Path, int] = OrderedDict()
+        self._pins: dict[int, int] = {}  # fd -> reads using it
+        self._retired: set[int] = set()  # forgotten while in use: closed on the last release
+
+    def acquire(self, path: Path) -> int:
+        """A descriptor of ``path`` for reading, held until :meth:`release`; ``OSError`` if it cannot
+        be opened."""
+        with self._lock:
+            fd = self._fds.get(path)
+            if fd is None:
+                fd = os.open(path, os.O_RDONLY)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)  # no read-ahead
+                self._fds[path] = fd
+                self._trim()
+            else:
+                self._fds.move_to_end(path)
+            self._pins[fd] = self._pins.get(fd, 0) + 1
+            return fd
+
+    def release(self, fd: int) -> None:
+        with self._lock:
+            self._pins[fd] -= 1
+            if self._pins[fd] == 0:
+                del self._pins[fd]
+                if fd in self._retired:
+                    self._retired.discard(fd)
+                    os.close(fd)
+
+    def forget(self, paths: Iterable[Path]) -> None:
+        """Close the descriptors of ``paths`` (now, or when the reads using them end)."""
+        with self._lock:
+            for path in paths:
+                fd = self._fds.pop(path, None)
+                if fd is not None:
+                    self._retire(fd)
+
+    def close(self) -> None:
+        self.forget(list(self._fds))
+
+    def __len__(self) -> int:
+        return len(self._fds)
+
+    def _retire(self, fd: int) -> None:
+        if fd in self._pins:
+            self._retired.add(fd)
+        else:
+            os.close(fd)
+
+    def _trim(self) -> None:
+        while len(self._fds) > self.capacity:
+            self._retire(self._fds.popitem(last=False)[1])
 
 
 # -- opening ---------------------------------------------------------------------------------------
@@ -238,9 +335,12 @@ def _ints(value: Any, n: int, low: int) -> bool:
     )
 
 
-def open_array(zstore: LocalStore, root: Path, name: str, dtype: str, ndim: int) -> Array:
+def open_array(
+    zstore: LocalStore, root: Path, name: str, dtype: str, ndim: int, open_files: OpenFiles | None = None
+) -> Array:
     """Open array ``name`` under ``root`` after checking its layout, that every chunk is on disk and,
-    for a shard, its index (crc32c, every inner chunk present and inside the file)."""
+    for a shard, its index (crc32c, every inner chunk present and inside the file). A shard is
+    read through ``open_files`` when given (its descriptor then stays open for later reads)."""
     path = root / name
     try:
         meta = json.loads((path / "zarr.json").read_bytes())
@@ -281,18 +381,23 @@ def open_array(zstore: LocalStore, root: Path, name: str, dtype: str, ndim: int)
     if sharded:
         for i, file in enumerate(files):
             first = i * arr.chunks_per_file
-            arr.offsets[first : first + arr.chunks_per_file] = _shard_offsets(arr, file, n_chunks - first)
+            arr.offsets[first : first + arr.chunks_per_file] = _shard_offsets(
+                arr, file, n_chunks - first, open_files
+            )
     return arr
 
 
-def _shard_offsets(arr: Array, file: Path, chunks_left: int) -> np.ndarray:
+def _shard_offsets(arr: Array, file: Path, chunks_left: int, open_files: OpenFiles | None) -> np.ndarray:
     """Byte offsets of the inner chunks of shard ``file`` that lie inside the array, from its index."""
     n_index = arr.chunks_per_file
     try:
-        with open(file, "rb") as f:
-            size = os.fstat(f.fileno()).st_size
+        fd = open_files.acquire(file) if open_files is not None else os.open(file, os.O_RDONLY)
+        try:
+            size = os.fstat(fd).st_size
             index_at = size - (16 * n_index + 4)
-            raw = os.pread(f.fileno(), 16 * n_index + 4, max(index_at, 0))
+            raw = os.pread(fd, 16 * n_index + 4, max(index_at, 0))
+        finally:
+            open_files.release(fd) if open_files is not None else os.close(fd)
     except OSError as exc:
         raise CorruptStoreError(f"{file}: the shard could not be read ({exc}).") from exc
     if index_at < 0 or crc32c.crc32c(raw[:-4]) != int.from_bytes(raw[-4:], "little"):
@@ -315,15 +420,23 @@ def _shard_offsets(arr: Array, file: Path, chunks_left: int) -> np.ndarray:
 
 
 # -- reading ---------------------------------------------------------------------------------------
-def read_array(arr: Array, root: Path, name: str, positions: np.ndarray | None = None) -> np.ndarray:
+def read_array(
+    arr: Array,
+    root: Path,
+    name: str,
+    positions: np.ndarray | None = None,
+    open_files: OpenFiles | None = None,
+) -> np.ndarray:
     """All of ``arr`` (n, ...), or its rows at ``positions`` (k,) -> (k, ...); see :func:`read_arrays`.
 
     ``root`` and ``name`` are kept for the callers' symmetry with :func:`open_array`.
     """
-    return next(read_arrays([(arr, positions)]))
+    return next(read_arrays([(arr, positions)], open_files))
 
 
-def read_arrays(requests: Sequence[tuple[Array, np.ndarray | None]]) -> Iterator[np.ndarray]:
+def read_arrays(
+    requests: Sequence[tuple[Array, np.ndarray | None]], open_files: OpenFiles | None = None
+) -> Iterator[np.ndarray]:
     """Rows of many arrays at once: for each ``(arr, positions)``, all of ``arr`` (n, ...) when
     ``positions`` is None, else its rows at ``positions`` (k,) int64 -> (k, ...), in request order.
 
@@ -333,9 +446,10 @@ def read_arrays(requests: Sequence[tuple[Array, np.ndarray | None]]) -> Iterator
     taken from the iterator, while the reads of later requests go on. An error surfaces at the
     request it concerns: ``CorruptStoreError`` names a damaged, short or vanished file. Positions
     outside an array are refused before any read. Sorted positions (as every caller asks) need no sort.
+    Files are opened through ``open_files`` when given (and stay open), else opened and closed here.
     """
     plans = [_plan(arr, positions) for arr, positions in requests]
-    reader = _Reader()
+    reader = _Reader(open_files)
     try:
         marks = [reader.start(plan.place(), inline=len(plans) == 1) for plan in plans]
         for plan, mark in zip(plans, marks):
@@ -439,7 +553,8 @@ class _Reader:
     """Runs handed over request by request, read by the read threads in that order (or, for a lone
     request of few runs, at once by the calling thread); ``wait`` blocks until a request's are in."""
 
-    def __init__(self) -> None:
+    def __init__(self, open_files: OpenFiles | None) -> None:
+        self._files = open_files
         self._fds: dict[Path, int] = {}
         self._tasks: list[Future[None]] = []
         self._waited = 0
@@ -449,8 +564,11 @@ class _Reader:
         for run in runs:
             if run.file not in self._fds:
                 try:
-                    self._fds[run.file] = os.open(run.file, os.O_RDONLY)
-                    os.posix_fadvise(self._fds[run.file], 0, 0, os.POSIX_FADV_RANDOM)  # no read-ahead
+                    if self._files is not None:
+                        self._fds[run.file] = self._files.acquire(run.file)
+                    else:
+                        self._fds[run.file] = os.open(run.file, os.O_RDONLY)
+                        os.posix_fadvise(self._fds[run.file], 0, 0, os.POSIX_FADV_RANDOM)  # no read-ahead
                 except OSError as exc:
                     raise _unreadable(run.arr, exc) from exc
         if inline and len(runs) < _PARALLEL_RUNS:
@@ -471,10 +589,10 @@ class _Reader:
         self._waited = max(self._waited, mark)
 
     def close(self) -> None:
-        """Let every task finish (none may read a closed descriptor), then close the files."""
+        """Let every task finish (none may read a closed descriptor), then close (or release) the files."""
         futures_wait(self._tasks)
         for fd in self._fds.values():
-            os.close(fd)
+            self._files.release(fd) if self._files is not None else os.close(fd)
         self._fds.clear()
 
     def _read(self, runs: list[_Run]) -> None:

@@ -149,8 +149,8 @@ def test_checkpoint_retired_in_the_middle_of_a_read(trainer, monkeypatch):
     real = hierps.tiers.ssd.read_arrays
     taken = []
 
-    def racing(requests):
-        for out in real(requests):
+    def racing(requests, *args):
+        for out in real(requests, *args):
             taken.append(1)
             if len(taken) == 2:  # after the first array read of the first segment
                 step()

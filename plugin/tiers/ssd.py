@@ -17,13 +17,23 @@ from __future__ import annotations
 
 import errno
 import shutil
+import weakref
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import numpy as np
 from zarr.storage import LocalStore
 
-from hierps._arrays import Array, create_array, encoded_bytes, open_array, read_array, read_arrays
+from hierps._arrays import (
+    Array,
+    OpenFiles,
+    create_array,
+    encoded_bytes,
+    make_dir,
+    open_array,
+    read_array,
+    read_arrays,
+)
 from hierps._faults import fault_point
 from hierps._files import disk_full_as_error, fsync_dir, fsync_tree
 from hierps.errors import CorruptStoreError, StoreFullError
@@ -151,6 +161,8 @@ class SsdTier:
         self._unsynced: list[tuple[str, int]] = []
         self._sync_error: OSError | None = None
         self._arrays: dict[tuple[str, int], tuple[Array, Array]] = {}
+        self._files = OpenFiles()  # segment files stay open between reads
+        weakref.finalize(self, self._files.close)
         self.bytes_read = 0
         self.bytes_written = 0
         self.rows_read = 0
@@ -195,7 +207,8 @@ class SsdTier:
             for group in np.split(order, np.flatnonzero(np.diff(segs[order])) + 1) if len(segs) else []:
                 groups.append((table, int(segs[group[0]]), group, pos_found[group], found_keys[group]))
         fetched = read_arrays(
-            [(arr, positions) for table, seg, _, positions, _ in groups for arr in self._open(table, seg)]
+            [(arr, positions) for table, seg, _, positions, _ in groups for arr in self._open(table, seg)],
+            self._files,
         )
         for table, seg, group, positions, wanted in groups:
             stored = next(fetched)
@@ -233,7 +246,7 @@ class SsdTier:
                 part = group[start : start + batch]
                 pos = idx.pos[part].astype(np.int64)
                 self.rows_read += len(pos)
-                yield idx.keys[part], read_array(rows_arr, self.root, name, pos)[:, columns]
+                yield idx.keys[part], read_array(rows_arr, self.root, name, pos, self._files)[:, columns]
 
     def segments_holding(self, table: str, keys: np.ndarray) -> set[int]:
         """Segments the live index points into for ``keys`` (n,) int64."""
@@ -246,8 +259,8 @@ class SsdTier:
         if handles is None:
             name = _segment_name(table, seg)
             handles = (
-                open_array(self._zstore, self.root, f"{name}/keys", "int64", 1),
-                open_array(self._zstore, self.root, f"{name}/rows", "float32", 2),
+                open_array(self._zstore, self.root, f"{name}/keys", "int64", 1, self._files),
+                open_array(self._zstore, self.root, f"{name}/rows", "float32", 2, self._files),
             )
             if handles[0].shape[0] != handles[1].shape[0] or handles[1].shape[1] != self.widths[table]:
                 raise CorruptStoreError(
@@ -256,6 +269,16 @@ class SsdTier:
                 )
             self._arrays[(table, seg)] = handles
         return handles
+
+    def _forget(self, key: tuple[str, int]) -> None:
+        """Drop the open handles of a segment that leaves the live index or the disk."""
+        for arr in self._arrays.pop(key, ()):
+            self._files.forget(arr.files)
+
+    def close(self) -> None:
+        """Close the segment files kept open for reads (they reopen on the next read)."""
+        self._files.close()
+        self._arrays.clear()
 
     # -- writes -------------------------------------------------------------------------------
     def write(self, table: str, keys: np.ndarray, rows: np.ndarray) -> None:
@@ -282,6 +305,7 @@ class SsdTier:
         needed = encoded_bytes(keys, key_rows) + encoded_bytes(rows, chunk_rows)
         try:
             with disk_full_as_error(self.root / name, f"segment {seg} of table {table!r}", needed):
+                make_dir(self.root / name)
                 create_array(self._zstore, f"{name}/keys", keys, key_rows)
                 fault_point("ssd.segment_keys_written")
                 create_array(
@@ -363,7 +387,7 @@ class SsdTier:
         for s in stale:
             if self._live.get((table, s), 0) == 0:
                 self._live.pop((table, s), None)
-                self._arrays.pop((table, s), None)
+                self._forget((table, s))
         return rewritten
 
     def _live_keys(self, table: str, segments: list[int]) -> np.ndarray:
@@ -375,7 +399,7 @@ class SsdTier:
             if self._live.get((table, seg), 0) == 0:
                 continue
             name = _segment_name(table, seg)
-            stored = read_array(self._open(table, seg)[0], self.root, f"{name}/keys")
+            stored = read_array(self._open(table, seg)[0], self.root, f"{name}/keys", open_files=self._files)
             found, seg_of, _ = idx.lookup(stored)
             parts.append(stored[found & (seg_of == seg)])
         return np.sort(np.concatenate(parts))
@@ -428,7 +452,8 @@ class SsdTier:
             for s, c in zip(segs.tolist(), counts.tolist()):
                 self._live[(table, s)] = c
                 self._sizes[(table, s)] = sizes.get(s, c)
-        self._arrays = {k: v for k, v in self._arrays.items() if k[0] != table}
+        for key in [k for k in self._arrays if k[0] == table]:
+            self._forget(key)
 
     def segment_size(self, table: str, seg: int) -> int:
         return self._sizes.get((table, seg), 0)
@@ -447,8 +472,8 @@ class SsdTier:
                     continue
                 key = (tdir.name, int(sdir.name))
                 if key not in keep:
+                    self._forget(key)
                     shutil.rmtree(sdir, ignore_errors=True)
-                    self._arrays.pop(key, None)
                     self._sizes.pop(key, None)
                     removed += 1
                     fault_point("ssd.gc_segment")
