@@ -574,6 +574,8 @@ class Store(Passes, Training, LifeCycle):
         try:
             self._pipe.close()
         finally:
+            if hasattr(self, "ssd"):  # (a store that failed to open may not have one yet)
+                self.ssd.close()  # segment files kept open for reads
             os.close(self._lock_fd)
             self._lock_fd = None
 
