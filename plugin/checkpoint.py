@@ -21,9 +21,10 @@ from typing import Any
 import numpy as np
 from zarr.storage import LocalStore
 
-from hierps._arrays import create_array, encoded_bytes, open_array, read_array
+from hierps._arrays import create_array, encoded_bytes, open_array
 from hierps._faults import fault_point
 from hierps._files import disk_full_as_error, fsync_tree, read_json_checked, write_json_atomic
+from hierps._reads import read_array
 from hierps.config import InitializerConfig, OptimizerConfig
 from hierps.errors import ConfigError, CorruptStoreError, StoreFormatError
 from hierps.tiers.ssd import TableIndex

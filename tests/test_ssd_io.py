@@ -14,8 +14,9 @@ import zarr
 import zarr.codecs
 from zarr.storage import LocalStore
 
-from hierps import _arrays
-from hierps._arrays import create_array, open_array, read_array
+from hierps import _arrays, _reads
+from hierps._arrays import create_array, open_array
+from hierps._reads import read_array
 from hierps.errors import CorruptStoreError
 from hierps.tiers.ssd import SsdTier
 
@@ -81,8 +82,8 @@ def test_hierps_reads_what_zarr_writes(tmp_path, layout):
 
 def test_far_apart_rows_read_in_parallel_pieces(tmp_path, monkeypatch):
     """Many runs (no coalescing, tiny pieces) go through the thread pool and come back in order."""
-    monkeypatch.setattr(_arrays, "_GAP_BYTES", 0)
-    monkeypatch.setattr(_arrays, "_PIECE_BYTES", 1)
+    monkeypatch.setattr(_reads, "_GAP_BYTES", 0)
+    monkeypatch.setattr(_reads, "_PIECE_BYTES", 1)
     zstore = LocalStore(str(tmp_path))
     create_array(zstore, "r", ROWS, 3)
     arr = open_array(zstore, tmp_path, "r", "float32", 2)

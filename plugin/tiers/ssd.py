@@ -24,18 +24,10 @@ from pathlib import Path
 import numpy as np
 from zarr.storage import LocalStore
 
-from hierps._arrays import (
-    Array,
-    OpenFiles,
-    create_array,
-    encoded_bytes,
-    make_dir,
-    open_array,
-    read_array,
-    read_arrays,
-)
+from hierps._arrays import Array, create_array, encoded_bytes, make_dir, open_array
 from hierps._faults import fault_point
 from hierps._files import disk_full_as_error, fsync_dir, fsync_tree
+from hierps._reads import OpenFiles, read_array, read_arrays
 from hierps.errors import CorruptStoreError, StoreFullError
 
 __all__ = ["SsdTier", "TableIndex"]
