@@ -121,9 +121,10 @@ class Training:
         fused = batches.fused.get(group)
         if fused is None:
             fused = batches.fused[group] = self._fuse(batches.batches[k], table, offsets, mode)
+        if table not in fused.rows:
+            return None  # another number of ids than the table that pooled the group
         if (
-            table not in fused.rows
-            or table in fused.used
+            table in fused.used
             or mode != fused.mode
             or not (offsets is fused.offsets or torch.equal(offsets, fused.offsets))
         ):
@@ -138,10 +139,15 @@ class Training:
         return fused.pieces[table]
 
     def _fuse(self, batch: Batch, table: str, offsets: torch.Tensor, mode: str) -> FusedBags:
-        """Gather and pool in one go the tables of ``batch`` that share ``table``'s arena and dim."""
+        """Gather and pool in one go the tables of ``batch`` that share ``table``'s arena and dim and
+        have as many ids (so that ``offsets``, checked against ``table``'s ids, fit each of them)."""
         tier, dim = self.device_tier, self.tables[table].dim
-        arena = tier.arena(table)
-        members = [t for t in batch.plans if tier.arena(t) is arena and self.tables[t].dim == dim]
+        arena, n = tier.arena(table), batch.plans[table].ids.numel()
+        members = [
+            t
+            for t, p in batch.plans.items()
+            if tier.arena(t) is arena and self.tables[t].dim == dim and p.ids.numel() == n
+        ]
         plans = [batch.plans[t] for t in members]
         if len(members) == len(batch.plans):
             slots, local = batch.slots, batch.local

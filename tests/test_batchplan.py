@@ -192,3 +192,34 @@ def test_tables_pooled_differently_fall_back_to_one_by_one(make_store):
         results.append({t: store._whole_rows(t, KEYS) for t in DIMS})
     for t in DIMS:
         np.testing.assert_array_equal(results[1][t], results[0][t])
+
+
+def test_tables_with_other_id_counts_pool_apart(make_store):
+    """A table of the same width with fewer ids (and its own offsets) is not pooled with the others."""
+    rng = np.random.default_rng(5)
+    passes = [
+        [
+            {
+                "a": torch.from_numpy(KEYS[rng.integers(0, 600, 48)]),
+                "b": torch.from_numpy(KEYS[rng.integers(0, 600, 20)]),
+                "c": torch.from_numpy(KEYS[rng.integers(0, 600, 48)]),
+            }
+            for _ in range(2)
+        ]
+        for _ in range(2)
+    ]
+    offsets = {"a": torch.arange(0, 48, 2), "b": torch.arange(0, 20, 5), "c": torch.arange(0, 48, 2)}
+    results = []
+    for planned in (False, True):
+        store = make_store(f"s{planned}")
+        bags, _ = _model(store, {"type": "adagrad", "params": {"lr": 0.1}}, None)
+        for group in passes:
+            store.begin_pass(group if planned else _unmatched(group))
+            for batch in group:
+                sum(bags[t](batch[t], offsets[t]).square().sum() for t in DIMS).backward()
+                store.step()
+            assert (store._batches.cursor.get("b", 0) == len(group)) == planned
+            store.end_pass()
+        results.append({t: store._whole_rows(t, KEYS) for t in DIMS})
+    for t in DIMS:
+        np.testing.assert_array_equal(results[1][t], results[0][t])
