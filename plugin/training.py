@@ -120,6 +120,8 @@ class Training:
         group = (k, id(tier.arena(table)), info.dim)
         fused = batches.fused.get(group)
         if fused is None:
+            for done in [g for g in batches.fused if g[0] < k]:  # earlier mini-batches: let them go
+                del batches.fused[done]
             fused = batches.fused[group] = self._fuse(batches.batches[k], table, offsets, mode)
         if table not in fused.rows:
             return None  # another number of ids than the table that pooled the group
@@ -131,6 +133,8 @@ class Training:
             batches.fuse = False  # this model's tables pool differently: gather them one by one
             return None
         fused.used.add(table)
+        if len(fused.used) == len(fused.rows):
+            del batches.fused[group]  # every member has its piece; the pieces keep what they need
         batches.cursor[table] = k + 1
         tier.defer_seen(table, plan.slots, plan.counts, info.state_end, self.passes, info.eviction.decay)
         self._pending.append(
