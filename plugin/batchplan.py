@@ -165,31 +165,46 @@ def pool_bags(
 
 @dataclass
 class PassBatches:
-    """The translated mini-batches of the current pass and, per table, the next one expected."""
+    """The translated mini-batches of the current pass and, per table, the next one expected.
 
-    batches: list[Batch]
+    A mini-batch's plans are let go once each of its tables has run it.
+    """
+
+    batches: list[Batch | None]
     generation: int  # the device tier's generation the slots belong to
     cursor: dict[str, int] = field(default_factory=dict)
     # by (mini-batch index, arena, dim): the tables of a mini-batch that pool together
     fused: dict[tuple[int, int, int], FusedBags] = field(default_factory=dict)
     fuse: bool = True  # off once a mini-batch's tables did not pool alike
+    left: list[int] = field(init=False)  # tables of each mini-batch that have not run it yet
+
+    def __post_init__(self) -> None:
+        self.left = [len(b.plans) if b is not None else 0 for b in self.batches]
 
     def next_plan(self, table: str, ids: torch.Tensor, generation: int) -> tuple[int, BatchPlan] | None:
         """(index, plan) of ``table``'s next announced mini-batch if ``ids`` are its ids, else None."""
         if generation != self.generation:
             return None
         k = self.cursor.get(table, 0)
-        plan = self.batches[k].plans.get(table) if k < len(self.batches) else None
+        batch = self.batches[k] if k < len(self.batches) else None
+        plan = batch.plans.get(table) if batch is not None else None
         if plan is None or plan.ids.numel() != ids.numel() or not torch.equal(plan.ids, ids.reshape(-1)):
             return None
         return k, plan
+
+    def ran(self, table: str, k: int) -> None:
+        """``table`` ran mini-batch ``k``: expect the next one."""
+        self.cursor[table] = k + 1
+        self.left[k] -= 1
+        if self.left[k] == 0:
+            self.batches[k] = None
 
     def match(self, table: str, ids: torch.Tensor, generation: int) -> BatchPlan | None:
         """:meth:`next_plan`'s plan, the mini-batch then counting as run for ``table``."""
         found = self.next_plan(table, ids, generation)
         if found is None:
             return None
-        self.cursor[table] = found[0] + 1
+        self.ran(table, found[0])
         return found[1]
 
 

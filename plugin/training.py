@@ -135,7 +135,7 @@ class Training:
         fused.used.add(table)
         if len(fused.used) == len(fused.rows):
             del batches.fused[group]  # every member has its piece; the pieces keep what they need
-        batches.cursor[table] = k + 1
+        batches.ran(table, k)
         tier.defer_seen(table, plan.slots, plan.counts, info.state_end, self.passes, info.eviction.decay)
         self._pending.append(
             _Pending(table, plan.keys, plan.slots, tier.generation, fused.leaf, fused.rows[table])

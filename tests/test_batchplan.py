@@ -104,6 +104,7 @@ def test_forwards_go_through_the_plans(make_store):
                 bags[t](batch[t], offsets).sum().backward()
             store.step()
         assert store._batches is not None and store._batches.cursor == {t: 2 for t in DIMS}
+        assert store._batches.batches == [None, None]  # each mini-batch's plans let go once run
         store.end_pass()
 
 
