@@ -177,9 +177,8 @@ def test_pooled_tables_backpropagate_one_by_one(make_store, mode, bag):
         np.testing.assert_array_equal(results[1][t], results[0][t])
 
 
-def test_tables_pooled_differently_fall_back_to_one_by_one(make_store):
-    passes = [_batches(2, seed=p) for p in range(2)]
-    other = torch.arange(0, 48, 4)  # table b pools other bags than table a
+def _planned_equals_generic(make_store, passes, loss) -> None:
+    """Train ``passes`` planned and generic with ``loss(bags, batch)``; the rows must be equal."""
     results = []
     for planned in (False, True):
         store = make_store(f"s{planned}")
@@ -187,42 +186,36 @@ def test_tables_pooled_differently_fall_back_to_one_by_one(make_store):
         for group in passes:
             store.begin_pass(group if planned else _unmatched(group))
             for batch in group:
-                loss = bags["a"](batch["a"], torch.arange(0, 48, 2)).sum()
-                loss = loss + bags["b"](batch["b"], other).square().sum() + bags["c"](batch["c"], other).sum()
-                loss.backward()
+                loss(bags, batch).backward()
                 store.step()
+            assert all((store._batches.cursor.get(t, 0) == len(group)) == planned for t in DIMS)
             store.end_pass()
         results.append({t: store._whole_rows(t, KEYS) for t in DIMS})
     for t in DIMS:
         np.testing.assert_array_equal(results[1][t], results[0][t])
+
+
+def test_tables_pooled_differently_fall_back_to_one_by_one(make_store):
+    other = torch.arange(0, 48, 4)  # table b pools other bags than table a
+
+    def loss(bags, batch):
+        out = bags["a"](batch["a"], torch.arange(0, 48, 2)).sum()
+        return out + bags["b"](batch["b"], other).square().sum() + bags["c"](batch["c"], other).sum()
+
+    _planned_equals_generic(make_store, [_batches(2, seed=p) for p in range(2)], loss)
 
 
 def test_tables_with_other_id_counts_pool_apart(make_store):
     """A table of the same width with fewer ids (and its own offsets) is not pooled with the others."""
     rng = np.random.default_rng(5)
+    sizes = {"a": 48, "b": 20, "c": 48}
     passes = [
-        [
-            {
-                "a": torch.from_numpy(KEYS[rng.integers(0, 600, 48)]),
-                "b": torch.from_numpy(KEYS[rng.integers(0, 600, 20)]),
-                "c": torch.from_numpy(KEYS[rng.integers(0, 600, 48)]),
-            }
-            for _ in range(2)
-        ]
+        [{t: torch.from_numpy(KEYS[rng.integers(0, 600, n)]) for t, n in sizes.items()} for _ in range(2)]
         for _ in range(2)
     ]
     offsets = {"a": torch.arange(0, 48, 2), "b": torch.arange(0, 20, 5), "c": torch.arange(0, 48, 2)}
-    results = []
-    for planned in (False, True):
-        store = make_store(f"s{planned}")
-        bags, _ = _model(store, {"type": "adagrad", "params": {"lr": 0.1}}, None)
-        for group in passes:
-            store.begin_pass(group if planned else _unmatched(group))
-            for batch in group:
-                sum(bags[t](batch[t], offsets[t]).square().sum() for t in DIMS).backward()
-                store.step()
-            assert (store._batches.cursor.get("b", 0) == len(group)) == planned
-            store.end_pass()
-        results.append({t: store._whole_rows(t, KEYS) for t in DIMS})
-    for t in DIMS:
-        np.testing.assert_array_equal(results[1][t], results[0][t])
+    _planned_equals_generic(
+        make_store,
+        passes,
+        lambda bags, batch: sum(bags[t](batch[t], offsets[t]).square().sum() for t in DIMS),
+    )
