@@ -571,6 +571,7 @@ class Store(Passes, Training, LifeCycle):
         if self._lock_fd is None:
             return
         self._pending = []
+        self._batches = None  # forwards take the generic path, which refuses a closed store
         try:
             self._pipe.close()
         finally:

@@ -168,9 +168,13 @@ def test_bad_settings(tmp_path, kwargs, message):
 
 def test_closed_store(trained):
     store, bag = trained
+    ids, offsets = torch.arange(0, 30), torch.tensor([0, 10, 20])
+    store.begin_pass([{"t": ids}])  # an announced mini-batch: its forward would take the planned path
     store.close()
     with pytest.raises(errors.StoreClosedError):
         bag.lookup(torch.tensor([1]))
+    with pytest.raises(errors.StoreClosedError):
+        bag(ids, offsets)
 
 
 # -- more bad input, each refused before anything changes -------------------------------------
