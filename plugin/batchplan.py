@@ -30,8 +30,8 @@ __all__ = [
     "FusedBags",
     "PassBatches",
     "pool_bags",
+    "same_batches",
     "translate",
-    "union_keys",
     "union_positions",
 ]
 
@@ -208,22 +208,22 @@ class PassBatches:
         return found[1]
 
 
-def union_keys(batches: Sequence[Mapping[str, np.ndarray]]) -> dict[str, np.ndarray]:
-    """The sorted distinct ids of each table over all ``batches``: the working set of a pass."""
-    return union_positions(batches, inverse=False)[0]
+def same_batches(a: Sequence[Mapping[str, np.ndarray]], b: Sequence[Mapping[str, np.ndarray]]) -> bool:
+    """Whether two passes have the same mini-batches: the same tables and ids, in the same order."""
+    return len(a) == len(b) and all(
+        x.keys() == y.keys() and all(np.array_equal(x[t], y[t]) for t in x) for x, y in zip(a, b)
+    )
 
 
 def union_positions(
-    batches: Sequence[Mapping[str, np.ndarray]], inverse: bool = True
+    batches: Sequence[Mapping[str, np.ndarray]],
 ) -> tuple[dict[str, np.ndarray], list[dict[str, np.ndarray]]]:
-    """:func:`union_keys`, and with ``inverse`` the position of each id of each batch in them."""
+    """The sorted distinct ids of each table over all ``batches`` (the working set of a pass), and
+    the position of each id of each batch in them."""
     tables = dict.fromkeys(t for batch in batches for t in batch)
     keys, positions = {}, [{} for _ in batches]
     for t in tables:
         ids = [b[t] for b in batches if t in b]
-        if not inverse:
-            keys[t] = np.unique(np.concatenate(ids))
-            continue
         keys[t], at = _unique_inverse(np.concatenate(ids))
         ends = np.cumsum([len(i) for i in ids])
         parts = iter(np.split(at.reshape(-1), ends[:-1]))

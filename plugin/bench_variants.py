@@ -270,14 +270,11 @@ def _with_tables(work: Workload, cfg: dict[str, Any], tables: list[nn.Module]) -
     return model
 
 
-def _mmap(work: Workload, cfg: dict[str, Any], tmp: Path, params: dict[str, Any]) -> dict[str, Any]:
-    rng = np.random.default_rng(cfg["seed"])
-    tmp.mkdir(parents=True, exist_ok=True)
-    bags = [
-        _MmapBag(tmp / f"table-{i}.f32", n, cfg["dim"], cfg["lr_sparse"], rng)
-        for i, n in enumerate(work.spec.vocab_sizes)
-    ]
-    model = _with_tables(work, cfg, bags)
+def _measure_with_tables(
+    work: Workload, cfg: dict[str, Any], tables: list[_MmapBag | _NoLookup], batches: list[Batch]
+) -> dict[str, Any]:
+    """An epoch of the model with ``tables`` (each stepped after the dense Adam step) over ``batches``."""
+    model = _with_tables(work, cfg, tables)
     dense_opt = torch.optim.Adam(model.parameters(), lr=cfg["lr_dense"])
 
     def step(b: Batch) -> None:
@@ -285,11 +282,21 @@ def _mmap(work: Workload, cfg: dict[str, Any], tmp: Path, params: dict[str, Any]
         _LOSS(model(dense, sparse), labels).backward()
         dense_opt.step()
         dense_opt.zero_grad()
-        for bag in bags:
-            bag.step()
+        for table in tables:
+            table.step()
 
+    return _measure_epoch(step, batches)
+
+
+def _mmap(work: Workload, cfg: dict[str, Any], tmp: Path, params: dict[str, Any]) -> dict[str, Any]:
+    rng = np.random.default_rng(cfg["seed"])
+    tmp.mkdir(parents=True, exist_ok=True)
+    bags = [
+        _MmapBag(tmp / f"table-{i}.f32", n, cfg["dim"], cfg["lr_sparse"], rng)
+        for i, n in enumerate(work.spec.vocab_sizes)
+    ]
     return {
-        **_measure_epoch(step, _folded_batches(work)),
+        **_measure_with_tables(work, cfg, bags, _folded_batches(work)),
         "file_bytes": int(sum(b.rows.nbytes for b in bags)),
     }
 
@@ -305,22 +312,14 @@ class _NoLookup(nn.Module):
     def forward(self, ids: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
         return self.out[: offsets.numel()]
 
+    def step(self) -> None:
+        self.out.grad = None
+
 
 def _mlp_only(work: Workload, cfg: dict[str, Any], tmp: Path, params: dict[str, Any]) -> dict[str, Any]:
     gen = torch.Generator().manual_seed(cfg["seed"])
     bags = [_NoLookup(cfg["batch_size"], cfg["dim"], gen) for _ in work.spec.vocab_sizes]
-    model = _with_tables(work, cfg, bags)
-    dense_opt = torch.optim.Adam(model.parameters(), lr=cfg["lr_dense"])
-
-    def step(b: Batch) -> None:
-        dense, sparse, labels = b
-        _LOSS(model(dense, sparse), labels).backward()
-        dense_opt.step()
-        dense_opt.zero_grad()
-        for bag in bags:
-            bag.out.grad = None
-
-    return _measure_epoch(step, work.batches)
+    return _measure_with_tables(work, cfg, bags, work.batches)
 
 
 # -- hierps -------------------------------------------------------------------------------------

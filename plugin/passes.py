@@ -19,7 +19,7 @@ import torch
 
 from hierps import ids as _ids
 from hierps._faults import fault_point
-from hierps.batchplan import Batch, PassBatches, translate, union_positions
+from hierps.batchplan import Batch, PassBatches, same_batches, translate, union_positions
 from hierps.errors import DeviceBudgetError
 from hierps.tiers.device import DrainedRows, apply_moves, rebuild
 
@@ -120,23 +120,21 @@ class Passes:
             plans = None
             if ahead is not None and ahead.moves.version == tier.version:
                 # Nothing changed in the device tier since the pass was announced: the moves
-                # planned then hold, and the rows read then are exactly those missing.
-                base = ahead.moves.base
+                # planned then hold, the rows read then are exactly those missing, and the
+                # mini-batches were translated for the layout they make.
                 drained = apply_moves(tier, ahead.moves, ahead.rows)
                 plans = ahead.plans
             else:
                 # No write-back is pending now, so rows the read-ahead lacks are read fresh.
-                base = tier.layout({t: len(k) for t, k in groups[0].items()})
                 prepared = {t: (k, ahead.rows[t]) for t, k in ahead.moves.missing.items()} if ahead else None
                 drained = rebuild(tier, groups[0], prepared, fetch)
             self._pipe.submit_writeback(drained)
-            self._translated(raw, groups[0], base, plans, positions)
+            self._translated(raw, groups[0], plans, positions)
         else:
             self._write_back()
             if len(groups) == 1:
-                base = tier.layout({t: len(k) for t, k in groups[0].items()})
                 rebuild(tier, groups[0], None, fetch)  # nothing is resident: nothing leaves
-                self._translated(raw, groups[0], base, None, positions)
+                self._translated(raw, groups[0], None, positions)
             elif groups:
                 self._load(groups[0], create=False)
         fault_point("pass.loaded")
@@ -148,16 +146,16 @@ class Passes:
         self,
         raw: list[dict[str, np.ndarray]],
         group: dict[str, np.ndarray],
-        base: dict[str, int],
         plans: list[Batch] | None,
         positions: list[dict[str, np.ndarray]] | None,
     ) -> None:
         """Attach the pass's translated mini-batches (see :mod:`hierps.batchplan`) to the working set
-        :func:`rebuild` just laid out at ``base``: those read ahead if they were made for this
-        layout, else translated now (``positions``: each id's in the pass's keys, if known).
-        Tables filtering admission are left to the generic gather."""
+        ``group`` just laid out: ``plans`` if they were read ahead for this layout, else translated
+        now (``positions``: each id's in the pass's keys, if known). Tables filtering admission are
+        left to the generic gather."""
         keep = {t: k for t, k in group.items() if not self.tables[t].admission.filters}
         if plans is None or len(keep) != len(group):
+            base = self.device_tier.layout({t: len(k) for t, k in group.items()})
             plans = translate(raw, keep, base, self.device, positions)
         self._batches = PassBatches(plans, self.device_tier.generation)
 
@@ -248,14 +246,7 @@ class Passes:
     ) -> tuple[list[dict[str, np.ndarray]], list[dict[str, np.ndarray]] | None]:
         """:meth:`_plan_groups`, reusing the plan of the same batches (announced, then begun)."""
         last = self._last_plan
-        if (
-            last is not None
-            and len(last[0]) == len(batches)
-            and all(
-                a.keys() == b.keys() and all(np.array_equal(a[t], b[t]) for t in a)
-                for a, b in zip(last[0], batches)
-            )
-        ):
+        if last is not None and same_batches(last[0], batches):
             return last[1], last[2]
         groups, positions = self._plan_groups(batches)
         self._last_plan = (batches, groups, positions)

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, TypeVar
 
 import numpy as np
 
-from hierps.batchplan import Batch, translate, union_positions
+from hierps.batchplan import Batch, same_batches, translate, union_positions
 from hierps.tiers.device import DrainedRows, Moves, Snapshot, plan_moves
 
 if TYPE_CHECKING:
@@ -125,11 +125,7 @@ class PassPipeline:
         t0 = time.perf_counter()
         ahead = fut.result()
         self.wait_seconds += time.perf_counter() - t0
-        same = len(announced) == len(batches) and all(
-            a.keys() == b.keys() and all(np.array_equal(a[t], b[t]) for t in a)
-            for a, b in zip(announced, batches)
-        )
-        return ahead if same else None
+        return ahead if same_batches(announced, batches) else None
 
     def drain(self) -> None:
         """Wait for every background task; the tiers below are then quiet."""

@@ -168,10 +168,6 @@ class DeviceTier:
         r.sslots = torch.cat([r.sslots, torch.from_numpy(new_slots).to(self.device)])[order]
         self.version += 1
 
-    def resident_keys(self, table: str) -> np.ndarray:
-        """Sorted keys resident for ``table``."""
-        return np.sort(self._tables[table].keys)
-
     def mark_dirty(self, table: str, slots: torch.Tensor) -> None:
         self._tables[table].arena.dirty[slots] = True
 
