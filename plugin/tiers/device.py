@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from hierps._tensors import joined
-from hierps.counters import COUNT, DECAYED, LAST_PASS, record_seen
+from hierps.counters import record_seen
 
 __all__ = ["DeviceTier", "DrainedRows", "Moves", "Snapshot", "apply_moves", "plan_moves", "rebuild"]
 
@@ -190,21 +190,18 @@ class DeviceTier:
             else:  # decay needs each sighting's age: one at a time, in order
                 record_seen(s.arena.rows, s.slots, s.start, s.counts, s.now, s.decay)
                 s.arena.dirty[s.slots] = True
-        for items in groups.values():
+        for items in groups.values():  # without decay, sightings add up: one call for all of them
             first = items[0]
             slots = joined([s.slots for s in items])
-            counts = joined([s.counts for s in items])
-            rows = first.arena.rows
-            rows[:, first.start + COUNT].index_add_(0, slots, counts)
-            rows[:, first.start + DECAYED].index_add_(0, slots, counts)
-            rows[:, first.start + LAST_PASS].index_fill_(0, slots, float(first.now))
+            record_seen(
+                first.arena.rows, slots, first.start, joined([s.counts for s in items]), first.now, 1.0
+            )
             first.arena.dirty[slots] = True
 
     # -- leaving the tier ---------------------------------------------------------------------
-    def _taken(self, r: _Resident, at: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
-        """(rows (k, width), dirty (k,)) of ``r``'s resident rows ``at`` (positions; None: all), on the host."""
-        slots = r.slots if at is None else r.slots[at]
-        idx = torch.from_numpy(slots).to(self.device)
+    def _taken(self, r: _Resident) -> tuple[np.ndarray, np.ndarray]:
+        """(rows (n, width), dirty (n,)) of ``r``'s resident rows, on the host."""
+        idx = torch.from_numpy(r.slots).to(self.device)
         return r.arena.rows.index_select(0, idx).cpu().numpy(), r.arena.dirty.index_select(
             0, idx
         ).cpu().numpy()
