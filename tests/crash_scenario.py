@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 import hierps
-import hierps._arrays
+import hierps.storage._arrays
 from hierps import _faults
 
 TABLES = {
@@ -184,7 +184,9 @@ def _child(
     target: Callable[[str, str, str, bool], None], store: str, out: str, fault: str, record: bool
 ) -> None:
     torch.set_num_threads(1)
-    hierps._arrays._BLOCK_CHUNKS = 1  # segment rows written one chunk at a time, a fault point after each
+    hierps.storage._arrays._BLOCK_CHUNKS = (
+        1  # segment rows written one chunk at a time, a fault point after each
+    )
     try:
         target(store, out, fault, record)
     except BaseException:
@@ -203,7 +205,7 @@ def start_forked(
     ctx = multiprocessing.get_context("forkserver")
     # The server imports these once; this module (not on the server's sys.path in Python 3.11)
     # is then imported by each child cheaply.
-    ctx.set_forkserver_preload(["hierps", "hierps.reader"])
+    ctx.set_forkserver_preload(["hierps", "hierps.tiers._reader"])
     out.mkdir(parents=True, exist_ok=True)
     proc = ctx.Process(target=_child, args=(target, str(store), str(out), fault, record))
     proc.start()

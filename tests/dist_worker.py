@@ -82,7 +82,7 @@ def main() -> None:
     bag, head = build(store)
     if args.mode == "load":
         store.restore("final")
-        owned = ALL_KEYS[hierps.sharded.owner_of(ALL_KEYS, world) == rank]
+        owned = ALL_KEYS[hierps.sharding._sharded.owner_of(ALL_KEYS, world) == rank]
         np.savez(
             out / f"loaded-{rank}.npz",
             keys=owned,
@@ -118,7 +118,7 @@ def main() -> None:
         store.end_pass()
     store.checkpoint("final")
     rows = store.lookup("t", torch.from_numpy(ALL_KEYS)).numpy()
-    owned = ALL_KEYS[hierps.sharded.owner_of(ALL_KEYS, world) == rank]
+    owned = ALL_KEYS[hierps.sharding._sharded.owner_of(ALL_KEYS, world) == rank]
     np.savez(
         out / f"result-{rank}.npz",
         rows=rows,

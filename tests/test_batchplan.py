@@ -65,10 +65,10 @@ def _train(store, passes, *, planned: bool, optimizer: dict, eviction: dict | No
             store.prefetch(announced[p + 1])
         for batch in group:
             _step(store, bags, head, opt, batch, offsets)
-        assert (store._batches.cursor.get("a", 0) == len(group)) == planned
+        assert (store._passes.batches.cursor.get("a", 0) == len(group)) == planned
         store.end_pass()
     store.checkpoint()
-    return {t: store._whole_rows(t, KEYS) for t in DIMS}
+    return {t: store._core.whole_rows(t, KEYS) for t in DIMS}
 
 
 @pytest.mark.parametrize(
@@ -103,8 +103,8 @@ def test_forwards_go_through_the_plans(make_store):
             for t in DIMS:
                 bags[t](batch[t], offsets).sum().backward()
             store.step()
-        assert store._batches is not None and store._batches.cursor == {t: 2 for t in DIMS}
-        assert store._batches.batches == [None, None]  # each mini-batch's plans let go once run
+        assert store._passes.batches is not None and store._passes.batches.cursor == {t: 2 for t in DIMS}
+        assert store._passes.batches.batches == [None, None]  # each mini-batch's plans let go once run
         store.end_pass()
 
 
@@ -132,7 +132,7 @@ def test_ids_that_were_not_announced_take_the_generic_path(make_store):
         store.end_pass()
     store.checkpoint()
     for t in DIMS:
-        np.testing.assert_array_equal(store._whole_rows(t, KEYS), want[t])
+        np.testing.assert_array_equal(store._core.whole_rows(t, KEYS), want[t])
 
 
 def test_non_finite_gradient_of_one_fused_table_changes_no_row(make_store):
@@ -141,14 +141,14 @@ def test_non_finite_gradient_of_one_fused_table_changes_no_row(make_store):
     batch = _batches(1, seed=0)[0]
     offsets = torch.arange(0, 48, 2)
     store.begin_pass([batch])
-    before = {t: store._whole_rows(t, KEYS) for t in DIMS}
+    before = {t: store._core.whole_rows(t, KEYS) for t in DIMS}
     loss = bags["a"](batch["a"], offsets).sum() + bags["b"](batch["b"], offsets).sum() * float("inf")
     loss.backward()
     with pytest.raises(hierps.NonFiniteGradientError, match=r"\['b'\]"):
         store.step()
     for t in DIMS:
         np.testing.assert_array_equal(
-            store._whole_rows(t, KEYS)[:, : DIMS[t] * 2], before[t][:, : DIMS[t] * 2]
+            store._core.whole_rows(t, KEYS)[:, : DIMS[t] * 2], before[t][:, : DIMS[t] * 2]
         )
 
 
@@ -168,11 +168,11 @@ def test_pooled_tables_backpropagate_one_by_one(make_store, mode, bag):
                 for i, t in enumerate(DIMS):
                     (bags[t](batch[t], offsets).square().sum() * (i + 1)).backward()
                     if planned and t == "a":
-                        assert len(store._batches.fused) == 1  # a pooled b with it; b's piece waits
+                        assert len(store._passes.batches.fused) == 1  # a pooled b with it; b's piece waits
                 store.step()
-            assert not store._batches.fused  # let go once every table has its piece
+            assert not store._passes.batches.fused  # let go once every table has its piece
             store.end_pass()
-        results.append({t: store._whole_rows(t, KEYS) for t in DIMS})
+        results.append({t: store._core.whole_rows(t, KEYS) for t in DIMS})
     for t in DIMS:
         np.testing.assert_array_equal(results[1][t], results[0][t])
 
@@ -188,9 +188,9 @@ def _planned_equals_generic(make_store, passes, loss) -> None:
             for batch in group:
                 loss(bags, batch).backward()
                 store.step()
-            assert all((store._batches.cursor.get(t, 0) == len(group)) == planned for t in DIMS)
+            assert all((store._passes.batches.cursor.get(t, 0) == len(group)) == planned for t in DIMS)
             store.end_pass()
-        results.append({t: store._whole_rows(t, KEYS) for t in DIMS})
+        results.append({t: store._core.whole_rows(t, KEYS) for t in DIMS})
     for t in DIMS:
         np.testing.assert_array_equal(results[1][t], results[0][t])
 

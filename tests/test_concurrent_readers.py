@@ -13,11 +13,11 @@ import numpy as np
 import pytest
 
 import hierps
-import hierps.checkpoint
-import hierps.tiers.ssd
-from hierps.counters import NUM_COUNTERS
+import hierps.storage._checkpoint
+import hierps.tiers._ssd
 from hierps.errors import CheckpointRetiredError
-from hierps.reader import CheckpointReader
+from hierps.rows._counters import NUM_COUNTERS
+from hierps.tiers._reader import CheckpointReader
 
 
 @pytest.fixture
@@ -118,7 +118,7 @@ def test_read_after_the_checkpoint_was_retired_and_collected(trainer):
 def test_checkpoint_retired_while_the_reader_opens_it(trainer, monkeypatch):
     """The reader listed checkpoint k, then the trainer retired it: the reader takes the newest."""
     store, step = trainer
-    real = hierps.checkpoint.CheckpointCatalog.read_index
+    real = hierps.storage._checkpoint.CheckpointCatalog.read_index
     calls = []
 
     def racing(self, ckpt, table, segments):
@@ -127,7 +127,7 @@ def test_checkpoint_retired_while_the_reader_opens_it(trainer, monkeypatch):
         calls.append(ckpt)
         return real(self, ckpt, table, segments)
 
-    monkeypatch.setattr(hierps.checkpoint.CheckpointCatalog, "read_index", racing)
+    monkeypatch.setattr(hierps.storage._checkpoint.CheckpointCatalog, "read_index", racing)
     first = store.checkpoint_id
     reader = CheckpointReader(store.path)
     assert calls[0] == first and reader.checkpoint_id == first + 1
@@ -146,7 +146,7 @@ def test_checkpoint_retired_in_the_middle_of_a_read(trainer, monkeypatch):
     """Segments deleted between two segment reads: the rows already read are not returned."""
     store, step = trainer
     reader = CheckpointReader(store.path)
-    real = hierps.tiers.ssd.read_arrays
+    real = hierps.tiers._ssd.read_arrays
     taken = []
 
     def racing(requests, *args):
@@ -157,7 +157,7 @@ def test_checkpoint_retired_in_the_middle_of_a_read(trainer, monkeypatch):
                 step()
             yield out
 
-    monkeypatch.setattr(hierps.tiers.ssd, "read_arrays", racing)
+    monkeypatch.setattr(hierps.tiers._ssd, "read_arrays", racing)
     with pytest.raises(CheckpointRetiredError):
         reader.read("user", reader.keys("user"))
     assert len(taken) >= 2

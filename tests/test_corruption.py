@@ -18,7 +18,7 @@ from zarr.storage import LocalStore
 
 import hierps
 from hierps.errors import CorruptStoreError
-from hierps.reader import CheckpointReader
+from hierps.tiers._reader import CheckpointReader
 
 KEYS = np.arange(200, dtype=np.int64) * 13
 

@@ -22,8 +22,8 @@ import numpy as np
 import pytest
 
 import hierps
-from hierps.counters import NUM_COUNTERS
-from hierps.reader import CheckpointReader
+from hierps.rows._counters import NUM_COUNTERS
+from hierps.tiers._reader import CheckpointReader
 
 
 @pytest.fixture(scope="module")

@@ -122,7 +122,7 @@ def test_directory_that_is_not_a_store(tmp_path):
 def test_store_of_another_format_version(make_store, tmp_path):
     store = make_store("s")
     store.close()
-    from hierps._files import write_json_atomic
+    from hierps.storage._files import write_json_atomic
 
     write_json_atomic(tmp_path / "s" / "hierps.json", {"format": "hierps-store", "format_version": 99})
     with pytest.raises(errors.StoreFormatError, match="format version 99"):
@@ -260,7 +260,7 @@ def test_non_finite_gradient_in_one_table_updates_no_table(make_store):
 def test_second_writer_in_another_process_is_refused(tmp_path):
     import crash_scenario as cs
 
-    from hierps.reader import CheckpointReader
+    from hierps.tiers._reader import CheckpointReader
 
     path, out = tmp_path / "s", tmp_path / "holder"
     holder = cs.start_forked(cs.hold, path, out)

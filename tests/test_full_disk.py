@@ -17,10 +17,10 @@ import pytest
 import torch
 
 import hierps
-import hierps._files
-import hierps.tiers.ssd
-from hierps.counters import NUM_COUNTERS
-from hierps.reader import CheckpointReader
+import hierps.storage._files
+import hierps.tiers._ssd
+from hierps.rows._counters import NUM_COUNTERS
+from hierps.tiers._reader import CheckpointReader
 
 DIM = 16  # adagrad: 32 floats, 128 bytes a row
 KEYS = np.arange(3000, dtype=np.int64) * 31 - 40_000
@@ -180,7 +180,7 @@ def enospc(monkeypatch):
     def full(what: str, path: object) -> bool:
         return any(w == what and Path(str(path)).is_relative_to(p) for w, p in armed)
 
-    real_create = hierps.tiers.ssd.create_array
+    real_create = hierps.tiers._ssd.create_array
 
     def create(zstore, *args, **kwargs):
         if full("segment", zstore.root):
@@ -192,8 +192,8 @@ def enospc(monkeypatch):
             raise OSError(errno.ENOSPC, "No space left on device")
         return open(path, mode, *args, **kwargs)
 
-    monkeypatch.setattr(hierps.tiers.ssd, "create_array", create)
-    monkeypatch.setattr(hierps._files, "open", fake_open, raising=False)
+    monkeypatch.setattr(hierps.tiers._ssd, "create_array", create)
+    monkeypatch.setattr(hierps.storage._files, "open", fake_open, raising=False)
     return armed
 
 
@@ -250,15 +250,15 @@ def test_failed_fsync_is_not_retried(make_store, monkeypatch):
     store.checkpoint("c1")
     c1 = store.read_rows("t", KEYS).copy()
     _train(store, bag, KEYS[:200], seed=2)
-    real = hierps.tiers.ssd.fsync_tree
+    real = hierps.tiers._ssd.fsync_tree
 
     def failing(path):
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(hierps.tiers.ssd, "fsync_tree", failing)
+    monkeypatch.setattr(hierps.tiers._ssd, "fsync_tree", failing)
     with pytest.raises(hierps.StoreFullError, match="fsync of new segments failed .* open it again"):
         store.checkpoint("c2")
-    monkeypatch.setattr(hierps.tiers.ssd, "fsync_tree", real)
+    monkeypatch.setattr(hierps.tiers._ssd, "fsync_tree", real)
     with pytest.raises(hierps.StoreFullError, match="fsync of new segments failed"):
         store.checkpoint("c2")
     assert store.catalog.ids() == [1]

@@ -8,7 +8,7 @@ import torch
 
 import hierps
 from hierps.config import InitializerConfig
-from hierps.initializers import initial_rows, table_salt
+from hierps.rows._initializers import initial_rows, table_salt
 
 
 def test_rows_do_not_depend_on_order_or_batching():

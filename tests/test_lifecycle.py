@@ -17,8 +17,8 @@ from hierps import serving
 from hierps.cli import main
 from hierps.config import AdmissionConfig, EvictionConfig
 from hierps.errors import ConfigError, StoreFormatError
-from hierps.export import export_store
-from hierps.initializers import initial_rows
+from hierps.lifecycle._export import export_store
+from hierps.rows._initializers import initial_rows
 
 DIM = 4
 SGD = {"type": "sgd", "params": {"lr": 0.1}}

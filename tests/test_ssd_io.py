@@ -14,11 +14,11 @@ import zarr
 import zarr.codecs
 from zarr.storage import LocalStore
 
-from hierps import _arrays, _reads
-from hierps._arrays import create_array, open_array
-from hierps._reads import read_array
 from hierps.errors import CorruptStoreError
-from hierps.tiers.ssd import SsdTier
+from hierps.storage import _arrays, _reads
+from hierps.storage._arrays import create_array, open_array
+from hierps.storage._reads import read_array
+from hierps.tiers._ssd import SsdTier
 
 RNG = np.random.default_rng(7)
 ROWS = RNG.standard_normal((1000, 37), dtype=np.float32)

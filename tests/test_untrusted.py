@@ -15,10 +15,10 @@ import pytest
 import torch
 
 import hierps
-from hierps._files import read_json_checked, write_json_atomic
-from hierps.checkpoint import FORMAT_VERSION
 from hierps.errors import CorruptStoreError, StoreFormatError
-from hierps.reader import CheckpointReader
+from hierps.storage._checkpoint import FORMAT_VERSION
+from hierps.storage._files import read_json_checked, write_json_atomic
+from hierps.tiers._reader import CheckpointReader
 
 ROOT = Path(__file__).resolve().parent.parent
 KEYS = np.arange(50, dtype=np.int64)

@@ -10,7 +10,7 @@ DeepSpeed trains the MLPs. Launch with any of::
     torchrun --nproc_per_node 1 examples/deepspeed_dlrm/train.py
     torchrun --nproc_per_node 2 examples/deepspeed_dlrm/train.py   # tables sharded over 2 ranks
 
-Data: synthetic Criteo-format clicks from ``hierps.data.generate`` (default), or Criteo TSV
+Data: synthetic Criteo-format clicks from ``hierps.demo.data.generate`` (default), or Criteo TSV
 files with ``--data``.
 """
 
@@ -28,9 +28,9 @@ import torch
 from torch import nn
 
 import hierps
-from hierps.data import CriteoData, CriteoSpec, generate, read_criteo_tsv
-from hierps.metrics import auc
-from hierps.models import DLRM
+from hierps.demo.data import CriteoData, CriteoSpec, generate, read_criteo_tsv
+from hierps.demo.metrics import auc
+from hierps.demo.models import DLRM
 
 HERE = Path(__file__).resolve().parent
 

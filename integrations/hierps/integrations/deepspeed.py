@@ -1,0 +1,495 @@
+"""hierps under DeepSpeed: dense layers to the engine, embedding tables to the store.
+
+::
+
+    engine, optimizer, _, _ = hierps.deepspeed.initialize(model=model, optimizer=dense_opt,
+                                                          config="ds_config.json")
+    for batch in hierps.deepspeed.PassLoader(loader, ids_of, engine):
+        loss = loss_fn(engine(*batch.inputs), batch.labels)
+        engine.backward(loss)
+        engine.step()                     # dense step, then one sparse step per touched row
+    engine.save_checkpoint("ckpt/")       # DeepSpeed's files + a store checkpoint of the same tag
+
+:func:`initialize` takes the arguments of ``deepspeed.initialize`` and returns what it returns.
+When the config has an enabled ``"hierarchical_ps"`` section it:
+
+1. validates the section and removes it from (a copy of) the config;
+2. replaces the chosen ``nn.Embedding`` / ``nn.EmbeddingBag`` modules by ``hierps.Embedding`` /
+   ``hierps.EmbeddingBag`` (rows 0..N-1 from their weights, table named by the qualified module
+   name, e.g. ``tables.3``). These have no parameters, so DeepSpeed, ZeRO and their broadcasts
+   never see the tables; the embedding weights are also dropped from ``model_parameters`` and
+   from a client optimizer. One rank keeps its rows in a :class:`hierps.Store` under
+   ``<path>/rank-00000``; several ranks in a :class:`hierps.ShardedStore` (one shard per rank,
+   ``<path>/rank-NNNNN``; rows and gradients travel by all-to-all, over torch.distributed, or
+   over Horovod when ``dense_allreduce`` resolves to ``horovod``);
+3. builds the engine with ``deepspeed.initialize`` and extends its class with
+   :class:`HierpsEngine`: ``step()`` runs DeepSpeed's step and then, when that step was an
+   accumulation boundary, the store's sparse step; ``save_checkpoint`` / ``load_checkpoint``
+   also checkpoint / restore the store.
+
+Why the sparse step sits on ``engine.step``: the engine calls the dense optimizer (a client
+optimizer as-is under ZeRO 0, DeepSpeed's ZeRO optimizer wrapping it under ZeRO 1 / 2) only at
+the accumulation boundary. ``engine.step`` is the one public call every training loop makes
+once per micro-batch, whatever wraps the optimizer, and ``is_gradient_accumulation_boundary()``
+read just before it says whether this call updates the parameters. Sparse gradients add up in
+the store across the micro-batches in between (``engine.backward`` has already divided the loss
+by ``gradient_accumulation_steps``, for them as for the dense ones), so both parts take one step
+on the same summed gradients. Over W ranks the sharded store sums a row's gradients from every
+rank and divides by W, as DeepSpeed averages dense gradients: W ranks on W slices of a batch
+train like one process on the whole batch.
+
+Dense gradients only: DeepSpeed's ``gradient_clipping`` (1.0 unless set) and its loss scaling
+see the dense parameters; the sparse rows get their true, unclipped gradients.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import deepspeed
+import torch
+from deepspeed.accelerator import get_accelerator
+from deepspeed.constants import TORCH_DISTRIBUTED_DEFAULT_PORT
+from deepspeed.pipe import PipelineModule
+from deepspeed.runtime.base_optimizer import ZeROOptimizer
+from deepspeed.runtime.tensor_parallel.init_utils import load_ds_config
+from torch import nn
+
+from hierps._store import Store
+from hierps.errors import ConfigError
+from hierps.integrations.config import (
+    SECTION,
+    STORE_SETTINGS,
+    DenseAllreduce,
+    HierarchicalPSConfig,
+    resolve_dense_allreduce,
+    select_modules,
+    split_config,
+)
+from hierps.integrations.horovod import map_horovod_env
+from hierps.integrations.loader import PassLoader
+from hierps.integrations.transport import HorovodTransport, TorchDistributedTransport
+from hierps.modules import Embedding, EmbeddingBag
+from hierps.rows._ids import same_device
+from hierps.sharding._sharded import ShardedStore, rank_dir
+from hierps.storage._files import read_json_checked, write_json_atomic
+from hierps.tiers._reader import CheckpointReader
+
+__all__ = ["HierarchicalPSConfig", "HierpsEngine", "PassLoader", "initialize", "swap_embeddings"]
+
+_RECORD_FORMAT = "hierps-deepspeed-checkpoint"
+
+
+def initialize(
+    args: Any = None,
+    model: nn.Module | None = None,
+    optimizer: Any = None,
+    model_parameters: Any = None,
+    training_data: Any = None,
+    lr_scheduler: Any = None,
+    distributed_port: int = TORCH_DISTRIBUTED_DEFAULT_PORT,
+    mpu: Any = None,
+    dist_init_required: bool | None = None,
+    collate_fn: Any = None,
+    config: Any = None,
+    mesh_param: Any = None,
+    config_params: Any = None,
+) -> tuple[Any, Any, Any, Any]:
+    """``deepspeed.initialize`` with the model's large embeddings kept in a hierps store.
+
+    Same arguments and return value ``(engine, optimizer, training_dataloader, lr_scheduler)``.
+    The config (``config``, ``config_params`` or ``args.deepspeed_config``; a dict or a JSON
+    file) may hold a ``"hierarchical_ps"`` section; without one, or with ``"enabled": false``,
+    this is exactly ``deepspeed.initialize``. With one, the returned engine is a
+    :class:`HierpsEngine`: ``engine.module.<name>`` is the hierps module (``lookup(ids)`` reads
+    its rows), ``engine.hierps_store`` the store. A bad section raises ``ConfigError`` before
+    anything is built.
+    """
+    kwargs = {
+        "args": args,
+        "model": model,
+        "optimizer": optimizer,
+        "model_parameters": model_parameters,
+        "training_data": training_data,
+        "lr_scheduler": lr_scheduler,
+        "distributed_port": distributed_port,
+        "mpu": mpu,
+        "dist_init_required": dist_init_required,
+        "collate_fn": collate_fn,
+        "config": config,
+        "mesh_param": mesh_param,
+        "config_params": config_params,
+    }
+    from_args = config is None and config_params is None
+    source = config if config is not None else config_params
+    if from_args:
+        source = getattr(args, "deepspeed_config", None) or getattr(args, "deepscale_config", None)
+    ds_config, section = split_config(_read_config(source))
+    if section is None:  # the arguments go to DeepSpeed untouched
+        return deepspeed.initialize(**kwargs)
+    # DeepSpeed gets the config without the section, as a dict, through one argument only.
+    kwargs.update(config=ds_config, config_params=None)
+    if from_args:
+        kwargs["args"] = copy.copy(args)
+        for name in ("deepspeed_config", "deepscale_config"):
+            if hasattr(args, name):
+                setattr(kwargs["args"], name, None)
+    if not section.enabled:
+        return deepspeed.initialize(**kwargs)
+    return _initialize_with_store(section, kwargs)
+
+
+def _read_config(source: Any) -> Mapping[str, Any] | None:
+    """A config as DeepSpeed reads it (a dict; a path of a JSON / hjson file; base64 JSON), or None.
+
+    None also when DeepSpeed could not read it either: ``deepspeed.initialize`` reports that.
+    """
+    if source is None or isinstance(source, Mapping):
+        return source
+    try:
+        return load_ds_config(str(source))
+    except (OSError, ValueError):
+        return None
+
+
+def _initialize_with_store(
+    section: HierarchicalPSConfig, kwargs: dict[str, Any]
+) -> tuple[Any, Any, Any, Any]:
+    model = kwargs["model"]
+    if not isinstance(model, nn.Module):
+        raise ConfigError(f"model: deepspeed.initialize needs an nn.Module. Got {type(model).__name__}.")
+    if isinstance(model, PipelineModule):
+        raise ConfigError(
+            f"{SECTION}: pipeline-parallel models (PipelineModule) are not supported; pass the "
+            "model as a plain nn.Module."
+        )
+    zero = (kwargs["config"] or {}).get("zero_optimization") or {}
+    dense_allreduce = resolve_dense_allreduce(
+        section.dense_allreduce, zero_stage=int(zero.get("stage", 0) or 0)
+    )
+    chosen = select_modules(model, section)
+    map_horovod_env()  # under horovodrun: RANK, MASTER_ADDR, ... from HOROVOD_*; else nothing
+    # What deepspeed.initialize does first; done here so that rank and world size are known.
+    deepspeed.init_distributed(
+        dist_backend=get_accelerator().communication_backend_name(),
+        distributed_port=kwargs["distributed_port"],
+        dist_init_required=kwargs["dist_init_required"],
+    )
+    store, transport = _open_store(section, dense_allreduce, _training_device(kwargs["args"]))
+    swaps: list[tuple[nn.Module, str, nn.Module]] = []
+    try:
+        twins = swap_embeddings(model, chosen, store, optimizer=section.optimizer, undo=swaps)
+        dropped = {id(p) for m in chosen.values() for p in m.parameters()}
+        kwargs["model_parameters"] = _dense_parameters(kwargs["model_parameters"], dropped)
+        _drop_from_optimizer(kwargs["optimizer"], dropped)
+        engine, optimizer, loader, scheduler = deepspeed.initialize(**kwargs)
+        _attach(engine, store, section, twins, transport, dense_allreduce)
+    except BaseException:
+        for parent, attr, original in reversed(swaps):
+            setattr(parent, attr, original)
+        store.close()
+        raise
+    return engine, optimizer, loader, scheduler
+
+
+def _open_store(
+    section: HierarchicalPSConfig, dense_allreduce: DenseAllreduce, device: torch.device
+) -> tuple[Store | ShardedStore, Any]:
+    """One rank: a :class:`Store` in ``<path>/rank-00000``. Several: a :class:`ShardedStore` over them.
+
+    The sharded store's collectives go over Horovod when it all-reduces the dense gradients, else
+    over torch.distributed (DeepSpeed's process group). Returns ``(store, transport or None)``.
+    """
+    options = {name: getattr(section, name) for name in STORE_SETTINGS}
+    options["device"] = device
+    path = Path(section.path or "")
+    if not (torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1):
+        return Store(rank_dir(path, 0), **options), None
+    if dense_allreduce is DenseAllreduce.HOROVOD:
+        transport: Any = HorovodTransport()
+    else:
+        transport = TorchDistributedTransport()
+    return ShardedStore(path, transport, **options), transport
+
+
+def swap_embeddings(
+    model: nn.Module,
+    modules: Mapping[str, nn.Module],
+    store: Store | ShardedStore,
+    *,
+    optimizer: Any = None,
+    undo: list[tuple[nn.Module, str, nn.Module]] | None = None,
+) -> dict[str, nn.Module]:
+    """Replace each named ``nn.Embedding`` / ``nn.EmbeddingBag`` of ``model`` by its hierps twin.
+
+    ``modules``: qualified name -> module (as :func:`select_modules` gives). Every reference to
+    a module is replaced (a module shared by two parents stays shared), and the twin holds rows
+    0..N-1 of its weight in table ``name`` (unless the store already holds that table: resume).
+    ``undo`` receives ``(parent, attribute, original)`` for each replacement. Returns name -> twin.
+    """
+    refs: dict[int, list[tuple[nn.Module, str]]] = {}
+    for parent in model.modules():
+        for attr, child in parent._modules.items():  # named_children() would hide a second reference
+            refs.setdefault(id(child), []).append((parent, attr))
+    twins: dict[str, nn.Module] = {}
+    made: dict[int, nn.Module] = {}
+    for name, module in modules.items():
+        if id(module) not in made:
+            cls = EmbeddingBag if isinstance(module, nn.EmbeddingBag) else Embedding
+            made[id(module)] = cls.from_module(module, store=store, name=name, optimizer=optimizer)
+            for parent, attr in refs.get(id(module), []):
+                if undo is not None:
+                    undo.append((parent, attr, module))
+                setattr(parent, attr, made[id(module)])
+        twins[name] = made[id(module)]
+    return twins
+
+
+def _dense_parameters(params: Any, dropped: set[int]) -> list[Any] | None:
+    """``model_parameters`` (tensors or param-group dicts) without the swapped embedding weights."""
+    if params is None:
+        return None
+    out: list[Any] = []
+    for p in params:
+        if isinstance(p, Mapping):
+            group = dict(p)
+            members = [group["params"]] if isinstance(group["params"], torch.Tensor) else group["params"]
+            group["params"] = [q for q in members if id(q) not in dropped]
+            out.append(group)
+        elif id(p) not in dropped:
+            out.append(p)
+    return out
+
+
+def _drop_from_optimizer(optimizer: Any, dropped: set[int]) -> None:
+    """Take the swapped embedding weights (and their state) out of a client torch optimizer, in place."""
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        return  # None, or a callable DeepSpeed calls with the dense model_parameters
+    for group in optimizer.param_groups:
+        group["params"] = [q for q in group["params"] if id(q) not in dropped]
+    for p in [p for p in optimizer.state if id(p) in dropped]:
+        del optimizer.state[p]
+
+
+def _training_device(args: Any) -> torch.device:
+    """The device the engine will train on (DeepSpeed picks it the same way, after init_distributed)."""
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    return torch.device(get_accelerator().device_name(getattr(args, "device_rank", local_rank)))
+
+
+def _attach(
+    engine: Any,
+    store: Store | ShardedStore,
+    section: HierarchicalPSConfig,
+    twins: dict[str, nn.Module],
+    transport: Any,
+    dense_allreduce: DenseAllreduce,
+) -> None:
+    if not same_device(store.device, engine.device):
+        raise ConfigError(
+            f"{SECTION}: the store was opened on {store.device} but the engine trains on "
+            f"{engine.device}; set LOCAL_RANK (or args.device_rank) consistently."
+        )
+    average = None
+    if transport is not None and dense_allreduce is DenseAllreduce.HOROVOD:
+        if engine.zero_optimization_stage() > 0:
+            raise ConfigError(
+                f"{SECTION}.dense_allreduce: 'horovod' all-reduces whole dense gradients, which ZeRO stage "
+                f"{engine.zero_optimization_stage()} partitions itself. Use ZeRO stage 0, or "
+                '"dense_allreduce": "deepspeed".'
+            )
+        engine.enable_backward_allreduce = False  # Horovod averages them in step() instead
+        average = transport.average_gradients
+    base = type(engine)
+    engine.__class__ = type(f"Hierps{base.__name__}", (HierpsEngine, base), {})
+    engine.hierps_store = store
+    engine.hierps_config = section
+    engine.hierps_modules = twins
+    engine.hierps_dense_allreduce = dense_allreduce
+    engine._hierps_average = average
+    dtype = torch.bfloat16 if engine.bfloat16_enabled() else torch.half if engine.fp16_enabled() else None
+    for twin in {id(t): t for t in twins.values()}.values():
+        twin.register_forward_hook(_OutputHook(engine, dtype))
+
+
+class _OutputHook:
+    """Forward hook on a hierps module: its float32 output in the engine's dtype, its gradient unscaled.
+
+    Under bf16 / fp16 the dense layers expect their dtype (the cast lets gradients through). When
+    the engine scales the loss (fp16 loss scaling, a GradScaler), it unscales the dense gradients
+    in its optimizer; the gradient reaching the embedding output is unscaled here, so the store
+    steps on true gradients.
+    """
+
+    def __init__(self, engine: Any, dtype: torch.dtype | None) -> None:
+        self.engine = engine
+        self.dtype = dtype
+
+    def __call__(self, module: nn.Module, inputs: Any, output: torch.Tensor) -> torch.Tensor:
+        if output.requires_grad:
+            # The loss scale of this micro-batch's backward: it changes only in step(), after it.
+            scale = _loss_scale(self.engine)
+            if scale != 1.0:
+                output.register_hook(lambda grad: grad / scale)
+        return output if self.dtype is None else output.to(self.dtype)
+
+
+def _loss_scale(engine: Any) -> float:
+    """The factor ``engine.backward`` multiplies the loss by (as ``DeepSpeedEngine.scale`` does)."""
+    if isinstance(engine.optimizer, ZeROOptimizer):
+        with torch.enable_grad():  # scale_if_loss only scales what looks like a loss: a graph output
+            probe = torch.ones((), device=engine.device, requires_grad=True) * 1.0
+            return float(engine.optimizer.scale_if_loss(probe).detach())
+    scaler = getattr(engine, "torch_autocast_z0_gradscaler", None)
+    return float(scaler.get_scale()) if scaler is not None else 1.0
+
+
+class HierpsEngine:
+    """What :func:`initialize` adds to the DeepSpeed engine's own class (which stays a base).
+
+    Attributes: ``hierps_store`` (a :class:`hierps.Store`, or a :class:`hierps.ShardedStore`
+    over several ranks), ``hierps_config`` (the section), ``hierps_modules`` (qualified name ->
+    hierps module), ``hierps_dense_allreduce`` (``deepspeed`` or ``horovod``).
+    """
+
+    hierps_store: Store | ShardedStore
+    hierps_config: HierarchicalPSConfig
+    hierps_modules: dict[str, nn.Module]
+    hierps_dense_allreduce: DenseAllreduce
+    _hierps_average: Callable[[list[nn.Parameter]], None] | None
+
+    def step(self, lr_kwargs: Any = None) -> None:
+        """DeepSpeed's step; at an accumulation boundary, then one sparse step for every touched row.
+
+        When DeepSpeed skipped the dense update (fp16 overflow), the sparse gradients are
+        dropped as well, so both parts stay on the same steps.
+        """
+        boundary = not self.managed_gradient_accumulation() or self.is_gradient_accumulation_boundary()
+        if boundary and self._hierps_average is not None:
+            self._hierps_average([p for p in self.module.parameters() if p.requires_grad])
+        super().step(lr_kwargs)  # type: ignore[misc]
+        if boundary:
+            if self.was_step_applied():
+                self.hierps_store.step()
+            else:
+                self.hierps_store.zero_grad()
+
+    def save_checkpoint(
+        self,
+        save_dir: str,
+        tag: Any = None,
+        client_state: dict[str, Any] | None = None,
+        save_latest: bool = True,
+        exclude_frozen_parameters: bool = False,
+    ) -> Any:
+        """DeepSpeed's checkpoint of ``tag`` (default ``global_step<N>``), and a store checkpoint of it.
+
+        The store checkpoint is made durable first, then ``<save_dir>/<tag>/hierps-rank-NNNNN.json``
+        names it, then DeepSpeed writes its files and its ``latest`` pointer: a crash at any
+        point leaves every earlier tag loadable.
+        """
+        tag = str(tag) if tag is not None else f"global_step{self.global_steps}"
+        ckpt = self.hierps_store.checkpoint(tag=tag)
+        record = _record_path(save_dir, tag, self.global_rank)
+        record.parent.mkdir(parents=True, exist_ok=True)
+        body = {
+            "format": _RECORD_FORMAT,
+            "tag": tag,
+            "rank": self.global_rank,
+            "world_size": self.world_size,
+            "checkpoint": ckpt,
+            "store": str(self.hierps_store.path.resolve()),
+            "tables": sorted(self.hierps_modules),
+            "global_steps": int(self.global_steps),
+        }
+        write_json_atomic(record, body)
+        return super().save_checkpoint(  # type: ignore[misc]
+            save_dir,
+            tag=tag,
+            client_state=client_state or {},
+            save_latest=save_latest,
+            exclude_frozen_parameters=exclude_frozen_parameters,
+        )
+
+    def load_checkpoint(
+        self,
+        load_dir: str,
+        tag: Any = None,
+        load_module_strict: bool = True,
+        load_optimizer_states: bool = True,
+        load_lr_scheduler_states: bool = True,
+        load_module_only: bool = False,
+        custom_load_fn: Any = None,
+    ) -> tuple[Any, Any]:
+        """DeepSpeed's load of ``tag`` (default: the ``latest`` one), and the store back at that tag.
+
+        The store returns to exactly the rows and optimizer state saved with the tag, whatever
+        ran since (a sharded store reshards a tag saved by another number of ranks). Raises
+        ``ConfigError`` before loading anything when the tag has no store checkpoint (saved
+        without hierps, or retired by ``keep_checkpoints``).
+        """
+        resolved = str(tag) if tag is not None else _latest_tag(load_dir, self.load_universal_checkpoint())
+        ref = self._hierps_checkpoint_of(load_dir, resolved) if resolved is not None else None
+        out = super().load_checkpoint(  # type: ignore[misc]
+            load_dir,
+            tag,
+            load_module_strict=load_module_strict,
+            load_optimizer_states=load_optimizer_states,
+            load_lr_scheduler_states=load_lr_scheduler_states,
+            load_module_only=load_module_only,
+            custom_load_fn=custom_load_fn,
+        )
+        if out[0] is not None and ref is not None:
+            self.hierps_store.restore(ref)
+        return out
+
+    def destroy(self) -> None:
+        """DeepSpeed's destroy, then close the store (rows after the last checkpoint are not kept)."""
+        super().destroy()  # type: ignore[misc]
+        self.hierps_store.close()
+
+    def _hierps_checkpoint_of(self, load_dir: str, tag: str) -> int | str:
+        """What to restore for ``tag``: a checkpoint id of this store, or the tag for a sharded one."""
+        path = _record_path(load_dir, tag, 0)
+        if not path.exists():
+            raise ConfigError(
+                f"load_checkpoint: tag {tag!r} in {load_dir} has no {path.name}: it was saved without the "
+                f"{SECTION} section, or its save did not finish. Load a tag saved by a hierps engine."
+            )
+        record = read_json_checked(path)
+        store, keep = self.hierps_store, self.hierps_config.keep_checkpoints
+        retired = (
+            f"load_checkpoint: tag {tag!r} has no checkpoint in the store {store.path} (it was retired past "
+            f"keep_checkpoints={keep}, or the store is another one than {record['store']}). Raise "
+            "keep_checkpoints to keep more tags loadable, or point path at the store this tag was saved with."
+        )
+        if isinstance(store, ShardedStore):  # restored by tag, resharded if need be
+            try:
+                CheckpointReader(rank_dir(store.root, 0), tag)
+            except ConfigError:
+                raise ConfigError(retired) from None
+            return tag
+        if int(record.get("world_size", 1)) != 1:
+            raise ConfigError(
+                f"load_checkpoint: tag {tag!r} was saved by {record['world_size']} ranks; this run has one. "
+                "Load it with 2 or more ranks (the sharded store reshards it), or with as many as saved it."
+            )
+        ckpt = int(record["checkpoint"])
+        kept = {c["id"]: c["tag"] for c in store.list_checkpoints()}
+        if kept.get(ckpt) != tag:
+            raise ConfigError(retired)
+        return ckpt
+
+
+def _record_path(directory: str | os.PathLike[str], tag: str, rank: int) -> Path:
+    return Path(directory) / tag / f"hierps-rank-{rank:05d}.json"
+
+
+def _latest_tag(load_dir: str, universal: bool) -> str | None:
+    """The tag DeepSpeed's ``latest`` (or ``latest_universal``) file names, or None without one."""
+    latest = Path(load_dir) / ("latest_universal" if universal else "latest")
+    return latest.read_text().strip() if latest.is_file() else None

@@ -1,0 +1,277 @@
+"""The state every part of a store shares, and reading rows down the hierarchy.
+
+:class:`StoreCore` holds a store's directory (opened and locked), its settings, its tables and
+its three tiers, and reads rows the way the paper's hierarchy does: from the device tier, else the
+RAM tier, else the SSD tier, else the initializer (a key never stored gets its row from
+``(seed, table, key)`` alone). The parts of a :class:`hierps.Store` are built on it, each given
+typed references to what it uses::
+
+    StoreCore ── directory, settings, tables, tiers, row reads, write-back to RAM
+      ├─ PassPipeline      (hierps.training)   background read-ahead and write-back
+      ├─ Features          (hierps.lifecycle)  admission, sightings, eviction of one table
+      ├─ PassRunner        (hierps.training)   passes: plan, load, write back
+      ├─ SparseTrainer     (hierps.training)   gathers of a forward, the fused optimizer step
+      └─ FeatureLifeCycle  (hierps.lifecycle)  counters, observe, shrink, export
+
+Tier access from the pipeline's worker and from the training thread is serialised by the
+background's ``lock`` (see :mod:`hierps.training._pipeline`).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+
+from hierps._faults import fault_point
+from hierps.config import StoreSettings
+from hierps.errors import ConfigError, StoreClosedError, StoreFormatError, StoreLockedError
+from hierps.lifecycle._admission import PendingKeys
+from hierps.rows import _ids
+from hierps.rows._counters import initial_counters
+from hierps.rows._initializers import initial_rows
+from hierps.rows._optim import initial_state
+from hierps.rows._table import TableInfo
+from hierps.storage._checkpoint import FORMAT_VERSION, MARKER, CheckpointCatalog, check_marker
+from hierps.storage._files import write_json_atomic
+from hierps.tiers import DeviceTier, MemoryTier, SsdTier
+from hierps.tiers._device import DrainedRows
+from hierps.training._stats import PassStats
+
+__all__ = ["Background", "StoreCore"]
+
+
+class Background(Protocol):
+    """What the core needs of the pass pipeline: the tier lock, and waiting for its work."""
+
+    @property
+    def lock(self) -> AbstractContextManager[Any]: ...
+
+    def wait_writebacks(self) -> None:
+        """Block until every row on its way down reached the RAM tier."""
+
+    def drain(self) -> None:
+        """Block until every background task finished; the tiers below are then quiet."""
+
+
+class StoreCore:
+    """A store's directory, settings, tables and tiers; the row reads all its parts share.
+
+    ``background`` builds the pass pipeline from the core (it reads and writes through it).
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        settings: StoreSettings,
+        background: Callable[[StoreCore], Background],
+    ) -> None:
+        self.path = Path(path)
+        self.settings = settings
+        self.device = torch.device(settings.device) if settings.device is not None else _default_device()
+        self.seed = settings.seed
+        self._lock_fd: int | None = None
+        self.pipe = background(self)
+        self._open_dir()
+        self.ssd = SsdTier(self.path / "segments")
+        self.memory = MemoryTier(settings.memory_budget, self.ssd, settings.eviction)
+        self.device_tier = DeviceTier(settings.device_budget, self.device)
+        self.catalog = CheckpointCatalog(self.path / "checkpoints")
+        self.tables: dict[str, TableInfo] = {}
+        self.pending_keys: dict[str, PendingKeys] = {}  # per table: counts of keys waiting for admission
+        self.passes = 0
+        self.stats = PassStats()
+        self.checkpoint_id: int | None = None
+
+    @property
+    def keep_checkpoints(self) -> int:
+        return self.settings.keep_checkpoints
+
+    @property
+    def max_segments(self) -> int:
+        return self.settings.max_segments
+
+    @property
+    def pipeline(self) -> bool:
+        return self.settings.pipeline
+
+    # -- the directory ------------------------------------------------------------------------
+    def _open_dir(self) -> None:
+        marker = self.path / MARKER
+        if self.path.exists() and not self.path.is_dir():
+            raise StoreFormatError(f"{self.path}: is a file, not a hierps store directory.")
+        # What a creation interrupted before its marker was committed leaves: a lock, a temp marker.
+        leftovers = (
+            {"LOCK"} | {p.name for p in self.path.glob(f".{MARKER}.tmp-*")} if self.path.exists() else set()
+        )
+        if (
+            self.path.exists()
+            and not marker.exists()
+            and any(p.name not in leftovers for p in self.path.iterdir())
+        ):
+            raise StoreFormatError(
+                f"{self.path}: is not a hierps store (no {MARKER}) and is not empty. "
+                "Point the store at an empty or new directory, or at an existing hierps store."
+            )
+        self.path.mkdir(parents=True, exist_ok=True)
+        self._lock()
+        try:
+            if marker.exists():
+                check_marker(marker)
+            else:
+                for name in leftovers - {"LOCK"}:
+                    (self.path / name).unlink(missing_ok=True)
+                write_json_atomic(marker, {"format": "hierps-store", "format_version": FORMAT_VERSION})
+        except BaseException:
+            self.unlock()
+            raise
+
+    def _lock(self) -> None:
+        fd = os.open(self.path / "LOCK", os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise StoreLockedError(
+                f"{self.path}: another process has this store open for writing. Close it first, or "
+                "open a read-only view with hierps.serving."
+            ) from None
+        self._lock_fd = fd
+
+    @property
+    def is_open(self) -> bool:
+        return self._lock_fd is not None
+
+    def unlock(self) -> None:
+        """Release the directory's lock (the store is closed from then on)."""
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
+
+    def check_open(self) -> None:
+        if self._lock_fd is None:
+            raise StoreClosedError(
+                f"{self.path}: the store was closed; open it again with hierps.Store(path)."
+            )
+
+    # -- tables -------------------------------------------------------------------------------
+    def info(self, table: str) -> TableInfo:
+        try:
+            return self.tables[table]
+        except KeyError:
+            raise ConfigError(f"unknown table {table!r}; the store has {sorted(self.tables)}.") from None
+
+    def register(self, info: TableInfo, pending: PendingKeys | None = None) -> None:
+        """Give table ``info`` its place in every tier (and its keys pending admission)."""
+        self.tables[info.name] = info
+        self.ssd.add_table(info.name, info.width)
+        self.memory.add_table(info.name, info.width)
+        self.device_tier.add_table(info.name, info.width)
+        self.pending_keys[info.name] = (
+            pending if pending is not None else PendingKeys(info.admission.max_pending)
+        )
+
+    # -- reading rows through the tiers -------------------------------------------------------
+    def fetch(self, table: str, keys: np.ndarray, *, touch: bool, ahead: bool = False) -> np.ndarray:
+        """Rows of sorted unique ``keys`` from RAM, else SSD, else the initializer: (n, width) float32."""
+        return self.fetch_many({table: keys}, touch=touch, ahead=ahead)[table]
+
+    def fetch_many(
+        self, requests: dict[str, np.ndarray], *, touch: bool, ahead: bool = False
+    ) -> dict[str, np.ndarray]:
+        """:meth:`fetch` for many tables at once: the SSD reads of all of them go out together."""
+        out, hits, rests = {}, {}, {}
+        with self.pipe.lock:
+            for table, keys in requests.items():
+                out[table] = np.empty((len(keys), self.tables[table].width), dtype=np.float32)
+                hit, ram_rows = self.memory.get(table, keys, touch=touch)
+                out[table][hit] = ram_rows
+                hits[table], rests[table] = hit, np.flatnonzero(~hit)
+            read = self.ssd.read_many({t: requests[t][rest] for t, rest in rests.items() if len(rest)})
+        for table, keys in requests.items():
+            info, rest = self.tables[table], rests[table]
+            found, ssd_rows = read.get(table, (np.zeros(0, bool), None))
+            rows = out[table]
+            if len(found):
+                rows[rest[found]] = ssd_rows
+            new = rest[~found] if len(found) else rest
+            if len(new):
+                rows[new, : info.dim] = initial_rows(keys[new], info.dim, info.salt, info.initializer)
+                rows[new, info.dim : info.state_end] = initial_state(info.optimizer, len(new), info.dim)
+                rows[new, info.state_end :] = initial_counters(len(new), self.passes)
+            if touch:
+                self.stats.count_load(
+                    table, ram=int(hits[table].sum()), ssd=int(found.sum()), new=len(new), ahead=ahead
+                )
+        return out
+
+    def unique_rows(self, table: str, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """keys (n,) int64 -> (sorted unique keys (u,), inverse (n,), their rows (u, width) float32),
+        read from the device tier, else RAM, SSD or the initializer, without changing any tier."""
+        self.check_open()
+        self.info(table)
+        self.pipe.wait_writebacks()
+        uniq, inverse = np.unique(keys, return_inverse=True)
+        found, slots = self.device_tier.resolve(table, torch.from_numpy(uniq).to(self.device))
+        found_np = found.cpu().numpy()
+        out = np.empty((len(uniq), self.tables[table].width), dtype=np.float32)
+        if found_np.any():
+            out[found_np] = self.device_tier.rows(table)[slots[found]].cpu().numpy()
+        rest = np.flatnonzero(~found_np)
+        if len(rest):
+            out[rest] = self.fetch(table, uniq[rest], touch=False)
+        return uniq, inverse.reshape(-1), out
+
+    def whole_rows(self, table: str, keys: Any) -> np.ndarray:
+        """Rows of int64 ``keys`` (n,) wherever they live: (n, width) float32 copy."""
+        _, inverse, rows = self.unique_rows(table, _ids.as_int64_array(keys, what="keys"))
+        return rows[inverse]
+
+    def stored(self, table: str, keys: np.ndarray) -> np.ndarray:
+        """keys (n,) int64 -> (n,) bool: True where the RAM or SSD tier holds a row."""
+        self.pipe.wait_writebacks()  # a row on its way down is in no tier for a moment
+        with self.pipe.lock:
+            found = self.memory.contains(table, keys)
+            return found | self.ssd.index[table].lookup(keys)[0]
+
+    def has_row(self, table: str, keys: np.ndarray) -> np.ndarray:
+        """keys (n,) int64 -> (n,) bool: True where any tier holds a row."""
+        found, _ = self.device_tier.resolve(table, torch.from_numpy(keys).to(self.device))
+        return found.cpu().numpy() | self.stored(table, keys)
+
+    # -- writing rows back down ---------------------------------------------------------------
+    def write_back(self) -> None:
+        """Empty the device tier now, dirty rows to the RAM tier."""
+        self.pipe.wait_writebacks()
+        with self.pipe.lock:
+            self.put_dirty(self.device_tier.drain())
+
+    def put_dirty(self, drained: dict[str, DrainedRows]) -> None:
+        """Hand dirty rows that left the device tier to the RAM tier, every table even if one fails.
+
+        The RAM tier keeps rows it could not evict to a full disk, so nothing is lost; the first
+        error (:class:`StoreFullError` for a full disk) is raised once every table's rows are in RAM.
+        """
+        fault_point("pass.write_back")
+        failed: OSError | None = None
+        for table, d in drained.items():
+            if not d.dirty.any():
+                continue
+            keys, rows = d.keys[d.dirty], d.rows[d.dirty]
+            order = np.argsort(keys, kind="stable")
+            try:
+                self.memory.put(table, keys[order], rows[order], dirty=True)
+            except OSError as exc:
+                failed = failed or exc
+        if failed is not None:
+            raise failed
+
+
+def _default_device() -> torch.device:
+    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")

@@ -1,0 +1,605 @@
+"""The hierarchical store: named tables of rows keyed by raw int64 ids, over three tiers.
+
+::
+
+    device tier   working set of the current pass (torch, cuda when present)   DeviceTier
+        ▲ load pass / on demand            │ write back at end of pass
+    RAM tier      bounded LRU/LFU cache, mmap-backed slabs                      MemoryTier
+        ▲ read misses in sorted batches    │ evict dirty rows in batches
+    SSD tier      append-only Zarr v3 segments + key index, durable checkpoints SsdTier
+
+A row is ``[weights | optimizer state | counters]`` and moves whole between tiers (the counters:
+how often and when its key was seen, see :mod:`hierps.rows._counters`). Keys never stored get their row
+from ``(seed, table, key)`` alone. Training goes through :meth:`Store.gather` (rows of a
+mini-batch, tracked for gradients) and :meth:`Store.step` (one optimizer step per touched row);
+:meth:`Store.checkpoint` makes everything so far durable, atomically.
+
+The store is composed of parts, each an object in its own module built on the shared
+:class:`~hierps._core.StoreCore` (directory, settings, tables, tiers, row reads): passes in
+:class:`~hierps.training._passes.PassRunner` with the :class:`~hierps.training._pipeline.PassPipeline`;
+the training gathers and the fused optimizer step in :class:`~hierps.training._trainer.SparseTrainer`;
+the life of a key (admission, counters, shrinking, export for serving) in
+:class:`~hierps.lifecycle._features.Features` and :class:`~hierps.lifecycle._lifecycle.FeatureLifeCycle`.
+The store itself holds what spans tables and parts: tables, reads and writes of rows, checkpoints.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, cast
+
+import numpy as np
+import torch
+
+from hierps._core import StoreCore
+from hierps._faults import fault_point
+from hierps.config import (
+    AdmissionConfig,
+    EvictionConfig,
+    InitializerConfig,
+    OptimizerConfig,
+    StoreSettings,
+)
+from hierps.errors import ConfigError, StoreFormatError, TableMismatchError
+from hierps.lifecycle._admission import PENDING_ARRAYS, PendingKeys
+from hierps.lifecycle._features import Features
+from hierps.lifecycle._lifecycle import FeatureLifeCycle
+from hierps.rows import _ids
+from hierps.rows._counters import initial_counters
+from hierps.rows._initializers import table_salt
+from hierps.rows._optim import initial_state
+from hierps.rows._table import TableInfo
+from hierps.storage._checkpoint import FORMAT_VERSION, CheckpointCatalog, valid_table_name
+from hierps.storage._index import TableIndex
+from hierps.tiers import DeviceTier, MemoryTier, SsdTier
+from hierps.tiers._device import DrainedRows
+from hierps.training._batchplan import BatchPlan
+from hierps.training._passes import PassRunner
+from hierps.training._pipeline import PassPipeline
+from hierps.training._stats import PassStats
+from hierps.training._trainer import SparseTrainer
+
+__all__ = ["FORMAT_VERSION", "Store", "TableInfo"]
+
+
+class Store:
+    """Named tables of rows keyed by raw int64 ids, kept over device, RAM and SSD tiers.
+
+    Args:
+        path: directory of the store (created if missing; reopened at its latest checkpoint).
+        memory_budget: bytes (or ``"512MiB"``) of rows the RAM tier may cache.
+        device_budget: bytes of rows the device tier may hold (the working set of a pass).
+        device: training device; default ``cuda`` when available, else ``cpu``.
+        eviction: ``"lru"`` or ``"lfu"`` for the RAM tier.
+        seed: seed of the initializer of new rows.
+        optimizer: default sparse optimizer of new tables (``"adagrad"``, or a dict / config).
+        initializer: default initializer of new tables (``"normal"`` like ``nn.Embedding``).
+        keep_checkpoints: how many checkpoints stay restorable (older ones are retired).
+        max_segments: SSD segments per table before compaction merges them.
+        pipeline: read the next pass ahead and write the last one back in the background
+            (same parameters as without; see :mod:`hierps.training._pipeline`).
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        memory_budget: int | str = "1GiB",
+        device_budget: int | str = "1GiB",
+        device: str | torch.device | None = None,
+        eviction: str = "lru",
+        seed: int = 0,
+        optimizer: Any = "adagrad",
+        initializer: Any = "normal",
+        keep_checkpoints: int = 3,
+        max_segments: int = 16,
+        pipeline: bool = True,
+    ) -> None:
+        settings = StoreSettings.parse(
+            memory_budget=memory_budget,
+            device_budget=device_budget,
+            device=device,
+            eviction=eviction,
+            seed=seed,
+            optimizer=optimizer,
+            initializer=initializer,
+            keep_checkpoints=keep_checkpoints,
+            max_segments=max_segments,
+            pipeline=pipeline,
+        )
+        self._core = core = StoreCore(path, settings, PassPipeline)
+        self._pipe = pipe = cast(PassPipeline, core.pipe)
+        self._features = features = Features(core)
+        self._passes = passes = PassRunner(core, pipe, features)
+        self._trainer = SparseTrainer(core, passes, features)
+        self._life = FeatureLifeCycle(core, features, passes)
+        try:
+            self._recover()
+        except BaseException:
+            self.close()  # a store that failed to open must not keep its lock
+            raise
+
+    # -- what the parts hold ------------------------------------------------------------------
+    @property
+    def path(self) -> Path:
+        return self._core.path
+
+    @property
+    def device(self) -> torch.device:
+        return self._core.device
+
+    @property
+    def seed(self) -> int:
+        return self._core.seed
+
+    @property
+    def settings(self) -> StoreSettings:
+        return self._core.settings
+
+    @property
+    def pipeline(self) -> bool:
+        return self._core.pipeline
+
+    @property
+    def keep_checkpoints(self) -> int:
+        return self._core.keep_checkpoints
+
+    @property
+    def max_segments(self) -> int:
+        return self._core.max_segments
+
+    @property
+    def tables(self) -> dict[str, TableInfo]:
+        return self._core.tables
+
+    @property
+    def pending_keys(self) -> dict[str, PendingKeys]:
+        return self._core.pending_keys
+
+    @property
+    def device_tier(self) -> DeviceTier:
+        return self._core.device_tier
+
+    @property
+    def memory(self) -> MemoryTier:
+        return self._core.memory
+
+    @property
+    def ssd(self) -> SsdTier:
+        return self._core.ssd
+
+    @property
+    def catalog(self) -> CheckpointCatalog:
+        return self._core.catalog
+
+    @property
+    def stats(self) -> PassStats:
+        return self._core.stats
+
+    @property
+    def passes(self) -> int:
+        """Passes finished so far."""
+        return self._core.passes
+
+    @property
+    def checkpoint_id(self) -> int | None:
+        return self._core.checkpoint_id
+
+    # -- passes (hierps.training._passes) -----------------------------------------------------
+    def begin_pass(self, batches: Mapping[str, Any] | Sequence[Mapping[str, Any]]) -> None:
+        """Load a pass's working set into the device tier: see :meth:`PassRunner.begin_pass`."""
+        self._passes.begin_pass(batches)
+
+    def prefetch(self, batches: Mapping[str, Any] | Sequence[Mapping[str, Any]]) -> None:
+        """Announce the next pass, read ahead in the background: see :meth:`PassRunner.prefetch`."""
+        self._passes.prefetch(batches)
+
+    def end_pass(self) -> None:
+        """Close the pass: see :meth:`PassRunner.end_pass`."""
+        self._passes.end_pass()
+
+    @contextmanager
+    def run_pass(self, batches: Mapping[str, Any] | Sequence[Mapping[str, Any]]) -> Iterator[None]:
+        """``with store.run_pass(batches): ...`` = begin_pass(batches) ... end_pass()."""
+        self.begin_pass(batches)
+        try:
+            yield
+        finally:
+            self.end_pass()
+
+    # -- training (hierps.training._trainer) --------------------------------------------------
+    def gather(
+        self, table: str, keys: torch.Tensor, *, requires_grad: bool, counts: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """keys: (U,) sorted unique int64 on the device -> (U, dim) float32: see :meth:`SparseTrainer.gather`."""
+        return self._trainer.gather(table, keys, requires_grad=requires_grad, counts=counts)
+
+    def gather_planned(self, table: str, ids: torch.Tensor) -> tuple[torch.Tensor, BatchPlan] | None:
+        """The gather of an announced mini-batch, or None: see :meth:`SparseTrainer.gather_planned`."""
+        return self._trainer.gather_planned(table, ids)
+
+    def fused_bag(
+        self, table: str, ids: torch.Tensor, offsets: torch.Tensor, mode: str
+    ) -> torch.Tensor | None:
+        """Pooled bags of an announced mini-batch, or None: see :meth:`SparseTrainer.fused_bag`."""
+        return self._trainer.fused_bag(table, ids, offsets, mode)
+
+    def step(self) -> None:
+        """One optimizer step per row touched since the last step: see :meth:`SparseTrainer.step`."""
+        self._trainer.step()
+
+    def apply_gradients(self, table: str, keys: torch.Tensor, grads: torch.Tensor) -> None:
+        """keys (n,) int64, grads (n, dim) float32: see :meth:`SparseTrainer.apply_gradients`."""
+        self._trainer.apply_gradients(table, keys, grads)
+
+    def zero_grad(self) -> None:
+        """Forget gradients gathered since the last step."""
+        self._trainer.zero_grad()
+
+    def serve_rows(self, table: str, keys: torch.Tensor, counts: torch.Tensor | None) -> torch.Tensor:
+        """Weights of keys other ranks asked for (the owner's side of a sharded gather).
+
+        keys: (n,) int64 on the device, repeats allowed -> (n, dim) float32, no gradient, the rows
+        made resident. With ``counts`` (n,) (training), the sightings go into the rows' counters.
+        """
+        info = self._core.info(table)
+        if keys.numel() == 0:
+            return torch.empty((0, info.dim), dtype=torch.float32, device=self.device)
+        uniq, inverse = torch.unique(keys, return_inverse=True)
+        slots = self._passes.resident_slots(table, uniq)
+        if counts is not None:
+            seen = torch.zeros(uniq.numel(), dtype=torch.float32, device=self.device)
+            self._features.count_seen(info, slots, seen.index_add_(0, inverse, counts.to(torch.float32)))
+        return self._core.device_tier.rows(table)[slots, : info.dim][inverse]
+
+    # -- the feature life cycle (hierps.lifecycle._lifecycle) ---------------------------------
+    def counters(self, table: str, keys: Any) -> dict[str, np.ndarray]:
+        """Counters of int64 ``keys`` (n,) -> (n,) float32 each: see :meth:`FeatureLifeCycle.counters`."""
+        return self._life.counters(table, keys)
+
+    def has_rows(self, table: str, ids: Any) -> np.ndarray:
+        """ids: (n,) int64 -> (n,) bool, True for keys that have a row in some tier."""
+        return self._life.has_rows(table, ids)
+
+    def observe(self, table: str, ids: Any, clicks: Any = None) -> None:
+        """Count impressions (and clicks) of ids: see :meth:`FeatureLifeCycle.observe`."""
+        self._life.observe(table, ids, clicks)
+
+    def shrink(
+        self,
+        table: str | None = None,
+        *,
+        ttl_passes: int | None = None,
+        min_decayed_count: float | None = None,
+    ) -> dict[str, int]:
+        """Delete the rows eviction condemns; ``{table: rows deleted}``: see :meth:`FeatureLifeCycle.shrink`."""
+        self._core.check_open()
+        self._pipe.drain()
+        self._trainer.check_no_pending("shrink")
+        return self._life.shrink(table, ttl_passes=ttl_passes, min_decayed_count=min_decayed_count)
+
+    def num_pending(self, table: str) -> int:
+        """Keys of ``table`` counted while waiting for admission (they have no row)."""
+        return self._life.num_pending(table)
+
+    def export(self, path: str | os.PathLike[str], since: int | str | None = None) -> dict[str, Any]:
+        """Write the latest checkpoint's weights (or a delta) for serving: see :meth:`FeatureLifeCycle.export`."""
+        return self._life.export(path, since)
+
+    def _recover(self) -> None:
+        """Drop what an interrupted run left behind and load the latest checkpoint."""
+        self._core.catalog.remove_incomplete()
+        latest = self._core.catalog.latest()
+        if latest is not None:
+            self._load_checkpoint(latest)
+        self._core.ssd.collect_garbage(self._core.catalog.referenced_segments())
+        self._core.ssd.next_segment = max(
+            self._core.ssd.next_segment, self._core.ssd.max_segment_on_disk() + 1
+        )
+
+    # -- tables -------------------------------------------------------------------------------
+    def table(
+        self,
+        name: str,
+        dim: int,
+        *,
+        optimizer: Any = None,
+        initializer: Any = None,
+        admission: Any = None,
+        eviction: Any = None,
+    ) -> TableInfo:
+        """Create table ``name`` with rows of ``dim`` floats, or reopen it (checking dim and optimizer).
+
+        ``admission`` (:class:`~hierps.config.AdmissionConfig` or a mapping like ``{"min_count": 3}``)
+        says when a new key gets a row; ``eviction`` (:class:`~hierps.config.EvictionConfig` or a
+        mapping like ``{"ttl_passes": 30, "every_passes": 10}``) when a row is deleted. Both default
+        to keeping every key; given on reopening, they replace the stored settings.
+        """
+        self._core.check_open()
+        if not valid_table_name(name):
+            raise ConfigError(
+                f"table name: expected a non-empty name without '/' not starting with '_' "
+                f"or '.'. Got {name!r} instead."
+            )
+        if isinstance(dim, bool) or not isinstance(dim, int) or dim < 1:
+            raise ConfigError(f"dim of table {name!r}: expected an int >= 1. Got {dim!r} instead.")
+        opt = OptimizerConfig.parse(optimizer) if optimizer is not None else self._core.settings.optimizer
+        init = InitializerConfig.parse(initializer) if initializer is not None else self._core.settings.initializer
+        adm = AdmissionConfig.parse(admission) if admission is not None else None
+        evict = EvictionConfig.parse(eviction) if eviction is not None else None
+        info = self._core.tables.get(name)
+        if info is not None:
+            if info.dim != dim:
+                raise TableMismatchError(
+                    f"table {name!r}: the store holds it with dim {info.dim}, asked for dim {dim}. "
+                    "Use another table name or another store directory."
+                )
+            if optimizer is not None and info.optimizer != opt:
+                if info.optimizer.type != opt.type:
+                    raise TableMismatchError(
+                        f"table {name!r}: its rows carry {info.optimizer.type} state, asked for {opt.type}. "
+                        "Use another table name or another store directory."
+                    )
+                info.optimizer = opt  # same state layout; new hyper-parameters apply from now on
+            if adm is not None:
+                info.admission = adm
+                self._core.pending_keys[name].capacity = adm.max_pending
+            if evict is not None:
+                info.eviction = evict
+            return info
+        info = TableInfo(
+            name,
+            dim,
+            opt,
+            init,
+            table_salt(self._core.seed, name),
+            admission=adm or AdmissionConfig(),
+            eviction=evict or EvictionConfig(),
+        )
+        self._core.tables[name] = info
+        self._core.register(info)
+        return info
+
+    def lookup(self, table: str, ids: Any) -> torch.Tensor:
+        """Current weights of ``ids`` wherever they live, without gradient or side effects.
+
+        ids: (...) integer tensor, array or list -> (..., dim) float32 on the store's device.
+        """
+        info = self._core.info(table)
+        flat = _ids.as_int64_array(ids, what=f"ids for table {table!r}")
+        shape = tuple(ids.shape) if hasattr(ids, "shape") else (len(flat),)
+        keys, inverse, rows = self._core.unique_rows(table, flat)
+        weights = np.ascontiguousarray(rows[:, : info.dim])
+        if info.admission.unknown_rows == "zeros" and len(keys):
+            weights[~self._core.has_row(table, keys)] = 0.0
+        return torch.from_numpy(weights[inverse]).reshape(*shape, info.dim).to(self._core.device)
+
+    def read_rows(self, table: str, keys: np.ndarray) -> np.ndarray:
+        """Weights and optimizer state of int64 ``keys``: (n, dim + state) float32 (counters: :meth:`counters`)."""
+        return self._core.whole_rows(table, keys)[:, : self._core.info(table).state_end]
+
+    def write(self, table: str, keys: Any, weights: Any) -> None:
+        """Set the weights of ``keys`` (optimizer state starts afresh), e.g. from a trained model.
+
+        keys: (n,) unique int64; weights: (n, dim) float32 tensor or array.
+        """
+        self._core.check_open()
+        info = self._core.info(table)
+        keys = _ids.as_int64_array(keys, what="keys")
+        w = weights.detach().cpu().numpy() if isinstance(weights, torch.Tensor) else np.asarray(weights)
+        if w.shape != (len(keys), info.dim):
+            raise ConfigError(
+                f"write to {table!r}: weights of shape {w.shape} for {len(keys)} keys of "
+                f"dim {info.dim}; expected {(len(keys), info.dim)}."
+            )
+        if len(np.unique(keys)) != len(keys):
+            raise ConfigError(f"write to {table!r}: keys must be unique.")
+        self._pipe.drain()
+        order = np.argsort(keys, kind="stable")
+        keys = keys[order]
+        rows = np.concatenate(
+            [
+                w[order].astype(np.float32),
+                initial_state(info.optimizer, len(keys), info.dim),
+                initial_counters(len(keys), self._core.passes),
+            ],
+            axis=1,
+        )
+        self._core.pending_keys[table].remove(keys)
+        key_t = torch.from_numpy(keys).to(self._core.device)
+        found, slots = self._core.device_tier.resolve(table, key_t)
+        if found.any():
+            f_np = found.cpu().numpy()
+            self._core.device_tier.rows(table)[slots[found]] = torch.from_numpy(rows[f_np]).to(
+                self._core.device
+            )
+            self._core.device_tier.mark_dirty(table, slots[found])
+            keys, rows = keys[~f_np], rows[~f_np]
+        for start in range(0, len(keys), 1 << 18):
+            self._core.memory.put(
+                table, keys[start : start + (1 << 18)], rows[start : start + (1 << 18)], dirty=True
+            )
+
+    def write_rows(self, table: str, keys: np.ndarray, rows: np.ndarray) -> None:
+        """Set whole rows (weights and optimizer state), e.g. when resharding a checkpoint.
+
+        keys: (n,) int64 unique; rows: (n, width) float32.
+        """
+        self._core.check_open()
+        info = self._core.info(table)
+        keys = _ids.as_int64_array(keys, what="keys")
+        if rows.shape != (len(keys), info.width):
+            raise ConfigError(
+                f"write_rows to {table!r}: rows of shape {rows.shape}; expected {(len(keys), info.width)}."
+            )
+        self._pipe.drain()
+        self._core.device_tier.discard(table)
+        order = np.argsort(keys, kind="stable")
+        keys, rows = keys[order], np.ascontiguousarray(rows[order], dtype=np.float32)
+        for start in range(0, len(keys), 1 << 18):
+            self._core.memory.put(
+                table, keys[start : start + (1 << 18)], rows[start : start + (1 << 18)], dirty=True
+            )
+
+    def reset_table(self, table: str) -> None:
+        """Forget every row of ``table`` in every tier (checkpoints keep theirs) and its step count."""
+        self._core.check_open()
+        info = self._core.info(table)
+        self._pipe.drain()
+        self._trainer.drop(table)
+        self._core.device_tier.discard(table)
+        self._core.memory.discard(table)
+        self._core.ssd.load_index(table, info.width, TableIndex(), {})
+        info.step = 0
+
+    # -- durability ---------------------------------------------------------------------------
+    def checkpoint(self, tag: str | None = None, extra: dict[str, Any] | None = None) -> int:
+        """Make every row and optimizer state written so far durable; returns the checkpoint id.
+
+        Atomic: a crash before it returns leaves the previous checkpoint as the latest. The
+        working set stays resident. Checkpoints beyond ``keep_checkpoints`` are retired.
+        ``extra`` (JSON-serialisable) is kept in the manifest, e.g. the world size of a sharded run.
+        """
+        self._core.check_open()
+        self._pipe.drain()
+        self._core.put_dirty(
+            {
+                t: DrainedRows(k, r, np.ones(len(k), bool))
+                for t, (k, r) in self._core.device_tier.take_dirty().items()
+            }
+        )
+        fault_point("checkpoint.after_device_flush")
+        self._core.memory.flush()
+        fault_point("checkpoint.after_memory_flush")
+        self._core.ssd.sync()
+        fault_point("checkpoint.after_sync")
+        ckpt = (self._core.catalog.latest() or 0) + 1
+        body = {
+            "tag": tag,
+            "extra": extra or {},
+            "format_version": FORMAT_VERSION,
+            "seed": self._core.seed,
+            "passes": self._core.passes,
+            "next_segment": self._core.ssd.next_segment,
+            "tables": {
+                name: {
+                    **info.to_json(),
+                    "rows": self._core.ssd.num_rows(name),
+                    "segments": {
+                        str(s): self._core.ssd.segment_size(name, s) for _, s in self._core.ssd.segments(name)
+                    },
+                }
+                for name, info in self._core.tables.items()
+            },
+        }
+        self._core.catalog.write(
+            ckpt,
+            {name: self._core.ssd.index[name] for name in self._core.tables},
+            body,
+            extra={name: self._core.pending_keys[name].arrays() for name in self._core.tables},
+        )
+        self._core.checkpoint_id = ckpt
+        fault_point("checkpoint.after_manifest")
+        for old in self._core.catalog.ids()[: -self._core.keep_checkpoints]:
+            self._core.catalog.delete(old)
+            fault_point("checkpoint.after_retire")
+        self._core.ssd.collect_garbage(self._core.catalog.referenced_segments())
+        return ckpt
+
+    def restore(self, ref: int | str | None = None) -> int:
+        """Return every table to a checkpoint (id, tag, or the latest), discarding newer changes."""
+        self._core.check_open()
+        ckpt = self._core.catalog.latest() if ref is None else self._core.catalog.find(ref)
+        if ckpt is None:
+            raise ConfigError(f"no checkpoint {ref!r} in {self.path}; it has {self.list_checkpoints()}.")
+        self._pipe.drain()
+        self._passes.forget_announced()
+        self._trainer.drop()
+        self._core.device_tier.discard()
+        self._core.memory.clear()
+        self._load_checkpoint(ckpt)
+        return ckpt
+
+    def _load_checkpoint(self, ckpt: int) -> None:
+        manifest = self._core.catalog.manifest(ckpt)
+        if manifest.get("format_version") != FORMAT_VERSION:
+            raise StoreFormatError(
+                f"{self.path}: checkpoint {ckpt} has format version {manifest.get('format_version')!r}; "
+                f"this hierps reads {FORMAT_VERSION}."
+            )
+        for name, meta in manifest["tables"].items():
+            info = TableInfo(
+                name,
+                int(meta["dim"]),
+                OptimizerConfig.parse(meta["optimizer"]),
+                InitializerConfig.parse(meta["initializer"]),
+                table_salt(int(manifest["seed"]), name),
+                int(meta["step"]),
+                AdmissionConfig.parse(meta["admission"]),
+                EvictionConfig.parse(meta["eviction"]),
+            )
+            if info.width != int(meta["width"]):
+                raise StoreFormatError(
+                    f"{self.path}: checkpoint {ckpt} table {name!r} has an inconsistent width."
+                )
+            self._core.tables[name] = info
+            pending = PendingKeys.from_arrays(
+                info.admission.max_pending, self._core.catalog.read_extra(ckpt, name, PENDING_ARRAYS)
+            )
+            self._core.register(info, pending)
+            sizes = {int(s): int(n) for s, n in meta["segments"].items()}
+            self._core.ssd.load_index(
+                name, info.width, self._core.catalog.read_index(ckpt, name, sizes), sizes
+            )
+        for name in set(self._core.tables) - set(manifest["tables"]):  # created after that checkpoint
+            self._core.tables[name].step = 0
+            self._core.pending_keys[name] = PendingKeys(self._core.tables[name].admission.max_pending)
+            self._core.ssd.load_index(name, self._core.tables[name].width, TableIndex(), {})
+        self._core.seed = int(manifest["seed"])
+        self._core.passes = int(manifest.get("passes", 0))
+        self._core.memory.tick = self._core.passes
+        self._core.ssd.next_segment = max(self._core.ssd.next_segment, int(manifest["next_segment"]))
+        self._core.checkpoint_id = ckpt
+
+    def list_checkpoints(self) -> list[dict[str, Any]]:
+        """``[{"id", "tag", "created"}, ...]`` of the restorable checkpoints, oldest first."""
+        out = []
+        for ckpt in self._core.catalog.ids():
+            m = self._core.catalog.manifest(ckpt)
+            out.append({"id": ckpt, "tag": m.get("tag"), "created": m.get("created")})
+        return out
+
+    def flush(self) -> None:
+        """Write the working set back (end of pass) without a checkpoint."""
+        self._core.write_back()
+
+    def close(self) -> None:
+        """Release the store. Rows not covered by a checkpoint are not made durable."""
+        if not self._core.is_open:
+            return
+        self._trainer.drop()
+        self._passes.forget_batches()  # forwards take the generic path, which refuses a closed store
+        try:
+            self._pipe.close()
+        finally:
+            self._core.ssd.close()  # segment files kept open for reads
+            self._core.unlock()
+
+    def __enter__(self) -> Store:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- introspection ------------------------------------------------------------------------
+    def num_rows(self, table: str) -> dict[str, int]:
+        """Rows of ``table`` per tier: ``{"device", "memory", "ssd"}`` (a row may be in several)."""
+        self._pipe.drain()
+        return {
+            "device": self._core.device_tier.num_rows(table),
+            "memory": self._core.memory.num_rows(table),
+            "ssd": self._core.ssd.num_rows(table),
+        }

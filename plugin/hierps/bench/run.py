@@ -1,0 +1,368 @@
+"""``hierps bench``: training throughput of hierps against PyTorch, DeepSpeed and a memmap, in one run.
+
+Each measurement runs in a fresh process (``python -m hierps.bench.run --worker SPEC --out FILE``,
+JSON in and out), so peak RSS is per variant and no variant warms another's caches. Repeats
+are interleaved (every variant once, then again) so that load from other jobs on the machine
+spreads over all variants; the median is reported. See :mod:`hierps.bench.variants` for the
+trainers, :mod:`hierps.bench.machine` for the machine limits and the SSD scaling experiment,
+:mod:`hierps.bench.report` for the table, the goal check and the chart.
+
+Workload: the demo DLRM on synthetic Criteo-like data, 26 power-law features over an id
+population of ``rows`` ids. The RAM budgets of the hierps variants are fractions of the bytes of
+the rows the workload creates (its distinct ids), so a 25% budget really keeps three quarters
+of the rows on SSD.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import json
+import os
+import pstats
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "ALL_VARIANTS",
+    "BenchConfig",
+    "add_arguments",
+    "config_from_args",
+    "quick_config",
+    "run_bench",
+    "run_from_args",
+]
+
+ALL_VARIANTS = (
+    "mlp-only",
+    "torch-sparse",
+    "torch-dense",
+    "deepspeed-dense",
+    "mmap",
+    *(f"hierps-ram{pct}-{mode}" for pct in (100, 25, 5) for mode in ("pipe", "sync")),
+)
+FULL_VARIANTS = ("deepspeed-dense", "hierps-ram100-pipe")
+
+
+@dataclass
+class BenchConfig:
+    """Settings of one ``hierps bench`` run; the defaults take four to eight minutes on two cores."""
+
+    model: str = "dlrm"  # "dlrm" (the demo model) or "wide" (logistic regression: embedding-bound)
+    rows: int = 1_000_000  # id population over the 26 features (torch tables have this many rows)
+    dim: int = 16
+    batch_size: int = 4096
+    examples: int = 65_536  # per epoch; each variant trains a warm-up epoch, then a measured one
+    pass_batches: int = 4  # mini-batches per hierps pass: 4 passes per epoch by default
+    repeats: int = 3
+    seed: int = 0
+    threads: int = 1  # torch intra-op threads: on two cores the pipeline's worker needs the other
+    dense_steps: int = 8  # measured steps of the dense variants (dense Adam touches every row)
+    dense_warmup_steps: int = 2
+    device_budget: str = "1GiB"
+    lr_sparse: float = 0.05
+    lr_dense: float = 1e-3
+    variants: tuple[str, ...] = ALL_VARIANTS
+    machine: bool = True  # RAM / disk bandwidth and the SSD tier's cold read
+    disk_bytes: int = 1 << 30
+    scaling: tuple[int, ...] = (100_000, 1_000_000)  # rows on SSD in the scaling experiment
+    full: bool = False  # also 10M-row comparison against deepspeed-dense (and 10^7 rows on SSD)
+    full_rows: int = 10_000_000
+    full_dense_steps: int = 3
+    tmp: str | None = None  # directory for stores and probe files (default: the system temp dir)
+    profile: str | None = None  # write a cProfile summary per variant here (extra, untimed runs)
+    worker_timeout: float = 1800.0
+
+
+def quick_config(**overrides: Any) -> BenchConfig:
+    """About a minute and a half on two cores: one repeat of a half-size workload, a smaller disk probe."""
+    base = {
+        "examples": 32_768,
+        "pass_batches": 2,
+        "repeats": 1,
+        "dense_steps": 3,
+        "dense_warmup_steps": 1,
+        "disk_bytes": 256 << 20,
+    }
+    return BenchConfig(**{**base, **overrides})
+
+
+# -- workers ----------------------------------------------------------------------------------------
+def _worker(spec: dict[str, Any]) -> dict[str, Any]:
+    """Run one measurement in this process (the ``--worker`` entry point)."""
+    import torch
+
+    torch.set_num_threads(spec["config"]["threads"])
+    from hierps.bench import machine as bench_machine
+    from hierps.bench import variants as bench_variants
+    from hierps.bench.variants import peak_rss_bytes, run_variant
+
+    cfg, tmp, task = spec["config"], Path(spec["tmp"]), spec["task"]
+    t0 = time.perf_counter()
+    profiler = cProfile.Profile() if spec.get("profile") else None
+    bench_variants.PROFILER = profiler
+    if task == "variant":
+        record = run_variant(spec["name"], cfg, tmp)
+    elif task == "machine":
+        ram = bench_machine.ram_copy()
+        disk = bench_machine.disk_read(tmp, cfg["disk_bytes"])
+        record = {
+            "ram_copy": ram,
+            "disk_read": disk,
+            "ssd_tier_read": bench_machine.ssd_tier_read(cfg, tmp, disk_bytes_per_s=disk["bytes_per_s"]),
+        }
+    elif task == "scaling":
+        record = bench_machine.ssd_scaling(spec["rows"], cfg, tmp)
+    else:
+        raise ValueError(f"unknown bench task {task!r}")
+    if profiler:
+        text = io.StringIO()
+        stats = pstats.Stats(profiler, stream=text).strip_dirs()
+        stats.sort_stats("tottime").print_stats(35)
+        stats.sort_stats("cumulative").print_stats(35)
+        Path(spec["profile"]).write_text(text.getvalue(), encoding="utf-8")
+    record["peak_rss_bytes"] = peak_rss_bytes()
+    record["process_seconds"] = time.perf_counter() - t0
+    record["torch_threads"] = torch.get_num_threads()
+    return record
+
+
+def _spawn(spec: dict[str, Any], timeout: float) -> dict[str, Any]:
+    """Run ``spec`` in a fresh ``python -m hierps.bench.run --worker`` process; its record or ``{"error"}``."""
+    out = Path(spec["tmp"]) / "result.json"
+    Path(spec["tmp"]).mkdir(parents=True, exist_ok=True)
+    env = {
+        **os.environ,
+        "DS_ACCELERATOR": os.environ.get("DS_ACCELERATOR", "cpu"),
+        "OMP_NUM_THREADS": str(spec["config"]["threads"]),
+    }
+    cmd = [sys.executable, "-m", "hierps.bench.run", "--worker", json.dumps(spec), "--out", str(out)]
+    try:
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, check=False)
+    except subprocess.TimeoutExpired:
+        return {"error": f"timed out after {timeout:.0f} s"}
+    if proc.returncode != 0 or not out.exists():
+        return {"error": (proc.stderr or proc.stdout or f"exit status {proc.returncode}")[-2000:]}
+    return json.loads(out.read_text(encoding="utf-8"))
+
+
+def _median_record(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The run of median time (lower middle for an even count), with every run's examples/s."""
+    ok = [r for r in runs if "seconds" in r]
+    if not ok:
+        return {"error": runs[0].get("error", "no run finished") if runs else "not run"}
+    ordered = sorted(ok, key=lambda r: r["seconds"])
+    record = dict(ordered[(len(ordered) - 1) // 2])
+    record["all_examples_per_s"] = [r["examples_per_s"] for r in ok]
+    record["examples_per_s"] = statistics.median(record["all_examples_per_s"])
+    record["peak_rss_bytes"] = int(statistics.median(r["peak_rss_bytes"] for r in ok))
+    record["failed_runs"] = len(runs) - len(ok)
+    return record
+
+
+# -- the run ------------------------------------------------------------------------------------------
+def run_bench(
+    cfg: BenchConfig, out: Callable[[str], Any] = print, only_scaling: bool = False
+) -> dict[str, Any]:
+    """Run every measurement of ``cfg``; print progress and the report; return the JSON-ready results."""
+    from hierps.bench.report import check_goals, format_report
+    from hierps.bench.variants import make_workload
+
+    unknown = sorted(set(cfg.variants) - set(ALL_VARIANTS))
+    if unknown:
+        raise ValueError(f"unknown variant(s) {unknown}; choose among {', '.join(ALL_VARIANTS)}.")
+    conf = asdict(cfg)
+    conf["variants"], conf["scaling"] = list(cfg.variants), list(cfg.scaling)
+    started = time.perf_counter()
+    results: dict[str, Any] = {
+        "config": conf,
+        "variants": {},
+        "machine": {},
+        "scaling": [],
+        "load_average_start": os.getloadavg(),
+        "cpu_count": os.cpu_count(),
+    }
+    if not only_scaling:
+        work = make_workload(conf)
+        results["distinct_ids"] = work.distinct_ids
+        out(
+            f"hierps bench: {cfg.examples} examples per epoch in {len(work.passes)} passes of {cfg.pass_batches} "
+            f"batches of {cfg.batch_size}; {work.distinct_ids:,} distinct ids of a {cfg.rows:,}-id population; "
+            f"dim {cfg.dim}; torch threads {cfg.threads}; {cfg.repeats} repeats; load average "
+            f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs"
+        )
+        del work
+    with tempfile.TemporaryDirectory(prefix="hierps-bench-", dir=cfg.tmp) as tmp_dir:
+        tmp = Path(tmp_dir)
+        counter = iter(range(1 << 30))
+
+        def spawn(task: str, config: dict[str, Any], label: str, **extra: Any) -> dict[str, Any]:
+            spec = {"task": task, "config": config, "tmp": str(tmp / f"{next(counter):03d}-{label}"), **extra}
+            t0 = time.perf_counter()
+            record = _spawn(spec, cfg.worker_timeout)
+            status = (
+                f"{record['examples_per_s']:.0f} examples/s"
+                if "examples_per_s" in record
+                else "failed"
+                if "error" in record
+                else "done"
+            )
+            out(
+                f"  [{time.perf_counter() - started:6.0f} s] {label}: {status} ({time.perf_counter() - t0:.0f} s)"
+            )
+            return record
+
+        if cfg.machine and not only_scaling:
+            results["machine"] = spawn("machine", conf, "machine-limits")
+        if not only_scaling:
+            runs: dict[str, list[dict[str, Any]]] = {name: [] for name in cfg.variants}
+            for r in range(cfg.repeats):
+                for name in cfg.variants:
+                    runs[name].append(spawn("variant", conf, f"{name}#{r + 1}", name=name))
+            results["variants"] = {name: _median_record(rs) for name, rs in runs.items()}
+            if cfg.profile:
+                Path(cfg.profile).mkdir(parents=True, exist_ok=True)
+                for name in cfg.variants:
+                    spawn(
+                        "variant",
+                        conf,
+                        f"{name}-profiled",
+                        name=name,
+                        profile=str(Path(cfg.profile).resolve() / f"{name}.txt"),
+                    )
+        if cfg.full and not only_scaling:
+            big = {**conf, "rows": cfg.full_rows, "dense_steps": cfg.full_dense_steps}
+            full_runs: dict[str, list[dict[str, Any]]] = {name: [] for name in FULL_VARIANTS}
+            for r in range(cfg.repeats):
+                for name in FULL_VARIANTS:
+                    full_runs[name].append(
+                        spawn("variant", big, f"{name}@{cfg.full_rows:.0e}#{r + 1}", name=name)
+                    )
+            results["full_comparison"] = {name: _median_record(rs) for name, rs in full_runs.items()}
+        for n in cfg.scaling:
+            record = spawn("scaling", conf, f"ssd-scaling-{n:.0e}", rows=n)
+            results["scaling"].append({"rows": n, **record})
+    results["goals"] = check_goals(results)
+    results["seconds"] = time.perf_counter() - started
+    results["load_average_end"] = os.getloadavg()
+    format_report(results, out)
+    out(f"bench took {results['seconds']:.0f} s")
+    return results
+
+
+# -- command line -------------------------------------------------------------------------------------
+def _count(text: str) -> int:
+    """An int >= 1 from the command line."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1. Got {text!r} instead.")
+    return value
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of ``hierps bench``."""
+    a = parser.add_argument
+    a("--examples", type=_count, help="examples per epoch (default 65536; --quick 32768)")
+    a("--model", choices=("dlrm", "wide"), help="dlrm (the demo model, default) or wide (embedding-bound)")
+    a("--rows", type=_count, help="id population over the 26 features (default 1000000)")
+    a("--dim", type=_count, help="embedding dim (default 16)")
+    a("--batch-size", type=_count, help="default 4096")
+    a("--pass-batches", type=_count, help="mini-batches per hierps pass (default 4; --quick 2)")
+    a("--repeats", type=_count, help="runs per variant, the median is reported (default 3; --quick 1)")
+    a("--threads", type=_count, help="torch intra-op threads of each run (default 1)")
+    a("--dense-steps", type=_count, help="measured steps of the dense variants (default 8)")
+    a("--variants", help=f"comma-separated subset of {','.join(ALL_VARIANTS)}")
+    a("--quick", action="store_true", help="a half-size workload, one repeat, a 256MiB disk probe")
+    a(
+        "--full",
+        action="store_true",
+        help="also the 10M-row comparison with deepspeed-dense, and 10^7 rows in the scaling experiment",
+    )
+    a("--scaling", action="store_true", help="run only the SSD scaling experiment")
+    a("--no-scaling", action="store_true", help="skip the SSD scaling experiment")
+    a("--no-machine", action="store_true", help="skip the RAM / disk / SSD tier bandwidth probes")
+    a("--disk-bytes", help="size of the disk probe file (default 1GiB; --quick 256MiB)")
+    a("--tmp", help="directory for stores and probe files (default: the system temp dir; put it on the SSD)")
+    a(
+        "--profile",
+        metavar="DIR",
+        help="also write a cProfile summary of the measured epoch of one extra run per variant into DIR",
+    )
+    a("--json", metavar="PATH", help="write the results as JSON here")
+    a("--plot", metavar="PATH", help="write a PNG chart here")
+
+
+def config_from_args(args: argparse.Namespace) -> BenchConfig:
+    """The :class:`BenchConfig` of parsed ``hierps bench`` options (``--quick`` defaults under given ones)."""
+    from hierps.config import parse_size
+
+    given = {
+        "examples": args.examples,
+        "model": args.model,
+        "rows": args.rows,
+        "dim": args.dim,
+        "batch_size": args.batch_size,
+        "pass_batches": args.pass_batches,
+        "repeats": args.repeats,
+        "threads": args.threads,
+        "dense_steps": args.dense_steps,
+        "tmp": args.tmp,
+        "profile": args.profile,
+        "disk_bytes": parse_size(args.disk_bytes, "--disk-bytes") if args.disk_bytes else None,
+        "variants": tuple(v for v in args.variants.split(",") if v) if args.variants else None,
+        "machine": False if args.no_machine else None,
+        "full": True if args.full else None,
+    }
+    cfg = (quick_config if args.quick else BenchConfig)(**{k: v for k, v in given.items() if v is not None})
+    if args.no_scaling:
+        cfg.scaling = ()
+    elif args.scaling or args.full:
+        cfg.scaling = (*(cfg.scaling or BenchConfig.scaling), *((cfg.full_rows,) if args.full else ()))
+    return cfg
+
+
+def run_from_args(args: argparse.Namespace) -> int:
+    """``hierps bench``: run, print the report, write ``--json`` / ``--plot``."""
+    cfg = config_from_args(args)
+    unknown = sorted(set(cfg.variants) - set(ALL_VARIANTS))
+    if unknown:
+        print(
+            f"hierps bench: unknown variant(s) {unknown}; choose among {','.join(ALL_VARIANTS)}.",
+            file=sys.stderr,
+        )
+        return 2
+    results = run_bench(cfg, only_scaling=args.scaling)
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1), encoding="utf-8")
+    if args.plot:
+        from hierps.bench.report import plot
+
+        plot(results, args.plot)
+    return 0
+
+
+def _main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m hierps.bench.run", description="one hierps bench measurement"
+    )
+    parser.add_argument("--worker", required=True, help="JSON spec of the measurement")
+    parser.add_argument("--out", required=True, help="write the JSON record here")
+    args = parser.parse_args(argv)
+    record = _worker(json.loads(args.worker))
+    Path(args.out).write_text(json.dumps(record), encoding="utf-8")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_main())

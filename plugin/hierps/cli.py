@@ -1,0 +1,161 @@
+"""The ``hierps`` command: ``demo``, ``bench``, and ``inspect`` / ``export`` / ``shrink`` of a store directory."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+
+from hierps.errors import HierpsError
+
+__all__ = ["main"]
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from hierps.demo.app import DemoConfig, run_demo
+
+    cfg = DemoConfig(
+        examples=args.examples,
+        data=args.data,
+        max_rows=args.max_rows,
+        batch_size=args.batch_size,
+        pass_batches=args.pass_batches,
+        memory_budget=args.memory_budget,
+        device_budget=args.device_budget,
+        store=args.store,
+        seed=args.seed,
+        progress=not args.no_progress,
+    )
+    result = run_demo(cfg)
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump(result, f, indent=1)
+    return 0
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from hierps.bench.run import run_from_args
+
+    return run_from_args(args)
+
+
+def _ref(text: str) -> int | str:
+    """A checkpoint reference from the command line: an id (digits) or a tag."""
+    return int(text) if text.isdigit() else text
+
+
+def _inspect(args: argparse.Namespace) -> int:
+    from hierps.lifecycle._inspection import format_report, inspect_path
+
+    report = inspect_path(args.path, counts=not args.no_counts)
+    print(format_report(report))
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump(report, f, indent=1)
+    return 0
+
+
+def _export(args: argparse.Namespace) -> int:
+    from hierps.lifecycle._export import export_store
+
+    since = _ref(args.since) if args.since is not None else None
+    ckpt = _ref(args.checkpoint) if args.checkpoint is not None else None
+    manifest = export_store(args.path, args.out, since=since, checkpoint=ckpt)
+    kind = f"delta since checkpoint {manifest['since']}" if manifest["since"] is not None else "full export"
+    print(f"{args.out}: {kind} of checkpoint {manifest['checkpoint']}")
+    for name, t in manifest["tables"].items():
+        gone = f", {t['deleted']} deleted" if manifest["since"] is not None else ""
+        print(f"  {name}: {t['rows']} rows of dim {t['dim']}{gone}")
+    return 0
+
+
+def _shrink(args: argparse.Namespace) -> int:
+    from hierps._store import Store
+    from hierps.lifecycle._export import store_dirs
+
+    for path in store_dirs(args.path):
+        with Store(path, device="cpu") as store:
+            if args.table is not None and args.table not in store.tables:
+                print(f"{path}: no table {args.table!r}; it has {sorted(store.tables)}", file=sys.stderr)
+                return 2
+            deleted = store.shrink(
+                args.table, ttl_passes=args.ttl_passes, min_decayed_count=args.min_decayed_count
+            )
+            ckpt = store.checkpoint("shrink")
+            for name, n in deleted.items():
+                active = args.ttl_passes is not None or args.min_decayed_count is not None
+                rule = (
+                    ""
+                    if active or store.tables[name].eviction.active
+                    else (" (no eviction settings: pass --ttl-passes or --min-decayed-count)")
+                )
+                print(f"{path}: {name}: {n} rows deleted, {store.ssd.num_rows(name)} left{rule}")
+            print(f"{path}: checkpoint {ckpt}")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="hierps", description="Hierarchical parameter store for sparse embeddings."
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    demo = sub.add_parser("demo", help="train a DLRM click model through the store (rows spill to SSD)")
+    demo.add_argument("--data", help="Criteo TSV file or directory (default: synthetic Criteo-format data)")
+    demo.add_argument("--max-rows", type=int, default=None, help="read at most this many rows of --data")
+    demo.add_argument("--examples", type=int, default=300_000, help="synthetic examples (train + test)")
+    demo.add_argument("--batch-size", type=int, default=2048)
+    demo.add_argument("--pass-batches", type=int, default=16, help="mini-batches per pass")
+    demo.add_argument("--memory-budget", default="4MiB", help="RAM tier budget, e.g. 4MiB")
+    demo.add_argument("--device-budget", default="512MiB", help="device tier budget")
+    demo.add_argument("--store", default=None, help="store directory (default: a temporary one)")
+    demo.add_argument("--seed", type=int, default=0)
+    demo.add_argument("--json", help="also write the per-pass record as JSON here")
+    demo.add_argument("--no-progress", action="store_true", help="no progress bar")
+    demo.set_defaults(func=_demo)
+
+    from hierps.bench.run import add_arguments
+
+    bench = sub.add_parser(
+        "bench", help="training throughput of hierps against PyTorch, DeepSpeed and a memmap"
+    )
+    add_arguments(bench)
+    bench.set_defaults(func=_bench)
+
+    insp = sub.add_parser("inspect", help="tables, rows, bytes on disk, checkpoints and counters of a store")
+    insp.add_argument("path", help="store directory (or a directory of rank-* stores)")
+    insp.add_argument(
+        "--no-counts", action="store_true", help="skip the histogram of counters (reads every row)"
+    )
+    insp.add_argument("--json", help="also write the report as JSON here")
+    insp.set_defaults(func=_inspect)
+
+    exp = sub.add_parser("export", help="write a checkpoint's weights (or a delta) as a plain Zarr v3 group")
+    exp.add_argument("path", help="store directory (or a directory of rank-* stores, merged into one export)")
+    exp.add_argument("out", help="new directory for the export")
+    exp.add_argument("--since", help="checkpoint id or tag: export only what changed since it (a delta)")
+    exp.add_argument("--checkpoint", help="checkpoint id or tag to export (default: the latest)")
+    exp.set_defaults(func=_export)
+
+    shr = sub.add_parser("shrink", help="delete rows unseen for long from every tier, then checkpoint")
+    shr.add_argument(
+        "path", help="store directory (or a directory of rank-* stores); nothing else may have it open"
+    )
+    shr.add_argument("--ttl-passes", type=int, default=None, help="delete rows unseen for this many passes")
+    shr.add_argument(
+        "--min-decayed-count", type=float, default=None, help="delete rows whose decayed count is below this"
+    )
+    shr.add_argument("--table", default=None, help="only this table (default: all)")
+    shr.set_defaults(func=_shrink)
+
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args))
+    except HierpsError as exc:  # a bad path or setting: its message says what to do
+        print(f"hierps {args.command}: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

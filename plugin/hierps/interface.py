@@ -1,0 +1,127 @@
+"""What the modules and the integrations need of a store: one typed interface.
+
+``hierps.Embedding`` / ``hierps.EmbeddingBag`` (:mod:`hierps.modules`), ``hierps.deepspeed`` and
+``hierps.deepspeed.PassLoader`` use a store only through :class:`StoreInterface`. Two stores
+implement it: :class:`hierps.Store` (one process) and :class:`hierps.ShardedStore` (keys sharded
+over ranks; its methods that move data are collective). ``tests/test_store_conformance.py`` runs
+one suite of behaviour against both.
+
+Shapes: ``keys`` are sorted unique int64 ``(U,)`` tensors on the store's device; ``ids`` any
+integer tensor, array or list; rows are float32 ``(U, dim)`` on the store's device.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from contextlib import AbstractContextManager
+from pathlib import Path
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+
+from hierps.rows._table import TableInfo
+
+__all__ = ["Batches", "StoreInterface"]
+
+# A pass: {table: ids} for the whole pass, or one such mapping per mini-batch, in order.
+Batches = Mapping[str, Any] | Sequence[Mapping[str, Any]]
+
+
+@runtime_checkable
+class StoreInterface(Protocol):
+    """A store of tables of rows keyed by raw int64 ids, trained through gathers and steps."""
+
+    @property
+    def device(self) -> torch.device:
+        """The training device: every gathered row lives there."""
+        ...
+
+    @property
+    def path(self) -> Path:
+        """The store's directory."""
+        ...
+
+    @property
+    def tables(self) -> dict[str, TableInfo]:
+        """The tables by name (dim, optimizer, initializer, life-cycle settings)."""
+        ...
+
+    # -- tables and rows ------------------------------------------------------------------------
+    def table(self, name: str, dim: int, **settings: Any) -> TableInfo:
+        """Create table ``name`` with rows of ``dim`` floats, or reopen it (checking dim and optimizer)."""
+        ...
+
+    def write(self, table: str, keys: Any, weights: Any) -> None:
+        """Set the weights of unique int64 ``keys`` (n,) to ``weights`` (n, dim); optimizer state starts afresh."""
+        ...
+
+    def lookup(self, table: str, ids: Any) -> torch.Tensor:
+        """Current weights of ``ids`` (...) -> (..., dim) float32, without gradient or side effects."""
+        ...
+
+    # -- training ---------------------------------------------------------------------------------
+    def gather(
+        self, table: str, keys: torch.Tensor, *, requires_grad: bool, counts: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Rows of a mini-batch's keys (U,) -> (U, dim); with ``requires_grad`` a leaf :meth:`step` applies."""
+        ...
+
+    def gather_planned(self, table: str, ids: torch.Tensor) -> tuple[torch.Tensor, Any] | None:
+        """The gather of the next announced mini-batch (translated ahead), or None to gather generically."""
+        ...
+
+    def fused_bag(
+        self, table: str, ids: torch.Tensor, offsets: torch.Tensor, mode: str
+    ) -> torch.Tensor | None:
+        """``table``'s (B, dim) pooled output of an announced mini-batch, pooled with its other tables, or None."""
+        ...
+
+    def observe(self, table: str, ids: Any, clicks: Any = None) -> None:
+        """Count impressions (and clicks) of ``ids`` (N,) into their rows' show / click counters."""
+        ...
+
+    def step(self) -> None:
+        """One optimizer step per row gathered since the last step, its gradients summed first."""
+        ...
+
+    def zero_grad(self) -> None:
+        """Forget what was gathered since the last step."""
+        ...
+
+    # -- passes -----------------------------------------------------------------------------------
+    def begin_pass(self, batches: Batches) -> None:
+        """Load a pass's working set into the device tier before its mini-batches run."""
+        ...
+
+    def prefetch(self, batches: Batches) -> None:
+        """Announce the next pass, so that its rows are read in the background."""
+        ...
+
+    def end_pass(self) -> None:
+        """Close the pass (its rows are written back, now or when the next pass begins)."""
+        ...
+
+    def run_pass(self, batches: Batches) -> AbstractContextManager[None]:
+        """``with store.run_pass(batches): ...`` = begin_pass(batches) ... end_pass()."""
+        ...
+
+    # -- durability -------------------------------------------------------------------------------
+    def checkpoint(self, tag: str | None = None) -> int:
+        """Make every row written so far durable, atomically; returns the checkpoint id."""
+        ...
+
+    def restore(self, ref: int | str | None = None) -> int:
+        """Return every table to a checkpoint (id, tag, or the latest); returns its id."""
+        ...
+
+    def list_checkpoints(self) -> list[dict[str, Any]]:
+        """``[{"id", "tag", "created"}, ...]`` of the restorable checkpoints, oldest first."""
+        ...
+
+    def num_rows(self, table: str) -> dict[str, int]:
+        """Rows of ``table`` per tier: ``{"device", "memory", "ssd"}``."""
+        ...
+
+    def close(self) -> None:
+        """Release the store; rows not covered by a checkpoint are not made durable."""
+        ...

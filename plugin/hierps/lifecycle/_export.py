@@ -1,0 +1,303 @@
+"""Exports for serving: the weights of a checkpoint, or what changed since an earlier one, as plain Zarr v3.
+
+Layout of an export directory (any Zarr v3 reader opens it; hierps is not needed)::
+
+    manifest.json     {"format": "hierps-export", "format_version": 1, "checkpoint": 7, "since": null,
+                       "seed": 0, "ranks": 1, "source": "/ssd/store", "created": 1700000000.0,
+                       "tables": {"user": {"dim": 16, "rows": 1000, "deleted": 0,
+                                           "initializer": {"type": "normal", "params": {...}},
+                                           "unknown": "initializer"}}}
+    zarr.json         the root group
+    user/keys         (n,) int64, sorted, unique
+    user/values       (n, dim) float32: the weights (no optimizer state, no counters)
+    user/deleted      (m,) int64, sorted: keys deleted since ``since`` (deltas only)
+
+A full export (``since`` null) holds every row of checkpoint ``checkpoint``. A delta holds the
+rows whose weights differ from checkpoint ``since`` (new rows included) and the keys deleted since
+then; applied to the rows as of ``since`` (delete, then insert or replace) it gives the rows as
+of ``checkpoint``. ``unknown`` says what a key without a row reads as in training:
+``"initializer"`` (the row :func:`hierps.rows._initializers.initial_rows` gives from ``seed``, the table
+name and the key) or ``"zeros"``.
+
+Which rows changed comes from the key indexes of the two checkpoints: a key whose
+(segment, position) is the same in both has the same row, because segments are never modified.
+Rows that moved (a write-back, a compaction) are compared by weights, so a delta holds only rows
+whose served value changed. Both checkpoints must still be kept by the store.
+
+A directory of per-rank stores (``rank-00000/``, ``rank-00001/``... as the DeepSpeed integration
+writes them) exports as one: the same table names, the ranks' disjoint keys merged, taken at the
+latest checkpoint id that every rank holds.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import zarr
+import zarr.codecs
+from zarr.storage import LocalStore
+
+from hierps.config import AdmissionConfig
+from hierps.errors import ConfigError, StoreFormatError
+from hierps.storage._checkpoint import CheckpointCatalog
+from hierps.storage._files import fsync_dir, fsync_tree
+from hierps.tiers._reader import CheckpointReader
+
+__all__ = ["EXPORT_FORMAT", "export_store", "resolve_checkpoint", "store_dirs"]
+
+EXPORT_FORMAT = "hierps-export"
+EXPORT_VERSION = 1
+_MARKER = "hierps.json"
+_CHUNK_BYTES = 1 << 20
+_BATCH_CHUNKS = 32  # rows read and written per step: this many chunks
+
+
+def store_dirs(path: str | os.PathLike[str]) -> list[Path]:
+    """The store directories under ``path``: ``[path]`` for a store, its ``rank-*`` stores otherwise."""
+    root = Path(path)
+    if (root / _MARKER).exists():
+        return [root]
+    ranks = sorted(p for p in root.glob("rank-*") if (p / _MARKER).exists()) if root.is_dir() else []
+    if not ranks:
+        raise StoreFormatError(
+            f"{root}: neither a hierps store (no {_MARKER}) nor a directory of per-rank stores "
+            "(rank-00000/ ...). Point at a store directory."
+        )
+    return ranks
+
+
+def resolve_checkpoint(stores: list[Path], ref: int | str | None, what: str = "checkpoint") -> int:
+    """One checkpoint id valid in every store: the latest all of them hold (``ref`` None), or ``ref``."""
+    catalogs = [_catalog(s) for s in stores]
+    held = [set(c.ids()) if c is not None else set() for c in catalogs]
+    if ref is None:
+        common = set.intersection(*held)
+        if not common:
+            raise ConfigError(
+                f"{stores[0].parent if len(stores) > 1 else stores[0]}: no {what} that every store "
+                f"holds ({_describe(stores, held)}). Checkpoint the store first."
+            )
+        return max(common)
+    ids = {c.find(ref) if c is not None else None for c in catalogs}
+    if None in ids:
+        raise ConfigError(
+            f"{what} {ref!r}: not held by every store ({_describe(stores, held)}); a retired "
+            "checkpoint cannot be exported from. Export in full instead, or raise keep_checkpoints."
+        )
+    if len(ids) > 1:
+        raise ConfigError(
+            f"{what} {ref!r}: names different checkpoint ids in the rank stores ({sorted(ids)}); "
+            "pass a checkpoint id instead."
+        )
+    return ids.pop()
+
+
+def _describe(stores: list[Path], held: list[set[int]]) -> str:
+    return "; ".join(f"{s.name}: {sorted(h)}" for s, h in zip(stores, held))
+
+
+def _catalog(store: Path) -> CheckpointCatalog | None:
+    """The checkpoints of a store directory, read without opening the store (no lock); None if none."""
+    root = store / "checkpoints"
+    return CheckpointCatalog(root) if root.is_dir() else None
+
+
+def export_store(
+    path: str | os.PathLike[str],
+    out: str | os.PathLike[str],
+    since: int | str | None = None,
+    checkpoint: int | str | None = None,
+) -> dict[str, Any]:
+    """Export a store directory (or a directory of rank stores) to ``out``; returns the manifest.
+
+    ``checkpoint``: id or tag to export (default: the latest); ``since``: id or tag of an earlier
+    checkpoint, for a delta. ``out`` must not exist (or be empty); it appears whole or not at all.
+    """
+    stores = store_dirs(path)
+    out = Path(out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ConfigError(
+            f"{out}: already exists and is not empty; export to a new directory (exports are "
+            "never overwritten, so a reader never sees half of one)."
+        )
+    ckpt = resolve_checkpoint(stores, checkpoint)
+    base = resolve_checkpoint(stores, since, what="since") if since is not None else None
+    if base is not None and base > ckpt:
+        raise ConfigError(
+            f"since {since!r}: checkpoint {base} is newer than the exported checkpoint {ckpt}; a delta "
+            "goes from an older checkpoint to a newer one."
+        )
+    now = [CheckpointReader(s, ckpt) for s in stores]
+    old = [CheckpointReader(s, base) for s in stores] if base is not None else None
+    tables = _tables(now)
+    seed = _one({int(r.manifest["seed"]) for r in now}, "seed", stores)
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        zstore = LocalStore(str(tmp))
+        zarr.open_group(zstore, mode="w", attributes={"format": EXPORT_FORMAT})
+        described = {}
+        for name, meta in tables.items():
+            dim = int(meta["dim"])
+            if old is None:
+                parts = [r.keys(name) if name in r.tables else np.empty(0, np.int64) for r in now]
+                deleted = None
+            else:
+                parts = [_changed(o, r, name, dim) for o, r in zip(old, now)]
+                deleted = _deleted(old, now, name)
+            rows = _write_table(zstore, name, dim, now, parts)
+            if deleted is not None:
+                _write_array(zstore, f"{name}/deleted", deleted)
+            admission = AdmissionConfig.parse(meta.get("admission"))
+            described[name] = {
+                "dim": dim,
+                "rows": rows,
+                "deleted": 0 if deleted is None else int(len(deleted)),
+                "initializer": meta["initializer"],
+                "unknown": admission.unknown_rows,
+            }
+        manifest = {
+            "format": EXPORT_FORMAT,
+            "format_version": EXPORT_VERSION,
+            "checkpoint": ckpt,
+            "since": base,
+            "seed": seed,
+            "ranks": len(stores),
+            "source": str(Path(path).resolve()),
+            "created": time.time(),
+            "tables": described,
+        }
+        (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1, sort_keys=True), encoding="utf-8")
+        fsync_tree(tmp)
+        if out.exists():
+            out.rmdir()
+        os.replace(tmp, out)
+        fsync_dir(out.parent)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return manifest
+
+
+def _one(values: set[Any], what: str, stores: list[Path]) -> Any:
+    if len(values) != 1:
+        raise StoreFormatError(
+            f"{stores[0].parent}: the rank stores disagree on {what} ({sorted(values)}); they "
+            "are not shards of one model. Export them one by one."
+        )
+    return values.pop()
+
+
+def _tables(readers: list[CheckpointReader]) -> dict[str, dict[str, Any]]:
+    """Table name -> its manifest entry, checked to agree over the rank stores."""
+    out: dict[str, dict[str, Any]] = {}
+    for r in readers:
+        for name, meta in r.tables.items():
+            first = out.setdefault(name, meta)
+            if int(first["dim"]) != int(meta["dim"]) or first["initializer"] != meta["initializer"]:
+                raise StoreFormatError(
+                    f"{r.path}: table {name!r} has dim {meta['dim']} / initializer "
+                    f"{meta['initializer']} there and dim {first['dim']} / initializer "
+                    f"{first['initializer']} in another rank store; they are not shards of one "
+                    "model. Export them one by one."
+                )
+    return out
+
+
+def _changed(old: CheckpointReader, now: CheckpointReader, table: str, dim: int) -> np.ndarray:
+    """(k,) int64 sorted keys of ``table`` whose weights in ``now`` differ from ``old`` (or are new)."""
+    if table not in now.tables:
+        return np.empty(0, np.int64)
+    ib = now.index(table)
+    if table not in old.tables:
+        return ib.keys
+    ia = old.index(table)
+    found, at = ia.find(ib.keys)
+    same = np.zeros(len(ib.keys), bool)
+    same[found] = (ia.seg[at[found]] == ib.seg[found]) & (ia.pos[at[found]] == ib.pos[found])
+    moved = np.flatnonzero(found & ~same)  # in both, stored anew: compare the weights
+    keep = ~same
+    batch = _batch_rows(int(now.tables[table]["width"]))
+    for start in range(0, len(moved), batch):
+        part = moved[start : start + batch]
+        keys = ib.keys[part]
+        _, new_rows = now.read(table, keys)
+        _, old_rows = old.read(table, keys)
+        # Bitwise: a NaN that stayed a NaN is unchanged, and -0.0 differs from 0.0.
+        differ = (new_rows[:, :dim].view(np.uint32) != old_rows[:, :dim].view(np.uint32)).any(axis=1)
+        keep[part] = differ
+    return ib.keys[keep]
+
+
+def _deleted(old: list[CheckpointReader], now: list[CheckpointReader], table: str) -> np.ndarray:
+    """(m,) int64 sorted keys stored in the old checkpoint of any rank and in the new one of none."""
+    before = [r.keys(table) for r in old if table in r.tables]
+    after = [r.keys(table) for r in now if table in r.tables]
+    if not before:
+        return np.empty(0, np.int64)
+    gone = np.unique(np.concatenate(before))
+    return np.setdiff1d(gone, np.concatenate(after), assume_unique=False) if after else gone
+
+
+def _batch_rows(width: int) -> int:
+    return max(1, _CHUNK_BYTES // (4 * width)) * _BATCH_CHUNKS
+
+
+def _write_array(zstore: LocalStore, name: str, data: np.ndarray) -> None:
+    arr = zarr.create_array(
+        zstore,
+        name=name,
+        shape=data.shape,
+        chunks=(max(1, min(len(data), 1 << 17)),),
+        dtype=data.dtype,
+        compressors=[zarr.codecs.Crc32cCodec()],
+        fill_value=0,
+    )
+    if len(data):
+        arr[:] = data
+
+
+def _write_table(
+    zstore: LocalStore, table: str, dim: int, readers: list[CheckpointReader], parts: list[np.ndarray]
+) -> int:
+    """Write ``keys`` and ``values`` of the rows ``parts[r]`` (sorted keys) of reader r, merged by key."""
+    keys = np.concatenate(parts) if parts else np.empty(0, np.int64)
+    owner = np.concatenate([np.full(len(p), r, np.int32) for r, p in enumerate(parts)]) if parts else keys
+    order = np.argsort(keys, kind="stable")
+    keys, owner = keys[order], owner[order]
+    twice = np.flatnonzero(keys[1:] == keys[:-1])
+    if len(twice):
+        k = int(keys[twice[0]])
+        holders = [readers[int(o)].path.name for o in owner[twice[0] : twice[0] + 2]]
+        raise StoreFormatError(
+            f"table {table!r}: key {k} is stored in both {holders[0]} and {holders[1]}; rank "
+            "stores of one model hold disjoint keys. Export them one by one."
+        )
+    _write_array(zstore, f"{table}/keys", keys)
+    chunk_rows = max(1, min(len(keys), _CHUNK_BYTES // (4 * dim)))
+    values = zarr.create_array(
+        zstore,
+        name=f"{table}/values",
+        shape=(len(keys), dim),
+        chunks=(chunk_rows, dim),
+        dtype="float32",
+        compressors=[zarr.codecs.Crc32cCodec()],
+        fill_value=0.0,
+    )
+    step = chunk_rows * _BATCH_CHUNKS
+    for start in range(0, len(keys), step):
+        kb, ob = keys[start : start + step], owner[start : start + step]
+        block = np.empty((len(kb), dim), np.float32)
+        for r in np.unique(ob).tolist():
+            mine = ob == r
+            _, rows = readers[r].read(table, kb[mine])
+            block[mine] = rows[:, :dim]
+        values[start : start + len(kb)] = block
+    return int(len(keys))

@@ -1,0 +1,427 @@
+"""``hierps.Embedding`` and ``hierps.EmbeddingBag``: drop-ins for the torch modules, rows in a store.
+
+The huge table is never an ``nn.Parameter``: each forward gathers the distinct rows of its ids
+from the store's device tier into a small leaf tensor, runs the stock torch kernel on it with
+local indices, and leaves the leaf's gradient (already summed per row by autograd) for
+:meth:`hierps.Store.step`. So outputs and gradients are the torch ones, row for row.
+
+Example::
+
+    store = hierps.Store("/ssd/hierps", memory_budget="8GiB")
+    bag = hierps.EmbeddingBag(None, 16, mode="sum", store=store, name="user",
+                              admission={"min_count": 3}, eviction={"ttl_passes": 30, "every_passes": 10})
+    out = bag(ids, offsets)          # ids (N,) int64, offsets (B,) -> (B, 16)
+    out.sum().backward(); store.step()
+    bag.observe(ids, offsets, labels)  # optional: show / click counters from (B,) labels
+
+``admission`` and ``eviction`` (per table; see :class:`hierps.config.AdmissionConfig` and
+:class:`hierps.config.EvictionConfig`) say when a new id gets a trained row and when a row is
+deleted; by default every id gets a row at first sight and none is ever deleted.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hierps.errors import ConfigError, OffsetsError
+from hierps.interface import StoreInterface
+from hierps.rows._ids import check_ids_tensor, same_device
+
+__all__ = ["Embedding", "EmbeddingBag", "get_default_store", "set_default_store"]
+
+_default_store: StoreInterface | None = None
+
+
+def set_default_store(store: StoreInterface | None) -> None:
+    """The store used by modules built without ``store=``."""
+    global _default_store
+    _default_store = store
+
+
+def get_default_store() -> StoreInterface:
+    if _default_store is None:
+        raise ConfigError(
+            "no store: pass store=hierps.Store(path, ...) to the module, or call "
+            "hierps.set_default_store(store) once before building modules."
+        )
+    return _default_store
+
+
+class _StoreEmbedding(nn.Module):
+    """What both modules share: the table in the store, id handling and the gather."""
+
+    # (weakref to the last offsets tensor that passed the checks, its version, the ids count)
+    _offsets_checked: tuple[weakref.ref[torch.Tensor], int, int] | None = None
+
+    def __init__(
+        self,
+        num_embeddings: int | None,
+        embedding_dim: int,
+        padding_idx: int | None,
+        max_norm: float | None,
+        scale_grad_by_freq: bool,
+        store: StoreInterface | None,
+        name: str | None,
+        optimizer: Any,
+        initializer: Any,
+        admission: Any,
+        eviction: Any,
+    ) -> None:
+        super().__init__()
+        if max_norm is not None:
+            raise ConfigError(
+                "max_norm is not supported by hierps modules (it rewrites rows during the "
+                "forward pass); renormalise in the model instead."
+            )
+        if scale_grad_by_freq:
+            raise ConfigError("scale_grad_by_freq is not supported by hierps modules.")
+        if num_embeddings is not None and padding_idx is not None and padding_idx < 0:
+            padding_idx += num_embeddings
+        self._store = store if store is not None else get_default_store()
+        self.num_embeddings = num_embeddings
+        self.embedding_dim = embedding_dim
+        self.padding_idx = padding_idx
+        self.table = name if name is not None else f"{type(self).__name__.lower()}_{len(self._store.tables)}"
+        # A table the store already holds (a resumed run) keeps its rows; a new one is filled.
+        self._created = self.table not in self._store.tables
+        self._store.table(
+            self.table,
+            embedding_dim,
+            optimizer=optimizer,
+            initializer=initializer,
+            admission=admission,
+            eviction=eviction,
+        )
+        if self._created and padding_idx is not None:
+            self._store.write(self.table, [padding_idx], torch.zeros(1, embedding_dim))
+
+    @property
+    def store(self) -> StoreInterface:
+        return self._store
+
+    def lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        """ids: (...) int64 -> (..., dim) float32 current rows, no gradient, wherever they live."""
+        return self._store.lookup(self.table, ids)
+
+    def _gather(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int | None]:
+        """ids: (...) int64 -> (weights (U, dim), local ids (...), local padding index or None)."""
+        track = self.training and torch.is_grad_enabled()
+        planned = self._store.gather_planned(self.table, ids) if track else None
+        if planned is not None:  # the mini-batch was announced: deduplicated and translated ahead
+            weights, plan = planned
+            keys, local = plan.keys, plan.local.view(ids.shape)
+        else:
+            keys, local, counts = torch.unique(ids, sorted=True, return_inverse=True, return_counts=True)
+            weights = self._store.gather(self.table, keys, requires_grad=track, counts=counts)
+        pad = None
+        if self.padding_idx is not None:
+            at = int(torch.searchsorted(keys, torch.tensor(self.padding_idx, device=keys.device)).item())
+            if at < keys.numel() and int(keys[at].item()) == self.padding_idx:
+                pad = at
+        return weights, local, pad
+
+    def _load_rows(self, weight: torch.Tensor, overwrite: bool | None) -> None:
+        """Rows 0..N-1 from a torch weight, unless the store already holds the table's rows."""
+        if overwrite if overwrite is not None else self._created:
+            n = weight.shape[0]
+            self._store.write(self.table, torch.arange(n), weight.detach().to(torch.float32).cpu())
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, table={self.table!r}"
+
+
+class Embedding(_StoreEmbedding):
+    """Like ``nn.Embedding``; rows keyed by raw int64 ids and kept in a :class:`hierps.Store`.
+
+    ``num_embeddings`` may be None: any int64 id is a key, negative ones included.
+    forward: ids (...) int64 on the store's device -> (..., embedding_dim) float32.
+    """
+
+    def __init__(
+        self,
+        num_embeddings: int | None,
+        embedding_dim: int,
+        padding_idx: int | None = None,
+        max_norm: float | None = None,
+        norm_type: float = 2.0,
+        scale_grad_by_freq: bool = False,
+        sparse: bool = True,
+        _weight: torch.Tensor | None = None,
+        _freeze: bool = False,
+        *,
+        store: StoreInterface | None = None,
+        name: str | None = None,
+        optimizer: Any = None,
+        initializer: Any = None,
+        admission: Any = None,
+        eviction: Any = None,
+    ) -> None:
+        super().__init__(
+            num_embeddings,
+            embedding_dim,
+            padding_idx,
+            max_norm,
+            scale_grad_by_freq,
+            store,
+            name,
+            optimizer,
+            initializer,
+            admission,
+            eviction,
+        )
+        if _freeze:
+            raise ConfigError(
+                "frozen embeddings (_freeze=True) belong in a plain nn.Embedding, not the store."
+            )
+        if _weight is not None:
+            self._load_rows(_weight, overwrite=None)
+
+    @classmethod
+    def from_module(
+        cls,
+        module: nn.Embedding,
+        *,
+        store: StoreInterface | None = None,
+        name: str | None = None,
+        optimizer: Any = None,
+        initializer: Any = None,
+        overwrite: bool | None = None,
+        admission: Any = None,
+        eviction: Any = None,
+    ) -> Embedding:
+        """A hierps ``Embedding`` whose rows 0..N-1 are ``module.weight`` (kept if the store has the table)."""
+        out = cls(
+            module.num_embeddings,
+            module.embedding_dim,
+            module.padding_idx,
+            module.max_norm,
+            scale_grad_by_freq=module.scale_grad_by_freq,
+            store=store,
+            name=name,
+            optimizer=optimizer,
+            initializer=initializer,
+            admission=admission,
+            eviction=eviction,
+        )
+        out._load_rows(module.weight, overwrite)
+        return out
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        ids = check_ids_tensor(input, self._store.device, what=f"ids of {self.table!r}")
+        weights, local, pad = self._gather(ids)
+        # A sparse gradient of the gathered rows is cheaper to produce than a dense one.
+        return F.embedding(local, weights, padding_idx=pad, sparse=True)
+
+    def observe(self, input: torch.Tensor, labels: torch.Tensor | None = None) -> None:
+        """Count impressions (and clicks) of a batch: input (B, ...) int64, labels (B,) 0/1 or None.
+
+        Each example's label goes to every id of its row of ``input``; see :meth:`hierps.Store.observe`.
+        """
+        ids = check_ids_tensor(input, self._store.device, what=f"ids of {self.table!r}")
+        clicks = None
+        if labels is not None:
+            if ids.dim() == 0 or labels.shape != ids.shape[:1]:
+                raise ConfigError(
+                    f"labels of shape {tuple(labels.shape)} for input of shape {tuple(ids.shape)}; "
+                    "expected one label per example, shape (B,)."
+                )
+            clicks = labels.reshape(-1, *([1] * (ids.dim() - 1))).expand(ids.shape)
+        self._store.observe(self.table, ids, clicks)
+
+
+class EmbeddingBag(_StoreEmbedding):
+    """Like ``nn.EmbeddingBag`` (mode sum / mean / max, offsets, per_sample_weights, padding_idx).
+
+    forward: input (N,) int64 with offsets (B,) [or (B+1,) with include_last_offset], or input
+    (B, L) without offsets -> (B, embedding_dim) float32; per_sample_weights like input (sum only).
+    """
+
+    def __init__(
+        self,
+        num_embeddings: int | None,
+        embedding_dim: int,
+        max_norm: float | None = None,
+        norm_type: float = 2.0,
+        scale_grad_by_freq: bool = False,
+        mode: str = "mean",
+        sparse: bool = True,
+        _weight: torch.Tensor | None = None,
+        include_last_offset: bool = False,
+        padding_idx: int | None = None,
+        *,
+        store: StoreInterface | None = None,
+        name: str | None = None,
+        optimizer: Any = None,
+        initializer: Any = None,
+        admission: Any = None,
+        eviction: Any = None,
+    ) -> None:
+        if mode not in ("sum", "mean", "max"):
+            raise ConfigError(f"mode: expected 'sum', 'mean' or 'max'. Got {mode!r} instead.")
+        super().__init__(
+            num_embeddings,
+            embedding_dim,
+            padding_idx,
+            max_norm,
+            scale_grad_by_freq,
+            store,
+            name,
+            optimizer,
+            initializer,
+            admission,
+            eviction,
+        )
+        self.mode = mode
+        self.include_last_offset = include_last_offset
+        if _weight is not None:
+            self._load_rows(_weight, overwrite=None)
+
+    @classmethod
+    def from_module(
+        cls,
+        module: nn.EmbeddingBag,
+        *,
+        store: StoreInterface | None = None,
+        name: str | None = None,
+        optimizer: Any = None,
+        initializer: Any = None,
+        overwrite: bool | None = None,
+        admission: Any = None,
+        eviction: Any = None,
+    ) -> EmbeddingBag:
+        """A hierps ``EmbeddingBag`` whose rows 0..N-1 are ``module.weight`` (kept if the store has the table)."""
+        out = cls(
+            module.num_embeddings,
+            module.embedding_dim,
+            module.max_norm,
+            scale_grad_by_freq=module.scale_grad_by_freq,
+            mode=module.mode,
+            include_last_offset=module.include_last_offset,
+            padding_idx=module.padding_idx,
+            store=store,
+            name=name,
+            optimizer=optimizer,
+            initializer=initializer,
+            admission=admission,
+            eviction=eviction,
+        )
+        out._load_rows(module.weight, overwrite)
+        return out
+
+    def forward(
+        self,
+        input: torch.Tensor,
+        offsets: torch.Tensor | None = None,
+        per_sample_weights: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        ids = check_ids_tensor(input, self._store.device, what=f"ids of {self.table!r}")
+        offsets = self._check_offsets(ids, offsets)
+        if per_sample_weights is not None:
+            if per_sample_weights.shape != ids.shape:
+                raise OffsetsError(
+                    f"per_sample_weights of shape {tuple(per_sample_weights.shape)} do not match "
+                    f"ids of shape {tuple(ids.shape)}."
+                )
+            if self.mode != "sum":
+                raise ConfigError(
+                    f"per_sample_weights need mode='sum' (torch's rule). Got mode {self.mode!r}."
+                )
+        if (
+            offsets is not None
+            and per_sample_weights is None
+            and self.padding_idx is None
+            and not self.include_last_offset
+            and self.mode != "max"
+            and self.training
+            and torch.is_grad_enabled()
+        ):
+            pooled = self._store.fused_bag(self.table, ids, offsets, self.mode)
+            if pooled is not None:  # pooled with the mini-batch's other tables, as announced
+                return pooled
+        weights, local, pad = self._gather(ids)
+        return F.embedding_bag(
+            local,
+            weights,
+            offsets,
+            mode=self.mode,
+            per_sample_weights=per_sample_weights,
+            include_last_offset=self.include_last_offset,
+            padding_idx=pad,
+            sparse=self.mode != "max",
+        )
+
+    def observe(
+        self, input: torch.Tensor, offsets: torch.Tensor | None = None, labels: torch.Tensor | None = None
+    ) -> None:
+        """Count impressions (and clicks) of a batch of bags, as :meth:`forward` takes them.
+
+        input (N,) int64 with offsets (B,) [or (B+1,)], or input (B, L); labels (B,) 0/1 per bag
+        or None. Each bag's label goes to each of its ids; see :meth:`hierps.Store.observe`.
+        """
+        ids = check_ids_tensor(input, self._store.device, what=f"ids of {self.table!r}")
+        offsets = self._check_offsets(ids, offsets)
+        clicks = None
+        if labels is not None:
+            bags = ids.shape[0] if offsets is None else offsets.numel() - int(self.include_last_offset)
+            if labels.shape != (bags,):
+                raise ConfigError(
+                    f"labels of shape {tuple(labels.shape)} for {bags} bags; expected one label per "
+                    f"bag, shape ({bags},)."
+                )
+            if offsets is None:
+                clicks = labels.reshape(-1, 1).expand(ids.shape)
+            else:
+                starts = offsets[:-1] if self.include_last_offset else offsets
+                ends = (
+                    offsets[1:]
+                    if self.include_last_offset
+                    else torch.cat([offsets[1:], offsets.new_tensor([ids.numel()])])
+                )
+                clicks = torch.repeat_interleave(labels, ends - starts)
+        self._store.observe(self.table, ids, clicks)
+
+    def _check_offsets(self, ids: torch.Tensor, offsets: torch.Tensor | None) -> torch.Tensor | None:
+        if ids.dim() == 2:
+            if offsets is not None:
+                raise OffsetsError("offsets must be None when input is 2D (B, L): each row is one bag.")
+            return None
+        if ids.dim() != 1:
+            raise OffsetsError(f"input must be 1D (with offsets) or 2D (B, L). Got shape {tuple(ids.shape)}.")
+        if offsets is None:
+            raise OffsetsError(
+                "1D input needs offsets: the start of each bag in input, e.g. torch.tensor([0, 3])."
+            )
+        if not isinstance(offsets, torch.Tensor) or offsets.dtype not in (torch.int64, torch.int32):
+            raise OffsetsError(
+                f"offsets must be an int64 tensor. Got {getattr(offsets, 'dtype', type(offsets))}."
+            )
+        if offsets.dim() != 1 or not same_device(offsets.device, ids.device):
+            raise OffsetsError(
+                f"offsets must be 1D and on the device of the ids ({ids.device}). Got shape "
+                f"{tuple(offsets.shape)} on {offsets.device}."
+            )
+        n = ids.numel()
+        seen = _StoreEmbedding._offsets_checked
+        if seen is not None and seen[0]() is offsets and seen[1:] == (offsets._version, n):
+            return offsets.long()  # the same offsets object, unchanged, checked for as many ids
+        if offsets.numel():
+            checks = torch.stack([offsets[0] != 0, (offsets[1:] < offsets[:-1]).any(), offsets[-1] > n])
+            bad = checks.tolist()
+            if bad[0]:
+                raise OffsetsError(f"offsets must start at 0. Got offsets[0] = {int(offsets[0])}.")
+            if bad[1]:
+                raise OffsetsError(
+                    "offsets must be non-decreasing (each bag starts where the last one ended)."
+                )
+            if bad[2]:
+                raise OffsetsError(
+                    f"offsets point past the end of input: last offset {int(offsets[-1])} > {n} ids."
+                )
+        # A model usually hands one offsets tensor to all its tables: check it once.
+        _StoreEmbedding._offsets_checked = (weakref.ref(offsets), offsets._version, n)
+        return offsets.long()

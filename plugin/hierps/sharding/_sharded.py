@@ -1,0 +1,354 @@
+"""The store sharded over ranks: every key has one owner rank; rows and gradients travel by all-to-all.
+
+Each rank keeps a :class:`~hierps._store.Store` of the rows it owns under ``<path>/rank-NNNNN``.
+Per pass, ranks send their pass's distinct keys to the owners, which load them into their device
+tier. Per mini-batch, rows travel from owners to the ranks that need them; at the step, gradients
+travel back, each owner sums a row's gradients from all ranks and takes one optimizer step. Sparse
+gradients are divided by the world size, as dense gradients are averaged, so W ranks on W slices
+of a global batch give the parameters of 1 rank on the whole batch.
+
+All methods that move data are collective: every rank calls them in the same order (the model's
+forward does that naturally).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+
+from hierps._store import Store
+from hierps.errors import ConfigError, NonFiniteGradientError, NotSupportedError
+from hierps.rows import _ids
+from hierps.rows._initializers import splitmix64
+from hierps.rows._table import TableInfo
+from hierps.tiers._reader import CheckpointReader
+from hierps.training._trainer import summed_grads
+
+__all__ = ["ShardedStore", "Transport", "owner_of", "rank_dir"]
+
+
+class Transport(Protocol):
+    """The collectives hierps needs; implemented over torch.distributed and over Horovod."""
+
+    rank: int
+    world_size: int
+
+    def all_to_all(self, send: torch.Tensor, send_counts: list[int]) -> tuple[torch.Tensor, list[int]]:
+        """Rows of ``send`` grouped by destination rank -> rows received, grouped by source rank."""
+        ...
+
+    def all_to_all_known(
+        self, send: torch.Tensor, send_counts: list[int], recv_counts: list[int]
+    ) -> torch.Tensor:
+        """Like :meth:`all_to_all` when the receive counts are already known (no count exchange)."""
+        ...
+
+    def all_reduce_sum(self, t: torch.Tensor) -> torch.Tensor: ...
+
+    def barrier(self) -> None: ...
+
+
+def owner_of(keys: np.ndarray, world_size: int) -> np.ndarray:
+    """(n,) int64 keys -> (n,) int64 owner ranks: splitmix64(key) mod world size, fixed forever."""
+    with np.errstate(over="ignore"):
+        return (splitmix64(keys.astype(np.int64).view(np.uint64)) % np.uint64(world_size)).astype(np.int64)
+
+
+def rank_dir(path: Path, rank: int) -> Path:
+    return Path(path) / f"rank-{rank:05d}"
+
+
+@dataclass
+class _Route:
+    """Where a rank's keys went: the permutation that grouped them by owner, and the counts."""
+
+    order: torch.Tensor  # (U,) positions of keys, grouped by owner
+    send_counts: list[int]
+    recv_counts: list[int]
+
+
+@dataclass
+class _ShardPending:
+    table: str
+    keys: torch.Tensor  # (U,) sorted unique int64, on the store device
+    leaf: torch.Tensor  # (U, dim)
+
+
+class ShardedStore:
+    """A :class:`Store` per rank, keys sharded by :func:`owner_of`, over a :class:`Transport`.
+
+    Offers what the modules use (``table``, ``gather``, ``step``, ``lookup``, ``write``, passes,
+    checkpoints) so ``hierps.EmbeddingBag(..., store=sharded)`` works unchanged.
+    """
+
+    def __init__(self, path: str | os.PathLike[str], transport: Transport, **store_kwargs: Any) -> None:
+        self.root = Path(path)
+        self.transport = transport
+        self.rank, self.world_size = transport.rank, transport.world_size
+        self.local = Store(rank_dir(self.root, self.rank), **store_kwargs)
+        self.device = self.local.device
+        self._pending: list[_ShardPending] = []
+        # Bytes this rank sent to other ranks by all-to-all (keys, rows, gradients).
+        self.bytes_sent = 0
+        self.rows_fetched = 0  # distinct rows this rank fetched for its mini-batches
+
+    def _sent(self, t: torch.Tensor, counts: list[int]) -> None:
+        per_row = t[0].numel() * t.element_size() if t.numel() else 0
+        self.bytes_sent += per_row * (sum(counts) - counts[self.rank])
+
+    # -- what modules need from a store --------------------------------------------------------
+    @property
+    def tables(self) -> dict[str, TableInfo]:
+        return self.local.tables
+
+    @property
+    def path(self) -> Path:
+        return self.root
+
+    def table(self, name: str, dim: int, **kwargs: Any) -> TableInfo:
+        info = self.local.table(name, dim, **kwargs)
+        if info.admission.filters:
+            raise ConfigError(
+                f"table {name!r}: admission filtering (min_count / admit_probability) runs in one process; "
+                "a sharded store does not filter yet. Drop the admission setting for multi-rank training."
+            )
+        return info
+
+    def write(self, table: str, keys: Any, weights: Any) -> None:
+        """Set weights of ``keys``; every rank passes the same keys and keeps those it owns."""
+        keys = _ids.as_int64_array(keys, what="keys")
+        w = weights.detach().cpu().numpy() if isinstance(weights, torch.Tensor) else np.asarray(weights)
+        mine = owner_of(keys, self.world_size) == self.rank
+        self.local.write(table, keys[mine], w[mine])
+
+    # -- routing -------------------------------------------------------------------------------
+    def _route(self, keys: torch.Tensor) -> tuple[_Route, torch.Tensor]:
+        """Send sorted unique keys to their owners -> (route, keys this rank owns, grouped by source)."""
+        owners = torch.from_numpy(owner_of(keys.cpu().numpy(), self.world_size))
+        order = torch.argsort(owners, stable=True).to(keys.device)
+        send_counts = torch.bincount(owners, minlength=self.world_size).tolist()
+        self._sent(keys[order], send_counts)
+        received, recv_counts = self.transport.all_to_all(keys[order], send_counts)
+        return _Route(order, send_counts, recv_counts), received.to(self.device)
+
+    def _return_rows(self, rows: torch.Tensor, route: _Route) -> torch.Tensor:
+        """Rows an owner looked up for the keys it was sent -> the asking rank's rows, in its key order."""
+        got = self.transport.all_to_all_known(rows, route.recv_counts, route.send_counts).to(self.device)
+        weights = torch.empty_like(got)
+        weights[route.order] = got
+        return weights
+
+    def observe(self, table: str, ids: Any, clicks: Any = None) -> None:
+        """Not implemented on a sharded store yet: raises :class:`~hierps.errors.NotSupportedError`."""
+        raise NotSupportedError(
+            f"observe on {table!r}: show / click counters are not kept by a sharded store yet (its keys "
+            "live on their owner ranks). Train with one rank to count them, or leave observe out."
+        )
+
+    def gather_planned(self, table: str, ids: torch.Tensor) -> None:
+        """Never a plan: every mini-batch's ids go to their owners (see :meth:`gather`)."""
+        return None
+
+    def fused_bag(self, table: str, ids: torch.Tensor, offsets: torch.Tensor, mode: str) -> None:
+        """Never pooled ahead: every table's ids go to their owners."""
+        return None
+
+    def gather(
+        self, table: str, keys: torch.Tensor, *, requires_grad: bool, counts: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """keys: (U,) sorted unique int64 -> (U, dim) weights fetched from their owners (collective).
+
+        counts: (U,) sightings of each key in the mini-batch (default 1), counted when training.
+        """
+        route, asked = self._route(keys)
+        seen = None
+        if requires_grad:
+            mine = counts if counts is not None else torch.ones(keys.numel(), device=keys.device)
+            seen = self.transport.all_to_all_known(
+                mine.to(torch.float32)[route.order], route.send_counts, route.recv_counts
+            ).to(self.device)
+        rows = self.local.serve_rows(table, asked, seen)
+        self._sent(rows, route.recv_counts)
+        self.rows_fetched += keys.numel()
+        weights = self._return_rows(rows, route)
+        if requires_grad:
+            weights.requires_grad_(True)
+            self._pending.append(_ShardPending(table, keys, weights))
+        return weights
+
+    def lookup(self, table: str, ids: Any) -> torch.Tensor:
+        """Current weights of ``ids`` from their owners (collective): (..., dim) float32."""
+        flat = _ids.as_int64_array(ids, what=f"ids for table {table!r}")
+        shape = tuple(ids.shape) if hasattr(ids, "shape") else (len(flat),)
+        keys, inverse = np.unique(flat, return_inverse=True)
+        key_t = torch.from_numpy(keys).to(self.device)
+        route, asked = self._route(key_t)
+        asked_np = asked.cpu().numpy()
+        rows = (
+            self.local.lookup(table, asked_np)
+            if len(asked_np)
+            else torch.empty((0, self.local.tables[table].dim), device=self.device)
+        )
+        weights = self._return_rows(rows, route)
+        return weights[torch.from_numpy(inverse.reshape(-1)).to(self.device)].reshape(*shape, -1)
+
+    # -- the step ------------------------------------------------------------------------------
+    def step(self) -> None:
+        """One optimizer step per touched row, gradients of all ranks summed at its owner (collective)."""
+        pending = [p for p in self._pending if p.leaf.grad is not None]
+        self._pending = []
+        names = sorted(self.local.tables)
+        grads = {name: [] for name in names}
+        for p, g in zip(pending, summed_grads([p.leaf for p in pending])):
+            grads[p.table].append((p.keys, g))
+        # One small all-reduce: non-finite gradients anywhere, and which tables stepped anywhere.
+        flags = torch.zeros(1 + len(names), dtype=torch.float64)
+        for i, name in enumerate(names):
+            for _, g in grads[name]:
+                flags[0] += float(not bool(torch.isfinite(g).all()))
+                flags[1 + i] = 1.0
+        flags = self.transport.all_reduce_sum(flags)
+        if flags[0] > 0:
+            raise NonFiniteGradientError(
+                "NaN or inf gradient on some rank; the step was skipped on every rank and no row changed. "
+                "Lower the learning rate, clip gradients, or check the inputs of this mini-batch."
+            )
+        scale = 1.0 / self.world_size
+        for i, name in enumerate(names):
+            if flags[1 + i] == 0:
+                continue
+            dim = self.local.tables[name].dim
+            if grads[name]:
+                keys = torch.cat([k for k, _ in grads[name]])
+                grad = torch.cat([g for _, g in grads[name]])
+                keys, inverse = torch.unique(keys, return_inverse=True)
+                grad = torch.zeros((keys.numel(), dim), device=self.device).index_add_(0, inverse, grad)
+            else:
+                keys = torch.empty(0, dtype=torch.int64, device=self.device)
+                grad = torch.empty((0, dim), device=self.device)
+            route, owned = self._route(keys)
+            self._sent(grad, route.send_counts)
+            owned_grads = self.transport.all_to_all_known(
+                grad[route.order] * scale, route.send_counts, route.recv_counts
+            ).to(self.device)
+            self.local.apply_gradients(name, owned, owned_grads)
+
+    def zero_grad(self) -> None:
+        self._pending = []
+
+    # -- passes --------------------------------------------------------------------------------
+    def _owned_pass_keys(self, batches: Any) -> dict[str, np.ndarray]:
+        """Every rank's pass keys, routed to their owners: the keys this rank must hold (collective)."""
+        per_batch = [batches] if isinstance(batches, dict) else list(batches)
+        wanted: dict[str, np.ndarray] = {}
+        for name in sorted(self.local.tables):
+            parts = [_ids.as_int64_array(b[name]) for b in per_batch if name in b]
+            keys = np.unique(np.concatenate(parts)) if parts else np.empty(0, np.int64)
+            _, owned = self._route(torch.from_numpy(keys).to(self.device))
+            wanted[name] = np.unique(owned.cpu().numpy())
+        return wanted
+
+    def _fits(self, wanted: dict[str, np.ndarray]) -> bool:
+        dev = self.local.device_tier
+        return dev.bytes_for({t: len(k) for t, k in wanted.items()}) <= dev.budget
+
+    def begin_pass(self, batches: Any) -> None:
+        """Owners load the union of every rank's pass keys (collective)."""
+        wanted = self._owned_pass_keys(batches)
+        if self._fits(wanted):
+            self.local.begin_pass(wanted)
+        else:
+            self.local.begin_pass([])  # too large to preload: rows come on demand, passes split as they fill
+
+    def prefetch(self, batches: Any) -> None:
+        """Owners read the next pass's rows in the background (collective; see ``Store.prefetch``)."""
+        wanted = self._owned_pass_keys(batches)
+        if self._fits(wanted):
+            self.local.prefetch(wanted)
+
+    def end_pass(self) -> None:
+        self.local.end_pass()
+
+    @contextmanager
+    def run_pass(self, batches: Any) -> Iterator[None]:
+        """``with sharded.run_pass(batches): ...`` = begin_pass(batches) ... end_pass() (collective)."""
+        self.begin_pass(batches)
+        try:
+            yield
+        finally:
+            self.end_pass()
+
+    # -- checkpoints ---------------------------------------------------------------------------
+    def checkpoint(self, tag: str | None = None) -> int:
+        """Checkpoint every rank's shard under one tag (collective); complete once all ranks return."""
+        ckpt = self.local.checkpoint(tag, extra={"world_size": self.world_size, "rank": self.rank})
+        self.transport.barrier()
+        return ckpt
+
+    def restore(self, ref: int | str | None = None) -> int:
+        """Every rank returns to checkpoint ``ref`` (a tag, to be the same on all ranks; or the latest).
+
+        A checkpoint written by another number of ranks is resharded: each rank reads the rows it
+        now owns from every old shard, with their optimizer state.
+        """
+        old_world = self._world_of(ref)
+        if old_world == self.world_size:
+            ckpt = self.local.restore(ref)
+            self._pending = []
+            return ckpt
+        gathered: dict[str, list[tuple[np.ndarray, np.ndarray]]] = {}
+        meta: dict[str, dict[str, Any]] = {}
+        for q in range(old_world):
+            reader = CheckpointReader(rank_dir(self.root, q), ref)
+            for name, tmeta in reader.tables.items():
+                meta[name] = tmeta
+                keys = reader.keys(name)
+                mine = keys[owner_of(keys, self.world_size) == self.rank]
+                _, rows = reader.read(name, mine)
+                gathered.setdefault(name, []).append((mine, rows))
+        self.transport.barrier()  # every rank has read the old shards before any rewrites its own
+        for name, parts in gathered.items():
+            tm = meta[name]
+            info = self.local.table(
+                name, int(tm["dim"]), optimizer=tm["optimizer"], initializer=tm["initializer"]
+            )
+            self.local.reset_table(name)
+            keys = np.concatenate([k for k, _ in parts])
+            rows = (
+                np.concatenate([r for _, r in parts]) if keys.size else np.empty((0, info.width), np.float32)
+            )
+            self.local.write_rows(name, keys, rows)
+            info.step = int(tm["step"])
+        ckpt = self.local.checkpoint(
+            ref if isinstance(ref, str) else None,
+            extra={"world_size": self.world_size, "rank": self.rank, "resharded_from": old_world},
+        )
+        self.transport.barrier()
+        self._pending = []
+        return ckpt
+
+    def _world_of(self, ref: int | str | None) -> int:
+        """World size that wrote checkpoint ``ref``, read from rank 0's shard."""
+        if not (rank_dir(self.root, 0) / "hierps.json").exists():
+            raise ConfigError(f"{self.root}: no shard rank-00000 to restore from.")
+        try:
+            reader = CheckpointReader(rank_dir(self.root, 0), ref)
+        except ConfigError:
+            raise ConfigError(f"{self.root}: no checkpoint {ref!r} in shard rank-00000.") from None
+        return int(reader.manifest.get("extra", {}).get("world_size", 1))
+
+    def list_checkpoints(self) -> list[dict[str, Any]]:
+        return self.local.list_checkpoints()
+
+    def close(self) -> None:
+        self.local.close()
+
+    def num_rows(self, table: str) -> dict[str, int]:
+        return self.local.num_rows(table)

@@ -1,0 +1,331 @@
+"""Zarr v3 arrays as hierps writes and reads them: one layout, checked before every open, read and
+written with plain file I/O.
+
+Every array of a store (segment keys and rows, checkpoint index) is a Zarr v3 array that
+``zarr.open_array`` reads: one shard file ``c/0`` (1-d) or ``c/0/0`` (2-d) holding inner chunks of
+``chunk_rows`` full-width rows, each encoded ``bytes`` (little endian) + ``crc32c``, every inner
+chunk written (the last one padded with zeros), followed by the shard index (``index_location``
+``end``, also ``bytes`` + ``crc32c``). Small inner chunks let a read fetch only the few KiB around
+the rows it wants; the shard keeps it one file per array. Stores written before sharding (one file
+per chunk, the same two codecs) still open and read.
+
+hierps reads and writes these files itself (``os.pread`` / ``os.write``, ``crc32c``,
+``np.frombuffer``): zarr's per-call machinery costs more than the I/O for the small, scattered
+reads of a pass. Before an array is opened, its ``zarr.json`` must describe exactly one of the two
+layouts with the expected data type: anything else (a ``numcodecs.pickle`` codec, an object data
+type, a Zarr v2 array, a storage transformer) is refused without decoding a byte, since decoding an
+unknown codec could run code or return unchecked data. A chunk that is missing would read as the
+fill value (zeros) in zarr, so every chunk must be on disk; a chunk whose crc32c does not match is
+reported with its file name. Writing and opening are here; reading is in :mod:`hierps.storage._reads`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import crc32c
+import numpy as np
+from zarr.storage import LocalStore
+
+from hierps._faults import fault_point
+from hierps.errors import CorruptStoreError
+
+if TYPE_CHECKING:
+    from hierps.storage._reads import OpenFiles
+
+__all__ = ["Array", "create_array", "encoded_bytes", "make_dir", "open_array"]
+
+_CODECS = [{"name": "bytes", "configuration": {"endian": "little"}}, {"name": "crc32c"}]
+_KEY_ENCODING = {"name": "default", "configuration": {"separator": "/"}}
+_META_KEYS = {
+    "zarr_format",
+    "node_type",
+    "shape",
+    "data_type",
+    "chunk_grid",
+    "chunk_key_encoding",
+    "fill_value",
+    "codecs",
+    "attributes",
+    "storage_transformers",
+}
+_EMPTY = (1 << 64) - 1  # shard index entry of an inner chunk that was never written
+# Inner chunks per write block: a crash test can stop between two blocks.
+_BLOCK_CHUNKS = 2048
+
+
+def _sharded_codecs(inner: list[int]) -> list[dict[str, Any]]:
+    config = {"chunk_shape": inner, "codecs": _CODECS, "index_codecs": _CODECS, "index_location": "end"}
+    return [{"name": "sharding_indexed", "configuration": config}]
+
+
+@dataclass(frozen=True, eq=False)
+class Array:
+    """An array hierps wrote, opened for direct reads: where every chunk lies, nothing decoded yet.
+
+    ``files`` holds one file per shard (or, in the layout before sharding, per chunk); chunk ``i``
+    lies in ``files[i // chunks_per_file]`` at byte ``offsets[i]``, ``chunk_rows`` rows of
+    ``row_bytes`` each followed by their crc32c.
+    """
+
+    path: Path
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    chunk_rows: int
+    chunks_per_file: int
+    files: tuple[Path, ...]
+    offsets: np.ndarray  # (n_chunks,) int64
+
+    @property
+    def row_bytes(self) -> int:
+        return self.dtype.itemsize * math.prod(self.shape[1:])
+
+    @property
+    def chunk_bytes(self) -> int:
+        """Bytes of one encoded chunk: its rows (padded) and the crc32c."""
+        return self.chunk_rows * self.row_bytes + 4
+
+
+def encoded_bytes(data: np.ndarray, chunk_rows: int) -> int:
+    """Bytes ``data`` takes on disk as written by :func:`create_array` (padded chunks, checksums)."""
+    n_chunks = math.ceil(len(data) / chunk_rows) if len(data) else 0
+    per_row = data.itemsize * (math.prod(data.shape[1:]) if data.ndim > 1 else 1)
+    return n_chunks * (chunk_rows * per_row + 4 + 16) + 4 + 1024
+
+
+# -- writing ---------------------------------------------------------------------------------------
+def create_array(
+    zstore: LocalStore, name: str, data: np.ndarray, chunk_rows: int, block_point: str | None = None
+) -> None:
+    """Write ``data`` (n, ...) as the array ``name``: one shard of inner chunks of ``chunk_rows`` rows.
+
+    ``zarr.json`` first, then the chunks in blocks of ``_BLOCK_CHUNKS`` (``block_point`` is a
+    fault point after each), then the shard index. Not durable until the caller fsyncs.
+    """
+    path = Path(zstore.root) / name
+    chunk_rows = max(1, chunk_rows)
+    n, rest = len(data), list(data.shape[1:])
+    n_chunks = math.ceil(n / chunk_rows)
+    meta = {
+        "shape": [n, *rest],
+        "data_type": data.dtype.name,
+        "chunk_grid": {
+            "name": "regular",
+            "configuration": {"chunk_shape": [max(n_chunks, 1) * chunk_rows, *rest]},
+        },
+        "chunk_key_encoding": _KEY_ENCODING,
+        "fill_value": 0,
+        "codecs": _sharded_codecs([chunk_rows, *rest]),
+        "attributes": {},
+        "zarr_format": 3,
+        "node_type": "array",
+        "storage_transformers": [],
+    }
+    make_dir(path)
+    fd = os.open(path / "zarr.json", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        _write_all(fd, np.frombuffer(json.dumps(meta).encode("utf-8"), np.uint8))
+    finally:
+        os.close(fd)
+    if n_chunks == 0:
+        return
+    folder = path
+    for part in ["c"] + ["0"] * (data.ndim - 1):  # parent first: each mkdir succeeds at once
+        folder = folder / part
+        make_dir(folder)
+    shard = folder / "0"
+    raw = np.ascontiguousarray(data, dtype=data.dtype.newbyteorder("<")).reshape(n, -1).view(np.uint8)
+    payload = chunk_rows * raw.shape[1]
+    fd = os.open(shard, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        for first in range(0, n_chunks, _BLOCK_CHUNKS):
+            count = min(_BLOCK_CHUNKS, n_chunks - first)
+            rows = raw[first * chunk_rows : (first + count) * chunk_rows]
+            if len(rows) < count * chunk_rows:  # the last chunk: padded with the fill value
+                rows = np.concatenate(
+                    [rows, np.zeros((count * chunk_rows - len(rows), raw.shape[1]), np.uint8)]
+                )
+            _write_all(fd, _encode_chunks(rows.reshape(count, payload)))
+            if block_point is not None:
+                fault_point(block_point)
+        index = np.empty((n_chunks, 2), dtype="<u8")
+        index[:, 0] = np.arange(n_chunks, dtype=np.uint64) * np.uint64(payload + 4)
+        index[:, 1] = payload + 4
+        _write_all(fd, _encode_chunks(index.view(np.uint8).reshape(1, -1)))
+    finally:
+        os.close(fd)
+
+
+def make_dir(path: Path) -> None:
+    """``mkdir -p path`` with one ``mkdir`` per directory made: existing parents are not probed
+    (creating a directory costs far more than a failed ``mkdir``, which only a new parent causes)."""
+    try:
+        os.mkdir(path)
+    except FileNotFoundError:
+        make_dir(path.parent)
+        os.mkdir(path)
+    except FileExistsError:
+        if not path.is_dir():
+            raise
+
+
+def _encode_chunks(payloads: np.ndarray) -> np.ndarray:
+    """(k, p) uint8 chunk payloads -> (k, p + 4) uint8: each followed by its crc32c (little endian)."""
+    out = np.empty((len(payloads), payloads.shape[1] + 4), dtype=np.uint8)
+    out[:, :-4] = payloads
+    crcs = np.fromiter((crc32c.crc32c(p) for p in payloads), dtype="<u4", count=len(payloads))
+    out[:, -4:] = crcs.view(np.uint8).reshape(-1, 4)
+    return out
+
+
+def _write_all(fd: int, data: np.ndarray) -> None:
+    view = memoryview(data).cast("B")
+    while len(view):
+        view = view[os.write(fd, view) :]
+
+
+# -- opening ---------------------------------------------------------------------------------------
+def _layout_problem(meta: Any, dtype: str, ndim: int) -> str | None:
+    """What makes ``meta`` (a parsed zarr.json) differ from the layouts hierps writes, or None."""
+    if not isinstance(meta, dict):
+        return f"expected a JSON object, got {type(meta).__name__}"
+    if meta.get("zarr_format") != 3 or meta.get("node_type") != "array":
+        return f"expected a Zarr v3 array, got zarr_format={meta.get('zarr_format')!r} node_type={meta.get('node_type')!r}"
+    extra = sorted(set(meta) - _META_KEYS)
+    if extra:
+        return f"unexpected metadata key(s) {extra}"
+    if meta.get("data_type") != dtype:
+        return f"data type {meta.get('data_type')!r} where {dtype!r} was expected"
+    if meta.get("storage_transformers", []) != []:
+        return f"storage transformers {meta.get('storage_transformers')!r}"
+    if meta.get("chunk_key_encoding") != _KEY_ENCODING:
+        return f"chunk key encoding {meta.get('chunk_key_encoding')!r}"
+    shape, grid = meta.get("shape"), meta.get("chunk_grid")
+    chunks = grid.get("configuration", {}).get("chunk_shape") if isinstance(grid, dict) else None
+    if not (
+        isinstance(grid, dict)
+        and grid.get("name") == "regular"
+        and _ints(shape, ndim, 0)
+        and _ints(chunks, ndim, 1)
+        and chunks[1:] == shape[1:]
+    ):
+        return f"shape {shape!r} / chunk grid {grid!r} is not a regular {ndim}-d grid of full-width chunks"
+    codecs = meta.get("codecs")
+    inner = _inner_chunk_shape(codecs)
+    if codecs != _CODECS and not (
+        _ints(inner, ndim, 1)
+        and codecs == _sharded_codecs(inner)
+        and inner[1:] == shape[1:]
+        and chunks[0] % inner[0] == 0
+    ):
+        return (
+            f"codecs {codecs!r} where exactly {_CODECS!r}, or sharding_indexed with those inside and "
+            "full-width inner chunks dividing the shard, were expected"
+        )
+    if not isinstance(meta.get("fill_value"), (int, float)) or isinstance(meta.get("fill_value"), bool):
+        return f"fill value {meta.get('fill_value')!r}"
+    return None
+
+
+def _inner_chunk_shape(codecs: Any) -> Any:
+    try:
+        return codecs[0]["configuration"]["chunk_shape"]
+    except (TypeError, KeyError, IndexError):
+        return None
+
+
+def _ints(value: Any, n: int, low: int) -> bool:
+    return (
+        isinstance(value, list)
+        and len(value) == n
+        and all(isinstance(v, int) and not isinstance(v, bool) and v >= low for v in value)
+    )
+
+
+def open_array(
+    zstore: LocalStore, root: Path, name: str, dtype: str, ndim: int, open_files: OpenFiles | None = None
+) -> Array:
+    """Open array ``name`` under ``root`` after checking its layout, that every chunk is on disk and,
+    for a shard, its index (crc32c, every inner chunk present and inside the file). A shard is
+    read through ``open_files`` when given (its descriptor then stays open for later reads)."""
+    path = root / name
+    try:
+        meta = json.loads((path / "zarr.json").read_bytes())
+    except FileNotFoundError as exc:
+        kind = "a Zarr v2 array, which hierps never writes" if (path / ".zarray").exists() else "missing"
+        raise CorruptStoreError(f"{path}: the array is {kind} (no zarr.json); refused.") from exc
+    except (OSError, ValueError) as exc:
+        raise CorruptStoreError(f"{path / 'zarr.json'}: cannot be read as Zarr metadata ({exc}).") from exc
+    problem = _layout_problem(meta, dtype, ndim)
+    if problem is not None:
+        raise CorruptStoreError(
+            f"{path / 'zarr.json'}: not an array hierps wrote ({problem}). hierps opens only {dtype} "
+            "arrays with the bytes + crc32c codecs and refuses others without decoding them. Replace "
+            "the store with a trusted copy."
+        )
+    shape = tuple(meta["shape"])
+    file_rows = meta["chunk_grid"]["configuration"]["chunk_shape"][0]
+    sharded = meta["codecs"] != _CODECS
+    chunk_rows = _inner_chunk_shape(meta["codecs"])[0] if sharded else file_rows
+    n_files = math.ceil(shape[0] / file_rows)
+    n_chunks = math.ceil(shape[0] / chunk_rows)
+    files = tuple(path / "c" / "/".join([str(i)] + ["0"] * (ndim - 1)) for i in range(n_files))
+    missing = [f for f in files if not f.is_file()]
+    if missing:
+        raise CorruptStoreError(
+            f"{missing[0]}: chunk missing ({len(missing)} of {n_files} missing); the array was damaged "
+            "or deleted while in use."
+        )
+    arr = Array(
+        path,
+        shape,
+        np.dtype(dtype).newbyteorder("<"),
+        chunk_rows,
+        file_rows // chunk_rows,
+        files,
+        np.zeros(n_chunks, np.int64),
+    )
+    if sharded:
+        for i, file in enumerate(files):
+            first = i * arr.chunks_per_file
+            arr.offsets[first : first + arr.chunks_per_file] = _shard_offsets(
+                arr, file, n_chunks - first, open_files
+            )
+    return arr
+
+
+def _shard_offsets(arr: Array, file: Path, chunks_left: int, open_files: OpenFiles | None) -> np.ndarray:
+    """Byte offsets of the inner chunks of shard ``file`` that lie inside the array, from its index."""
+    n_index = arr.chunks_per_file
+    try:
+        fd = open_files.acquire(file) if open_files is not None else os.open(file, os.O_RDONLY)
+        try:
+            size = os.fstat(fd).st_size
+            index_at = size - (16 * n_index + 4)
+            raw = os.pread(fd, 16 * n_index + 4, max(index_at, 0))
+        finally:
+            open_files.release(fd) if open_files is not None else os.close(fd)
+    except OSError as exc:
+        raise CorruptStoreError(f"{file}: the shard could not be read ({exc}).") from exc
+    if index_at < 0 or crc32c.crc32c(raw[:-4]) != int.from_bytes(raw[-4:], "little"):
+        raise CorruptStoreError(
+            f"{file}: the shard index failed its crc32c checksum (or the file is truncated: {size} bytes). "
+            "Restore the store from a backup, or open an earlier checkpoint."
+        )
+    index = np.frombuffer(raw[:-4], dtype="<u8").reshape(n_index, 2)[: min(n_index, chunks_left)]
+    if np.any(index[:, 0] == _EMPTY):
+        raise CorruptStoreError(
+            f"{file}: chunk missing (inner chunk {int(np.flatnonzero(index[:, 0] == _EMPTY)[0])} was never "
+            "written); the array was damaged."
+        )
+    if np.any(index[:, 1] != arr.chunk_bytes) or np.any(index[:, 0] > index_at - arr.chunk_bytes):
+        raise CorruptStoreError(
+            f"{file}: the shard index points outside the file or at chunks of the wrong size "
+            f"(expected {arr.chunk_bytes} bytes each); the shard is damaged."
+        )
+    return index[:, 0].astype(np.int64)

@@ -1,0 +1,14 @@
+"""The three tiers of the store, from fastest to largest (the paper's HBM-PS, MEM-PS, SSD-PS).
+
+- :class:`DeviceTier`: the working set of the current pass, on the training device;
+- :class:`MemoryTier`: a bounded RAM cache of rows (mmap-backed slabs, LRU / LFU by pass);
+- :class:`SsdTier`: every row, in append-only segments on disk, with the key index;
+- :class:`CheckpointReader`: a read-only view of the SSD tier as of one checkpoint.
+"""
+
+from hierps.tiers._device import DeviceTier
+from hierps.tiers._memory import MemoryTier
+from hierps.tiers._reader import CheckpointReader
+from hierps.tiers._ssd import SsdTier
+
+__all__ = ["CheckpointReader", "DeviceTier", "MemoryTier", "SsdTier"]

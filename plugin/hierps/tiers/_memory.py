@@ -1,0 +1,246 @@
+"""RAM tier: a bounded cache of rows in mmap-backed numpy slabs, below the device tier.
+
+Each table has a slab (an anonymous ``mmap`` viewed as a ``(capacity, width)`` float32 array)
+and a vectorised key index (sorted keys -> slot). The byte budget is shared by all tables;
+when it is exceeded, the least recently (``lru``: by pass) or least frequently (``lfu``) used
+rows of all tables are evicted in one batch, dirty ones written down to the SSD tier in one
+sorted segment per table. Rows that do not fit even in an empty cache go straight through.
+"""
+
+from __future__ import annotations
+
+import mmap
+
+import numpy as np
+
+from hierps._faults import fault_point
+from hierps.tiers._ssd import SsdTier
+
+__all__ = ["MemoryTier"]
+
+# Bytes of bookkeeping per cached row besides its floats: key (8) + slot (8) + score (8) + dirty (1).
+_ROW_OVERHEAD = 25
+# Evict down to this fraction of the budget, so eviction runs in batches, not per row.
+_EVICT_TO = 0.875
+
+
+class _Slab:
+    """Rows of one table: slot storage, key -> slot index, scores and dirty bits per slot."""
+
+    def __init__(self, width: int) -> None:
+        self.width = width
+        self.capacity = 0
+        self._mm: mmap.mmap | None = None
+        self.rows = np.empty((0, width), np.float32)
+        self.keys = np.empty(0, np.int64)  # sorted
+        self.slots = np.empty(0, np.int64)  # slot of keys[i]
+        self.score = np.empty(0, np.int64)  # per slot
+        self.dirty = np.empty(0, bool)  # per slot
+        self.free: list[np.ndarray] = []
+        self.n_free = 0
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    def find(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        at = np.searchsorted(self.keys, keys)
+        if len(self.keys) == 0:
+            return np.zeros(len(keys), bool), at
+        at_c = np.minimum(at, len(self.keys) - 1)
+        return (at < len(self.keys)) & (self.keys[at_c] == keys), at_c
+
+    def _grow(self, need: int) -> None:
+        cap = max(need, 2 * self.capacity, 64)
+        mm = mmap.mmap(-1, cap * self.width * 4)
+        rows = np.frombuffer(mm, dtype=np.float32).reshape(cap, self.width)
+        rows[: self.capacity] = self.rows
+        self.free.append(np.arange(self.capacity, cap, dtype=np.int64))
+        self.n_free += cap - self.capacity
+        self.score = np.concatenate([self.score, np.zeros(cap - self.capacity, np.int64)])
+        self.dirty = np.concatenate([self.dirty, np.zeros(cap - self.capacity, bool)])
+        old = self._mm
+        self.rows, self._mm, self.capacity = rows, mm, cap
+        if old is not None:
+            old.close()
+
+    def take_slots(self, n: int) -> np.ndarray:
+        if n > self.n_free:
+            self._grow(len(self) + n)
+        pool = np.concatenate(self.free) if len(self.free) != 1 else self.free[0]
+        taken, rest = pool[:n], pool[n:]
+        self.free = [rest]
+        self.n_free = len(rest)
+        return taken
+
+    def insert(self, keys: np.ndarray, slots: np.ndarray) -> None:
+        """Add sorted new ``keys`` (absent from the index) at ``slots``."""
+        at = np.searchsorted(self.keys, keys)
+        self.keys = np.insert(self.keys, at, keys)
+        self.slots = np.insert(self.slots, at, slots)
+
+    def remove(self, positions: np.ndarray) -> None:
+        """Drop index entries at ``positions`` and free their slots."""
+        freed = self.slots[positions]
+        keep = np.ones(len(self.keys), bool)
+        keep[positions] = False
+        self.keys, self.slots = self.keys[keep], self.slots[keep]
+        self.dirty[freed] = False
+        self.free.append(freed)
+        self.n_free += len(freed)
+
+
+class MemoryTier:
+    """Byte-bounded row cache over an :class:`SsdTier`."""
+
+    def __init__(self, budget_bytes: int, lower: SsdTier, policy: str = "lru") -> None:
+        self.budget = int(budget_bytes)
+        self.lower = lower
+        self.policy = policy
+        self._slabs: dict[str, _Slab] = {}
+        self.tick = 0  # advanced per pass by the store; the LRU clock
+        self.hits = 0
+        self.misses = 0
+        self.evicted_rows = 0
+
+    def add_table(self, table: str, width: int) -> None:
+        if table not in self._slabs:
+            self._slabs[table] = _Slab(width)
+
+    def row_bytes(self, table: str) -> int:
+        return self._slabs[table].width * 4 + _ROW_OVERHEAD
+
+    @property
+    def bytes_used(self) -> int:
+        return sum(len(s) * (s.width * 4 + _ROW_OVERHEAD) for s in self._slabs.values())
+
+    def num_rows(self, table: str) -> int:
+        return len(self._slabs[table])
+
+    def num_dirty(self, table: str) -> int:
+        s = self._slabs[table]
+        return int(s.dirty[s.slots].sum()) if len(s) else 0
+
+    def contains(self, table: str, keys: np.ndarray) -> np.ndarray:
+        """keys: (n,) int64 -> (n,) bool, True where the row is cached."""
+        return self._slabs[table].find(keys)[0]
+
+    def columns(self, table: str, columns: slice) -> tuple[np.ndarray, np.ndarray]:
+        """Every cached row's ``columns``: (keys (n,) int64 sorted, values (n, k) float32 copy)."""
+        slab = self._slabs[table]
+        return slab.keys.copy(), slab.rows[slab.slots, columns]
+
+    def _touch(self, slab: _Slab, slots: np.ndarray) -> None:
+        if self.policy == "lru":
+            slab.score[slots] = self.tick
+        else:
+            slab.score[slots] += 1
+
+    # -- reads --------------------------------------------------------------------------------
+    def get(self, table: str, keys: np.ndarray, touch: bool = True) -> tuple[np.ndarray, np.ndarray]:
+        """keys: (n,) int64 sorted unique -> (hit (n,) bool, rows (hit.sum(), width) float32 copy)."""
+        slab = self._slabs[table]
+        hit, at = slab.find(keys)
+        slots = slab.slots[at[hit]]
+        if touch:
+            self._touch(slab, slots)
+            self.hits += int(hit.sum())
+            self.misses += int(len(keys) - hit.sum())
+        return hit, slab.rows[slots]
+
+    # -- writes -------------------------------------------------------------------------------
+    def put(self, table: str, keys: np.ndarray, rows: np.ndarray, dirty: bool = True) -> None:
+        """Cache rows (newer than the SSD tier when ``dirty``), evicting others to stay in budget.
+
+        keys: (n,) int64 sorted unique; rows: (n, width) float32.
+        """
+        slab = self._slabs[table]
+        hit, at = slab.find(keys)
+        slots = slab.slots[at[hit]]
+        slab.rows[slots] = rows[hit]
+        slab.dirty[slots] |= dirty
+        self._touch(slab, slots)
+        new = ~hit
+        n_new = int(new.sum())
+        if n_new == 0:
+            return
+        new_keys, new_rows = keys[new], rows[new]
+        row_bytes = self.row_bytes(table)
+        want = min(n_new, self.budget // row_bytes)
+        overflow = self.bytes_used + want * row_bytes - self.budget
+        try:
+            if overflow > 0:
+                self._evict(overflow + int((1 - _EVICT_TO) * self.budget))
+            fit = min(n_new, max(0, self.budget - self.bytes_used) // row_bytes)
+            if fit < n_new and dirty:
+                # More than the cache holds: the surplus goes straight to the SSD tier.
+                self.lower.write(table, new_keys[fit:], new_rows[fit:])
+        except OSError:
+            # The SSD tier took nothing (e.g. the disk is full): keep every row here, over budget,
+            # so that none is lost, and let the caller see the error.
+            self._insert(slab, new_keys, new_rows, dirty)
+            raise
+        self._insert(slab, new_keys[:fit], new_rows[:fit], dirty)
+
+    def _insert(self, slab: _Slab, keys: np.ndarray, rows: np.ndarray, dirty: bool) -> None:
+        if len(keys) == 0:
+            return
+        slots = slab.take_slots(len(keys))
+        slab.rows[slots] = rows
+        slab.dirty[slots] = dirty
+        slab.score[slots] = 0
+        self._touch(slab, slots)
+        slab.insert(keys, slots)
+
+    def _evict(self, nbytes: int) -> None:
+        """Evict at least ``nbytes`` of the lowest-scored rows across tables, in one batch."""
+        tables = [t for t, s in self._slabs.items() if len(s)]
+        if not tables:
+            return
+        scores = [self._slabs[t].score[self._slabs[t].slots] for t in tables]
+        costs = np.concatenate([np.full(len(self._slabs[t]), self.row_bytes(t)) for t in tables])
+        owner = np.concatenate([np.full(len(self._slabs[t]), i) for i, t in enumerate(tables)])
+        local = np.concatenate([np.arange(len(self._slabs[t])) for t in tables])
+        all_scores = np.concatenate(scores)
+        order = np.argsort(all_scores, kind="stable")
+        n_victims = int(np.searchsorted(np.cumsum(costs[order]), nbytes) + 1)
+        victims = order[:n_victims]
+        for i, t in enumerate(tables):
+            positions = np.sort(local[victims[owner[victims] == i]])
+            if len(positions):
+                self._drop(t, positions, write_dirty=True)
+
+    def _drop(self, table: str, positions: np.ndarray, write_dirty: bool) -> None:
+        slab = self._slabs[table]
+        slots = slab.slots[positions]
+        if write_dirty:
+            dirty = slab.dirty[slots]
+            if dirty.any():
+                fault_point("memory.evict")
+                self.lower.write(table, slab.keys[positions[dirty]], slab.rows[slots[dirty]])
+        slab.remove(positions)
+        self.evicted_rows += len(positions)
+
+    def flush(self) -> None:
+        """Write every dirty row down to the SSD tier; rows stay cached, now clean."""
+        for table, slab in self._slabs.items():
+            if not len(slab):
+                continue
+            dirty = slab.dirty[slab.slots]
+            if dirty.any():
+                self.lower.write(table, slab.keys[dirty], slab.rows[slab.slots[dirty]])
+                slab.dirty[slab.slots[dirty]] = False
+                fault_point("memory.flush_table")
+
+    def discard(self, table: str, keys: np.ndarray | None = None) -> None:
+        """Forget rows without writing them anywhere (all of the table when ``keys`` is None)."""
+        slab = self._slabs[table]
+        if keys is None:
+            self._slabs[table] = _Slab(slab.width)
+            return
+        hit, at = slab.find(np.unique(keys))
+        if hit.any():
+            slab.remove(np.sort(at[hit]))
+
+    def clear(self) -> None:
+        for table in list(self._slabs):
+            self.discard(table)

@@ -1,0 +1,138 @@
+"""Read-only access to one checkpoint of a store directory, without opening the store.
+
+Used by serving, export, inspection and resharding: it takes no lock and writes nothing, so it
+may run while another process trains in the same directory. It sees a committed checkpoint, never
+a half-written one: checkpoints are immutable once their manifest exists, and the manifest is
+written last. The training process retires old checkpoints (``keep_checkpoints``) and then
+deletes segments no kept checkpoint names, possibly while a reader uses them; it always removes
+the manifest first. So the reader checks, after every read, that its manifest still exists:
+
+- while opening the latest checkpoint, a checkpoint retired under it is skipped for the newest;
+- a read of a checkpoint retired meanwhile raises :class:`CheckpointRetiredError` (rows read
+  while its files were being deleted are never returned).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from hierps.errors import CheckpointRetiredError, ConfigError, CorruptStoreError, StoreFormatError
+from hierps.lifecycle._admission import PENDING_ARRAYS
+from hierps.rows._counters import NUM_COUNTERS
+from hierps.storage._checkpoint import FORMAT_VERSION, MARKER, CheckpointCatalog, check_marker
+from hierps.storage._index import TableIndex
+from hierps.tiers._ssd import SsdTier
+
+__all__ = ["CheckpointReader"]
+
+# Opening the latest checkpoint retries this many times when the trainer retires it meanwhile.
+_OPEN_ATTEMPTS = 20
+
+
+class CheckpointReader:
+    """Rows of every table as of one checkpoint (``ref``: id, tag, or None for the latest)."""
+
+    def __init__(self, path: str | os.PathLike[str], ref: int | str | None = None) -> None:
+        self.path = Path(path)
+        marker = self.path / MARKER
+        if not marker.exists():
+            raise StoreFormatError(f"{self.path}: is not a hierps store (no {MARKER}).")
+        check_marker(marker)
+        self.catalog = CheckpointCatalog(self.path / "checkpoints")
+        for _ in range(_OPEN_ATTEMPTS):
+            ckpt = self.catalog.latest() if ref is None else self.catalog.find(ref)
+            if ckpt is None:
+                raise ConfigError(f"{self.path}: no checkpoint {ref!r}; it has ids {self.catalog.ids()}.")
+            try:
+                self._load(ckpt)
+                self._check_alive()
+                return
+            except (CorruptStoreError, CheckpointRetiredError):
+                if self.catalog.exists(ckpt):
+                    raise  # damaged, not retired
+                if ref is not None:
+                    self._check_alive()  # the very checkpoint asked for is gone: say so
+                # retired while we opened it: a newer one is committed, take that
+        raise CheckpointRetiredError(
+            f"{self.path}: the latest checkpoint was retired {_OPEN_ATTEMPTS} times while this reader opened "
+            "it; the trainer checkpoints faster than it can be read. Raise keep_checkpoints."
+        )
+
+    def _load(self, ckpt: int) -> None:
+        self.checkpoint_id = ckpt
+        self.manifest: dict[str, Any] = self.catalog.manifest(ckpt)
+        if self.manifest.get("format_version") != FORMAT_VERSION:
+            raise StoreFormatError(
+                f"{self.path}: checkpoint {ckpt} has format version {self.manifest.get('format_version')!r}; this "
+                f"hierps reads {FORMAT_VERSION}. Read it with a matching hierps release."
+            )
+        self._ssd = SsdTier(self.path / "segments")
+        for name, meta in self.manifest["tables"].items():
+            sizes = {int(s): int(n) for s, n in meta["segments"].items()}
+            self._ssd.load_index(name, int(meta["width"]), self.catalog.read_index(ckpt, name, sizes), sizes)
+
+    def _check_alive(self) -> None:
+        if not self.catalog.exists(self.checkpoint_id):
+            latest = self.catalog.latest()
+            raise CheckpointRetiredError(
+                f"{self.path}: checkpoint {self.checkpoint_id} was retired by the process training this store "
+                f"while this reader used it (the newest is now {latest}). Open a new CheckpointReader, or "
+                "raise the trainer's keep_checkpoints so that readers have time to finish."
+            )
+
+    @property
+    def tables(self) -> dict[str, dict[str, Any]]:
+        """``{name: {"dim", "width", "optimizer", "initializer", "step", "rows", "segments"}}``."""
+        return self.manifest["tables"]
+
+    def keys(self, table: str) -> np.ndarray:
+        """(n,) int64 sorted keys stored for ``table``."""
+        return self._ssd.index[self._check(table)].keys
+
+    def index(self, table: str) -> TableIndex:
+        """The key index of ``table``: where each key's row lies (segment, position); do not modify."""
+        return self._ssd.index[self._check(table)]
+
+    def scan_counters(self, table: str) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        """Yield ``(keys (b,) int64, counters (b, NUM_COUNTERS) float32)`` over every stored row."""
+        width = int(self.tables[self._check(table)]["width"])
+        yield from self._ssd.scan(table, slice(width - NUM_COUNTERS, width))
+
+    def pending_keys(self, table: str) -> np.ndarray:
+        """(p,) int64 keys of ``table`` that were pending admission (counted, without a row)."""
+        arrays = self.catalog.read_extra(self.checkpoint_id, self._check(table), PENDING_ARRAYS)
+        return np.empty(0, np.int64) if arrays is None else np.asarray(arrays["pending_keys"], np.int64)
+
+    def read(self, table: str, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """keys (n,) int64 sorted unique -> (found (n,) bool, rows (found.sum(), width) float32).
+
+        Raises :class:`CheckpointRetiredError` when the checkpoint was retired during the read.
+        """
+        try:
+            out = self._ssd.read(self._check(table), np.asarray(keys, dtype=np.int64))
+        except CorruptStoreError:
+            self._check_alive()  # a file that vanished because the checkpoint was retired
+            raise
+        self._check_alive()
+        return out
+
+    def iter_rows(self, table: str, batch: int = 1 << 18) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        """Yield ``(keys (b,) int64, rows (b, width) float32)`` over every stored row, by key."""
+        keys = self.keys(table)
+        for start in range(0, len(keys), batch):
+            chunk = keys[start : start + batch]
+            _, rows = self.read(table, chunk)
+            yield chunk, rows
+
+    def _check(self, table: str) -> str:
+        if table not in self.manifest["tables"]:
+            raise ConfigError(
+                f"{self.path}: checkpoint {self.checkpoint_id} has no table {table!r}; "
+                f"it has {sorted(self.manifest['tables'])}."
+            )
+        return table

@@ -1,0 +1,332 @@
+"""Passes: the working set of a group of mini-batches, loaded into the device tier before they run.
+
+:class:`Passes` is the part of :class:`hierps.Store` that plans passes (split into groups that fit
+the device budget), loads their rows (carried over from the last pass, read ahead by the
+pipeline, or fetched on demand), and writes them back. See :mod:`hierps.training._pipeline` for the
+background half.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Any
+
+import numpy as np
+import torch
+
+from hierps._core import StoreCore
+from hierps._faults import fault_point
+from hierps.errors import DeviceBudgetError
+from hierps.lifecycle._features import Features
+from hierps.rows import _ids
+from hierps.tiers._device import apply_moves, rebuild
+from hierps.training._batchplan import Batch, PassBatches, same_batches, translate, union_positions
+from hierps.training._pipeline import PassPipeline
+
+__all__ = ["PassRunner"]
+
+_EMPTY = np.empty(0, np.int64)
+
+
+@dataclass
+class _PassPlan:
+    """Groups of a pass's mini-batches whose rows fit the device budget together."""
+
+    groups: list[dict[str, np.ndarray]] = field(default_factory=list)
+    cursor: int = 0
+
+
+# The batches of the last plan, its groups, and each id's position in the group (one group only).
+_LastPlan = tuple[
+    list[dict[str, np.ndarray]], list[dict[str, np.ndarray]], list[dict[str, np.ndarray]] | None
+]
+
+
+def _id_counts(batches: list[dict[str, np.ndarray]]) -> dict[str, int]:
+    """Ids per table over all ``batches``, repeats included."""
+    out: dict[str, int] = {}
+    for batch in batches:
+        for table, keys in batch.items():
+            out[table] = out.get(table, 0) + len(keys)
+    return out
+
+
+class PassRunner:
+    """Planning, loading and writing back the passes of a store (the part of :class:`hierps.Store`
+    behind ``begin_pass``, ``prefetch``, ``end_pass``, ``run_pass``)."""
+
+    def __init__(self, core: StoreCore, pipe: PassPipeline, features: Features) -> None:
+        self._core = core
+        self._pipe = pipe
+        self._features = features
+        self.plan = _PassPlan()
+        self.batches: PassBatches | None = None  # the current pass's translated mini-batches
+        self.in_pass = False
+        self._announced: list[Mapping[str, Any]] | None = None
+        self._last_plan: _LastPlan | None = None
+
+    def forget_announced(self) -> None:
+        """Drop the pass announced between passes (e.g. when the store returns to a checkpoint)."""
+        self._announced = None
+
+    def forget_batches(self) -> None:
+        """Drop the current pass's translated mini-batches: forwards take the generic path."""
+        self.batches = None
+
+    def begin_pass(self, batches: Mapping[str, Any] | Sequence[Mapping[str, Any]]) -> None:
+        """Load the working set of a pass into the device tier before its mini-batches run.
+
+        ``batches`` is ``{table: ids}`` (the pass's ids) or a list of such, one per mini-batch in
+        the order they will run. When the working set exceeds the device budget, a list is split
+        into consecutive groups that fit, loaded one after the other as training reaches them.
+        With the pipeline on, rows shared with the previous pass stay resident, the others were
+        read ahead (see :meth:`prefetch`), and the rows leaving are written back in the background.
+        """
+        self._core.check_open()
+        per_batch = [batches] if isinstance(batches, Mapping) else list(batches)
+        raw = [self._batch_keys(b) for b in per_batch]
+        ahead = self._pipe.take(raw)  # None unless this pass was announced and read ahead
+        positions = None
+        if ahead is not None:
+            groups = [ahead.group]
+        else:
+            groups, positions = self._planned(raw)  # bad input: raise here, change nothing
+        if self.in_pass:
+            self.end_pass()
+        self.plan = _PassPlan(groups, cursor=0)
+        self.in_pass = True
+        self._core.stats.begin_pass(self._core.passes)
+        groups = [self._admitted_only(g) for g in groups]
+        fetch = partial(self._core.fetch_many, touch=True)
+        tier = self._core.device_tier
+        if self._core.pipeline and len(groups) == 1:
+            # The last write-back had a whole pass to finish; waiting for it bounds the queue to one
+            # and reports its failure (e.g. a full disk) at this pass, not some later one.
+            self._pipe.wait_writebacks()
+            plans = None
+            if ahead is not None and ahead.moves.version == tier.version:
+                # Nothing changed in the device tier since the pass was announced: the moves
+                # planned then hold, the rows read then are exactly those missing, and the
+                # mini-batches were translated for the layout they make.
+                drained = apply_moves(tier, ahead.moves, ahead.rows)
+                plans = ahead.plans
+            else:
+                # No write-back is pending now, so rows the read-ahead lacks are read fresh.
+                prepared = {t: (k, ahead.rows[t]) for t, k in ahead.moves.missing.items()} if ahead else None
+                drained = rebuild(tier, groups[0], prepared, fetch)
+            self._pipe.submit_writeback(drained)
+            self._translated(raw, groups[0], plans, positions)
+        else:
+            self._core.write_back()
+            if len(groups) == 1:
+                rebuild(tier, groups[0], None, fetch)  # nothing is resident: nothing leaves
+                self._translated(raw, groups[0], None, positions)
+            elif groups:
+                self._load(groups[0], create=False)
+        fault_point("pass.loaded")
+        if self._announced is not None:
+            announced, self._announced = self._announced, None
+            self.prefetch(announced)
+
+    def _translated(
+        self,
+        raw: list[dict[str, np.ndarray]],
+        group: dict[str, np.ndarray],
+        plans: list[Batch] | None,
+        positions: list[dict[str, np.ndarray]] | None,
+    ) -> None:
+        """Attach the pass's translated mini-batches (see :mod:`hierps.training._batchplan`) to the working set
+        ``group`` just laid out: ``plans`` if they were read ahead for this layout, else translated
+        now (``positions``: each id's in the pass's keys, if known). Tables filtering admission are
+        left to the generic gather."""
+        keep = {t: k for t, k in group.items() if not self._core.tables[t].admission.filters}
+        if plans is None or len(keep) != len(group):
+            base = self._core.device_tier.layout({t: len(k) for t, k in group.items()})
+            plans = translate(raw, keep, base, self._core.device, positions)
+        self.batches = PassBatches(plans, self._core.device_tier.generation)
+
+    def prefetch(self, batches: Mapping[str, Any] | Sequence[Mapping[str, Any]]) -> None:
+        """Announce the next pass so that its rows are read in the background while this one trains.
+
+        Called during a pass it starts at once; called between passes it starts with the next
+        :meth:`begin_pass` (after that pass's write-back is queued, which keeps reads fresh).
+        """
+        self._core.check_open()
+        batches = self._as_batches(batches)
+        if not self._core.pipeline:
+            return
+        if not self.in_pass:
+            self._announced = batches
+            return
+        raw = [self._batch_keys(b) for b in batches]
+        if any(self._core.tables[t].admission.filters for b in raw for t in b):
+            return  # tables filtering admission are loaded at begin_pass, when admission is known
+        group = None  # fits even counting repeats: one group, found on the worker
+        if self._core.device_tier.bytes_for(_id_counts(raw)) > self._core.device_tier.budget:
+            groups, _ = self._planned(raw)
+            if len(groups) != 1:
+                return  # a pass split into groups is loaded group by group as training reaches them
+            group = groups[0]
+        self._pipe.submit_prepare(raw, group, self._core.device_tier.snapshot())
+
+    def end_pass(self) -> None:
+        """Close the pass. Without the pipeline its working set is written back now; with it, when
+        the next pass begins (rows it shares stay resident). Tables whose eviction settings ask
+        for it (``every_passes``) are shrunk here."""
+        self._core.check_open()
+        if not self._core.pipeline:
+            self._core.write_back()
+        self.plan = _PassPlan()
+        self.batches = None
+        self.in_pass = False
+        self._core.passes += 1
+        self._core.memory.tick = self._core.passes
+        due = [
+            info
+            for info in self._core.tables.values()
+            if info.eviction.every_passes is not None and self._core.passes % info.eviction.every_passes == 0
+        ]
+        if due:
+            self._pipe.drain()
+            for info in due:
+                self._features.shrink_table(info, info.eviction)
+        self._pipe.run_in_background(self._compact) if self._core.pipeline else self._compact()
+        self._core.stats.end_pass(self._core.ssd, self._core.memory, list(self._core.tables))
+
+    def _admitted_only(self, group: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """A pass's keys without those of admission-filtering tables that have no row yet."""
+        out = {}
+        for table, keys in group.items():
+            if self._core.tables[table].admission.filters and len(keys):
+                keys = keys[self._core.has_row(table, keys)]
+            out[table] = keys
+        return out
+
+    def _compact(self) -> None:
+        with self._pipe.lock:
+            for table in list(self._core.tables):
+                self._core.ssd.compact(table, self._core.max_segments)
+
+    @staticmethod
+    def _as_batches(batches: Mapping[str, Any] | Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
+        return [batches] if isinstance(batches, Mapping) else list(batches)
+
+    @contextmanager
+    def run_pass(self, batches: Mapping[str, Any] | Sequence[Mapping[str, Any]]) -> Iterator[None]:
+        """``with store.run_pass(batches): ...`` = begin_pass(batches) ... end_pass()."""
+        self.begin_pass(batches)
+        try:
+            yield
+        finally:
+            self.end_pass()
+
+    def _batch_keys(self, batch: Mapping[str, Any]) -> dict[str, np.ndarray]:
+        out = {}
+        for table, ids in batch.items():
+            self._core.info(table)
+            out[table] = _ids.as_int64_array(ids, what=f"ids for table {table!r}")
+        return out
+
+    def _planned(
+        self, batches: list[dict[str, np.ndarray]]
+    ) -> tuple[list[dict[str, np.ndarray]], list[dict[str, np.ndarray]] | None]:
+        """:meth:`_plan_groups`, reusing the plan of the same batches (announced, then begun)."""
+        last = self._last_plan
+        if last is not None and same_batches(last[0], batches):
+            return last[1], last[2]
+        groups, positions = self._plan_groups(batches)
+        self._last_plan = (batches, groups, positions)
+        return groups, positions
+
+    def _plan_groups(
+        self, batches: list[dict[str, np.ndarray]]
+    ) -> tuple[list[dict[str, np.ndarray]], list[dict[str, np.ndarray]] | None]:
+        """Consecutive mini-batches merged while their distinct rows fit the device budget; for a
+        pass that is one group, also each id's position in it (see :func:`union_positions`)."""
+        budget = self._core.device_tier.budget
+        if self._core.device_tier.bytes_for(_id_counts(batches)) <= budget:
+            # Fits even counting repeats: one group, one sort per table.
+            if not any(batches):
+                return [], None
+            keys, positions = union_positions(batches)
+            return [keys], positions
+        groups: list[dict[str, np.ndarray]] = []
+        current: dict[str, np.ndarray] = {}
+        for keys in [{t: np.unique(k) for t, k in b.items()} for b in batches]:
+            alone = self._core.device_tier.bytes_for({t: len(k) for t, k in keys.items()})
+            if alone > budget:
+                raise DeviceBudgetError(self._budget_message(alone))
+            merged = {
+                t: np.union1d(current.get(t, _EMPTY), keys.get(t, _EMPTY))
+                for t in current.keys() | keys.keys()
+            }
+            if self._core.device_tier.bytes_for({t: len(k) for t, k in merged.items()}) > budget:
+                groups.append(current)
+                merged = dict(keys)
+            current = merged
+        if current:
+            groups.append(current)
+        return groups, None
+
+    def _budget_message(self, need: int) -> str:
+        return (
+            f"one mini-batch needs {need} bytes of rows in the device tier, more than its budget of "
+            f"{self._core.device_tier.budget} bytes. Raise device_budget or use smaller mini-batches."
+        )
+
+    def _load(self, keys: Mapping[str, np.ndarray], *, create: bool = True) -> None:
+        """Make sorted unique keys resident in the device tier (those not resident yet).
+
+        With ``create`` False, keys of admission-filtering tables that have no row are left out:
+        they get one only when a training gather admits them.
+        """
+        self._pipe.wait_writebacks()
+        for table, k in keys.items():
+            if len(k) == 0:
+                continue
+            found, _ = self._core.device_tier.resolve(table, torch.from_numpy(k).to(self._core.device))
+            missing = k[~found.cpu().numpy()]
+            if len(missing) and not create and self._core.tables[table].admission.filters:
+                missing = missing[self._core.stored(table, missing)]
+            if len(missing):
+                self._core.device_tier.insert(table, missing, self._core.fetch(table, missing, touch=True))
+
+    def resident_slots(self, table: str, keys: torch.Tensor) -> torch.Tensor:
+        """keys: (U,) sorted unique int64 on the device -> their slots, loading what is missing.
+
+        When the missing rows do not fit next to the working set, the working set is written
+        back first (the pass is split) and the next planned group is loaded along with them.
+        """
+        found, slots = self._core.device_tier.resolve(table, keys)
+        if bool(found.all()):
+            return slots
+        need = self._core.device_tier.bytes_for({table: int(keys.numel())})
+        if need > self._core.device_tier.budget:
+            raise DeviceBudgetError(self._budget_message(need))
+        missing = keys[~found].cpu().numpy()
+        if (
+            self._core.device_tier.bytes_used + self._core.device_tier.bytes_for({table: len(missing)})
+            > self._core.device_tier.budget
+        ):
+            self._core.write_back()
+            load = {table: keys.cpu().numpy()}
+            self._load(load)
+            plan = self.plan
+            if plan.cursor + 1 < len(plan.groups):
+                plan.cursor += 1
+                nxt = plan.groups[plan.cursor]
+                merged = {
+                    t: np.union1d(nxt.get(t, _EMPTY), load.get(t, _EMPTY)) for t in nxt.keys() | load.keys()
+                }
+                if (
+                    self._core.device_tier.bytes_for({t: len(k) for t, k in merged.items()})
+                    <= self._core.device_tier.budget
+                ):
+                    self._load(nxt, create=False)
+        else:
+            self._load({table: missing})
+        found, slots = self._core.device_tier.resolve(table, keys)
+        return slots

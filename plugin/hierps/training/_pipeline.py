@@ -1,0 +1,142 @@
+"""The pass pipeline: while pass N trains, pass N+1 is read ahead and pass N-1 is written back.
+
+One background worker runs, in order: the write-back of the rows that left the working set at
+the start of pass N, then the read-ahead of pass N+1's rows that are not resident. That order,
+and carrying rows shared by consecutive passes over in the device tier instead of re-reading
+them, is what makes pipelined training give bit for bit the parameters of unpipelined training:
+no row is ever read from a tier below while a newer copy is on its way down.
+
+Tier access (RAM and SSD) from the worker and from the training thread is serialised by
+``lock``; a read from the training thread first waits for pending write-backs.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import TypeVar
+
+import numpy as np
+
+from hierps._core import StoreCore
+from hierps.tiers._device import DrainedRows, Moves, Snapshot, plan_moves
+from hierps.training._batchplan import Batch, same_batches, translate, union_positions
+
+__all__ = ["PassPipeline", "ReadAhead"]
+
+T = TypeVar("T")
+
+
+@dataclass
+class ReadAhead:
+    """A pass prepared in the background: everything but the copies into the device tier."""
+
+    group: dict[str, np.ndarray]  # its working set: sorted distinct keys per table
+    moves: Moves  # from the device tier as it was when the pass was announced
+    rows: dict[str, np.ndarray]  # rows of moves.missing, read from RAM / SSD / the initializer
+    plans: list[Batch]  # its mini-batches, translated for moves.base
+
+
+class PassPipeline:
+    """Background write-back and read-ahead for one store; reads and writes through its core."""
+
+    def __init__(self, core: StoreCore) -> None:
+        self._core = core
+        self.lock = threading.RLock()
+        self._executor: ThreadPoolExecutor | None = None
+        self._writebacks: list[Future[None]] = []
+        self._prepared: tuple[list[dict[str, np.ndarray]], Future[ReadAhead]] | None = None  # announced
+        self._background: list[Future[object]] = []
+        self.prepare_seconds = 0.0
+        self.writeback_seconds = 0.0
+        self.wait_seconds = 0.0
+
+    def _submit(self, fn: Callable[..., T], *args: object) -> Future[T]:
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hierps-pass")
+        # Keep failed tasks so that drain() re-raises their error; forget finished ones.
+        self._background = [f for f in self._background if not f.done() or f.exception() is not None]
+        fut = self._executor.submit(fn, *args)
+        self._background.append(fut)
+        return fut
+
+    def run_in_background(self, fn: Callable[[], object]) -> None:
+        """Run ``fn`` on the worker, after everything submitted before it."""
+        self._submit(fn)
+
+    # -- write-back ----------------------------------------------------------------------------
+    def submit_writeback(self, drained: dict[str, DrainedRows]) -> None:
+        if any(d.dirty.any() for d in drained.values()):
+            self._writebacks.append(self._submit(self._writeback, drained))
+
+    def _writeback(self, drained: dict[str, DrainedRows]) -> None:
+        t0 = time.perf_counter()
+        with self.lock:
+            self._core.put_dirty(drained)
+        self.writeback_seconds += time.perf_counter() - t0
+
+    def wait_writebacks(self) -> None:
+        """Block until every submitted write-back reached the RAM tier (re-raising its error)."""
+        if not self._writebacks:
+            return
+        t0 = time.perf_counter()
+        pending, self._writebacks = self._writebacks, []
+        for fut in pending:
+            fut.result()
+        self.wait_seconds += time.perf_counter() - t0
+
+    # -- read-ahead ----------------------------------------------------------------------------
+    def submit_prepare(
+        self, batches: list[dict[str, np.ndarray]], group: dict[str, np.ndarray] | None, snapshot: Snapshot
+    ) -> None:
+        """Prepare the pass of ``batches`` ({table: ids} per mini-batch) in the background.
+
+        Its working set (``group``, or the union of the batches' ids), the moves of the device
+        tier from ``snapshot`` to it, the rows not resident in ``snapshot``, and the mini-batches
+        translated into the slots they will have: see :class:`ReadAhead`.
+        """
+        self._prepared = (batches, self._submit(self._prepare, batches, group, snapshot))
+
+    def _prepare(
+        self, batches: list[dict[str, np.ndarray]], group: dict[str, np.ndarray] | None, snapshot: Snapshot
+    ) -> ReadAhead:
+        t0 = time.perf_counter()
+        positions = None
+        if group is None:
+            group, positions = union_positions(batches)
+        moves = plan_moves(snapshot, group)
+        with self.lock:
+            rows = self._core.fetch_many(moves.missing, touch=True, ahead=True)
+        plans = translate(batches, group, moves.base, self._core.device, positions)
+        self.prepare_seconds += time.perf_counter() - t0
+        return ReadAhead(group, moves, rows, plans)
+
+    def take(self, batches: list[dict[str, np.ndarray]]) -> ReadAhead | None:
+        """The read-ahead of ``batches`` if they are the ones announced, else None (and it is dropped)."""
+        if self._prepared is None:
+            return None
+        announced, fut = self._prepared
+        self._prepared = None
+        t0 = time.perf_counter()
+        ahead = fut.result()
+        self.wait_seconds += time.perf_counter() - t0
+        return ahead if same_batches(announced, batches) else None
+
+    def drain(self) -> None:
+        """Wait for every background task; the tiers below are then quiet."""
+        pending, self._background = self._background, []
+        self._writebacks = []
+        for fut in pending:
+            fut.result()
+        self._prepared = None
+
+    def close(self) -> None:
+        try:
+            self.drain()
+        finally:
+            if self._executor is not None:
+                self._executor.shutdown(wait=True)
+                self._executor = None

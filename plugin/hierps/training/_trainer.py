@@ -1,0 +1,362 @@
+"""Training: the gathers of a mini-batch's rows for a forward, and the optimizer step after backward.
+
+:class:`SparseTrainer` is the part of :class:`hierps.Store` that serves training. A forward reads the weights of its rows from the device tier as a
+leaf tensor that requires grad, and records it as pending; :meth:`SparseTrainer.step` then applies one
+optimizer step per touched row:
+
+- :meth:`SparseTrainer.gather`: keys (U,) sorted unique int64 -> (U, dim) float32 leaf, the rows
+  brought into the device tier on demand (admission decides which keys get a row);
+- :meth:`SparseTrainer.gather_planned`: the same for the next mini-batch announced by
+  :meth:`~hierps.training._passes.PassRunner.begin_pass`, whose ids were translated to slots ahead of time
+  (:mod:`hierps.training._batchplan`), so no sort or search runs in the forward;
+- :meth:`SparseTrainer.fused_bag`: for pooled bags of an announced mini-batch, the rows of all its
+  tables of one width and dim are gathered into one leaf and pooled by one ``embedding_bag``
+  (:class:`hierps.training._batchplan.FusedBags`); each table's forward returns its (B, dim) piece;
+- :meth:`SparseTrainer.step`: the fused step. The leaves' gradients, dense or sparse, are summed per
+  row (:func:`summed_grads`), checked for NaN/inf once over their buffers before any row changes,
+  and the tables of one arena, optimizer, dim and step count are updated by one gather, one
+  :func:`~hierps.rows._optim.apply_step` and one scatter (:meth:`SparseTrainer._apply_steps`): the same
+  arithmetic as row by row.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from hierps._core import StoreCore
+from hierps._faults import fault_point
+from hierps._tensors import joined
+from hierps.errors import ConfigError, NonFiniteGradientError
+from hierps.lifecycle._features import Features
+from hierps.rows._optim import apply_step
+from hierps.rows._table import TableInfo
+from hierps.training._batchplan import Batch, BatchPlan, FusedBags, pool_bags
+from hierps.training._passes import PassRunner
+
+__all__ = ["SparseTrainer"]
+
+
+@dataclass
+class _Pending:
+    """Rows one forward gathered for training: their keys, slots and the leaf holding their grad."""
+
+    table: str
+    keys: torch.Tensor  # (R,) int64, sorted unique: the keys that have rows
+    slots: torch.Tensor  # (R,) int64, valid while generation matches
+    generation: int
+    leaf: torch.Tensor  # (U, dim) requires_grad
+    rows: torch.Tensor | slice | None = None  # (R,) positions of keys in the leaf; None: all of it
+
+
+class SparseTrainer:
+    """Training gathers and the optimizer step: the part of :class:`hierps.Store` behind ``gather``,
+    ``step``, ``apply_gradients`` and ``zero_grad``."""
+
+    def __init__(self, core: StoreCore, passes: PassRunner, features: Features) -> None:
+        self._core = core
+        self._passes = passes
+        self._features = features
+        self.pending: list[_Pending] = []  # what forwards gathered since the last step
+
+    def check_no_pending(self, what: str) -> None:
+        """Raise ``ConfigError`` when rows were gathered for a step that has not run yet."""
+        if self.pending:
+            raise ConfigError(
+                f"{what}: rows were gathered for an optimizer step that has not run; call "
+                f"store.step() or store.zero_grad() first, then {what}."
+            )
+
+    def drop(self, table: str | None = None) -> None:
+        """Forget what forwards gathered (of ``table`` only, when given) without a step."""
+        self.pending = [p for p in self.pending if table is not None and p.table != table]
+
+    def gather_planned(self, table: str, ids: torch.Tensor) -> tuple[torch.Tensor, BatchPlan] | None:
+        """The training gather of an announced mini-batch, or None when ``ids`` are not the next one.
+
+        ids: (...) int64 on the store's device. When they equal ``table``'s next mini-batch of the
+        current pass (see :mod:`hierps.training._batchplan`), returns the leaf of its distinct rows' weights
+        (U, dim) float32, as :meth:`gather` with ``requires_grad``, and the plan (``local`` ids,
+        ``keys``): their translation was done ahead, so no sort or search runs here.
+        """
+        batches = self._passes.batches
+        if batches is None:
+            return None
+        plan = batches.match(table, ids, self._core.device_tier.generation)
+        if plan is None:
+            return None
+        info = self._core.tables[table]
+        tier = self._core.device_tier
+        tier.defer_seen(
+            table, plan.slots, plan.counts, info.state_end, self._core.passes, info.eviction.decay
+        )
+        weights = tier.weights(table, plan.slots, info.dim).requires_grad_(True)
+        self.pending.append(_Pending(table, plan.keys, plan.slots, tier.generation, weights))
+        return weights, plan
+
+    def fused_bag(
+        self, table: str, ids: torch.Tensor, offsets: torch.Tensor, mode: str
+    ) -> torch.Tensor | None:
+        """``table``'s pooled output of an announced mini-batch, pooled with its other tables, or None.
+
+        ids: (n,) int64, offsets: (B,) int64 (``include_last_offset`` False), mode ``"sum"`` or
+        ``"mean"``, no per-sample weights or padding. At the first such forward of a mini-batch,
+        the rows of all its tables of this table's width and dim are gathered into one leaf and
+        pooled by one ``embedding_bag`` with these offsets (see :class:`hierps.training._batchplan.FusedBags`);
+        each table's forward then returns its piece: the same floats as pooling table by table.
+        None when ``ids`` are not the announced ones or the tables do not pool alike.
+        """
+        batches = self._passes.batches
+        if batches is None or not batches.fuse:
+            return None
+        found = batches.next_plan(table, ids, self._core.device_tier.generation)
+        if found is None:
+            return None
+        k, plan = found
+        info = self._core.tables[table]
+        tier = self._core.device_tier
+        group = (k, id(tier.arena(table)), info.dim)
+        fused = batches.fused.get(group)
+        if fused is None:
+            for done in [g for g in batches.fused if g[0] < k]:  # earlier mini-batches: let them go
+                del batches.fused[done]
+            fused = batches.fused[group] = self._fuse(batches.batches[k], table, offsets, mode)
+        if table not in fused.rows:
+            return None  # another number of ids than the table that pooled the group
+        if (
+            table in fused.used
+            or mode != fused.mode
+            or not (offsets is fused.offsets or torch.equal(offsets, fused.offsets))
+        ):
+            batches.fuse = False  # this model's tables pool differently: gather them one by one
+            return None
+        fused.used.add(table)
+        if len(fused.used) == len(fused.rows):
+            del batches.fused[group]  # every member has its piece; the pieces keep what they need
+        batches.ran(table, k)
+        tier.defer_seen(
+            table, plan.slots, plan.counts, info.state_end, self._core.passes, info.eviction.decay
+        )
+        self.pending.append(
+            _Pending(table, plan.keys, plan.slots, tier.generation, fused.leaf, fused.rows[table])
+        )
+        return fused.pieces[table]
+
+    def _fuse(self, batch: Batch, table: str, offsets: torch.Tensor, mode: str) -> FusedBags:
+        """Gather and pool in one go the tables of ``batch`` that share ``table``'s arena and dim and
+        have as many ids (so that ``offsets``, checked against ``table``'s ids, fit each of them)."""
+        tier, dim = self._core.device_tier, self._core.tables[table].dim
+        arena, n = tier.arena(table), batch.plans[table].ids.numel()
+        members = [
+            t
+            for t, p in batch.plans.items()
+            if tier.arena(t) is arena and self._core.tables[t].dim == dim and p.ids.numel() == n
+        ]
+        plans = [batch.plans[t] for t in members]
+        if len(members) == len(batch.plans):
+            slots, local = batch.slots, batch.local
+        else:
+            starts = np.cumsum([0, *[p.keys.numel() for p in plans[:-1]]]).tolist()
+            slots = torch.cat([p.slots for p in plans])
+            local = torch.cat([p.local + s for p, s in zip(plans, starts)])
+        ends = np.cumsum([p.ids.numel() for p in plans]).tolist()
+        bags = torch.cat([offsets] + [offsets + e for e in ends[:-1]])
+        leaf = arena.rows[:, :dim].index_select(0, slots).requires_grad_(True)
+        rows, at = {}, 0
+        for t, p in zip(members, plans):
+            rows[t] = slice(at, at + p.keys.numel())
+            at += p.keys.numel()
+        parts = [(p.local, p.keys.numel()) for p in plans]
+        pieces = dict(zip(members, pool_bags(leaf, local, bags, mode, offsets.numel(), parts)))
+        return FusedBags(leaf, rows, pieces, offsets, mode)
+
+    def gather(
+        self, table: str, keys: torch.Tensor, *, requires_grad: bool, counts: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Weights of a mini-batch's rows for a forward pass.
+
+        keys: (U,) sorted unique int64 on the store's device -> (U, dim) float32. With
+        ``requires_grad`` (training) the result is a leaf whose gradient :meth:`step` applies to
+        the rows, and the keys count as seen: ``counts`` (U,) integer, how often each key occurs
+        in the mini-batch (default once each), goes into the rows' counters and drives admission.
+        Keys not admitted yet read as the initializer's row (or zeros) and their gradient is dropped.
+        """
+        self._core.check_open()
+        info = self._core.info(table)
+        if info.admission.filters:
+            return self._gather_filtered(info, keys, requires_grad, counts)
+        slots = self._passes.resident_slots(table, keys)
+        if requires_grad:
+            self._features.count_seen(info, slots, counts)
+        weights = self._core.device_tier.weights(table, slots, info.dim)
+        if requires_grad:
+            weights.requires_grad_(True)
+            self.pending.append(_Pending(table, keys, slots, self._core.device_tier.generation, weights))
+        return weights
+
+    def _gather_filtered(
+        self, info: TableInfo, keys: torch.Tensor, requires_grad: bool, counts: torch.Tensor | None
+    ) -> torch.Tensor:
+        """:meth:`gather` for a table with admission: rows only for keys that have or earn one."""
+        table = info.name
+        keys_np = keys.cpu().numpy()
+        n_seen = (
+            counts.cpu().numpy().astype(np.int64) if counts is not None else np.ones(len(keys_np), np.int64)
+        )
+        has = self._core.has_row(table, keys_np)
+        prior = np.zeros(len(keys_np), np.int64)
+        if requires_grad:
+            new, prior = self._features.admit(info, keys_np, n_seen, ~has)
+            has |= new
+        weights = torch.empty((len(keys_np), info.dim), dtype=torch.float32, device=self._core.device)
+        if not has.all():
+            out = np.flatnonzero(~has)
+            weights[torch.from_numpy(out).to(self._core.device)] = torch.from_numpy(
+                self._features.unadmitted_weights(info, keys_np[out])
+            ).to(self._core.device)
+        at = torch.from_numpy(np.flatnonzero(has)).to(self._core.device)
+        sub, slots = keys[at], at
+        if len(at):
+            slots = self._passes.resident_slots(table, sub)
+            if requires_grad:
+                seen = torch.from_numpy((n_seen + prior)[has].astype(np.float32)).to(self._core.device)
+                self._features.count_seen(info, slots, seen)
+            weights[at] = self._core.device_tier.rows(table)[slots, : info.dim]
+        if requires_grad:
+            weights.requires_grad_(True)
+            # Recorded even without rows: the table's step count (Adam's bias correction) then
+            # advances as in an unfiltered run, so admitted rows train as unfiltered rows do.
+            self.pending.append(
+                _Pending(table, sub, slots, self._core.device_tier.generation, weights, rows=at)
+            )
+        return weights
+
+    def step(self) -> None:
+        """One optimizer step for every row touched since the last step (gradients summed per row).
+
+        Tables of one row width, optimizer and step count are updated together: one gather, one
+        optimizer call and one scatter for all of them. Raises :class:`NonFiniteGradientError`
+        before changing any row when a gradient is NaN/inf.
+        """
+        self._core.check_open()
+        pending = [p for p in self.pending if p.leaf.grad is not None]
+        self.pending = []
+        if not pending:
+            return
+        leaves = list({id(p.leaf): p.leaf for p in pending}.values())  # fused tables share a leaf
+        summed = dict(zip(map(id, leaves), summed_grads(leaves)))
+        grads = [summed[id(p.leaf)] for p in pending]
+        if not _all_finite(_distinct_buffers(list(summed.values()))):
+            own = [g[p.rows] if isinstance(p.rows, slice) else g for p, g in zip(pending, grads)]
+            bad = sorted({p.table for p, g in zip(pending, own) if not bool(torch.isfinite(g).all())})
+            raise NonFiniteGradientError(
+                f"NaN or inf gradient for table(s) {bad}; the step was skipped and no row changed. "
+                "Lower the learning rate, clip gradients, or check the inputs of this mini-batch."
+            )
+        grads = [g if p.rows is None else g[p.rows] for p, g in zip(pending, grads)]
+        by_table: dict[str, list[tuple[_Pending, torch.Tensor]]] = {}
+        for p, g in zip(pending, grads):
+            by_table.setdefault(p.table, []).append((p, g))
+        fused: list[tuple[str, torch.Tensor, torch.Tensor]] = []
+        for table, items in by_table.items():
+            first = items[0][0]
+            if len(items) == 1 and first.generation == self._core.device_tier.generation:
+                self._core.tables[table].step += 1
+                if first.keys.numel():
+                    fused.append((table, first.slots, items[0][1]))  # the common case: slots still valid
+            else:
+                self.apply_gradients(
+                    table, torch.cat([p.keys for p, _ in items]), torch.cat([g for _, g in items])
+                )
+        self._apply_steps(fused)
+        self._core.device_tier.flush_seen()
+        fault_point("store.step")
+
+    def apply_gradients(self, table: str, keys: torch.Tensor, grads: torch.Tensor) -> None:
+        """One optimizer step for each distinct key, its gradients summed first.
+
+        keys: (n,) int64 on the store's device, repeats allowed; grads: (n, dim) float32. The
+        table's step count advances even when no key has a row yet (admission pending).
+        """
+        info = self._core.info(table)
+        info.step += 1
+        if keys.numel() == 0:
+            return
+        uniq, inverse = torch.unique(keys, return_inverse=True)
+        summed = torch.zeros((uniq.numel(), info.dim), dtype=torch.float32, device=self._core.device)
+        summed.index_add_(0, inverse, grads)
+        self._apply_step(table, self._passes.resident_slots(table, uniq), summed)
+
+    def _apply_step(self, table: str, slots: torch.Tensor, grad: torch.Tensor) -> None:
+        """Apply the table's optimizer (its step count already advanced) to resident ``slots``."""
+        self._apply_steps([(table, slots, grad)])
+
+    def _apply_steps(self, updates: list[tuple[str, torch.Tensor, torch.Tensor]]) -> None:
+        """Apply each table's optimizer (step counts already advanced) to ``(table, slots, grads)``.
+
+        Tables sharing a device-tier arena, optimizer, dim and step count go through one gather,
+        one :func:`~hierps.rows._optim.apply_step` and one scatter: the same arithmetic row by row.
+        """
+        groups: list[tuple[tuple[Any, ...], list[tuple[torch.Tensor, torch.Tensor]]]] = []
+        for table, slots, grad in updates:
+            info = self._core.tables[table]
+            key = (self._core.device_tier.arena(table), info.optimizer, info.dim, info.step)
+            for k, items in groups:
+                if k[0] is key[0] and k[1:] == key[1:]:
+                    items.append((slots, grad))
+                    break
+            else:
+                groups.append((key, [(slots, grad)]))
+        for (arena, opt, _, step), items in groups:
+            slots = joined([s for s, _ in items])
+            grad = joined([g for _, g in items])
+            rows = arena.rows.index_select(0, slots)
+            apply_step(opt, rows, grad, step)
+            arena.rows.index_copy_(0, slots, rows)
+            arena.dirty.index_fill_(0, slots, True)
+
+    def zero_grad(self) -> None:
+        """Forget gradients gathered since the last step."""
+        self.pending = []
+
+
+def summed_grads(leaves: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The gradients of gathered leaves as dense (U_i, dim_i) tensors, duplicates summed.
+
+    Sparse gradients of one dim are summed by one ``index_add_`` into one buffer, of which the
+    results are views (see :func:`_distinct_buffers`).
+    """
+    out: list[torch.Tensor | None] = [None] * len(leaves)
+    by_dim: dict[int, list[int]] = {}
+    for i, leaf in enumerate(leaves):
+        if leaf.grad.is_sparse:
+            by_dim.setdefault(leaf.shape[1], []).append(i)
+        else:
+            out[i] = leaf.grad.detach()
+    for dim, idx in by_dim.items():
+        sizes = [leaves[i].shape[0] for i in idx]
+        grads = [leaves[i].grad for i in idx]
+        total = torch.zeros((sum(sizes), dim), dtype=grads[0].dtype, device=grads[0].device)
+        for i, g, part in zip(idx, grads, total.split(sizes)):
+            out[i] = part.index_add_(0, g._indices()[0], g._values())
+    return out  # type: ignore[return-value]
+
+
+def _all_finite(tensors: list[torch.Tensor]) -> bool:
+    """No NaN or inf in ``tensors``: one sum each (NaN and inf survive a sum), checked exactly
+    only when a sum is not finite (it may have overflowed)."""
+    if bool(torch.stack([t.sum() for t in tensors]).isfinite().all()):
+        return True
+    return all(bool(torch.isfinite(t).all()) for t in tensors)
+
+
+def _distinct_buffers(grads: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The tensors holding ``grads``: each view's base once, the others as they are."""
+    seen: dict[int, torch.Tensor] = {}
+    for g in grads:
+        base = g._base if g._base is not None else g
+        seen.setdefault(id(base), base)
+    return list(seen.values())
