@@ -48,17 +48,17 @@ horovod: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/hierps demo
 
-test: $(STAMP) horovod
-	$(BIN)/ruff check plugin integrations tests examples
-	$(BIN)/ruff format --check plugin integrations tests examples
+test: lint horovod
 	$(BIN)/python -m pytest -q
 
 test-all: $(STAMP)
 	$(BIN)/python -m pytest -q -m ''
 
+# ruff (lint + format) and mypy (configured in pyproject.toml: the whole package, both source roots).
 lint: $(STAMP)
 	$(BIN)/ruff check plugin integrations tests examples
 	$(BIN)/ruff format --check plugin integrations tests examples
+	$(BIN)/mypy
 
 bench: $(STAMP)
 	$(BIN)/hierps bench

@@ -50,8 +50,10 @@ from hierps.errors import (
     StoreLockedError,
     TableMismatchError,
 )
+from hierps.interface import StoreInterface
 from hierps.modules import Embedding, EmbeddingBag, get_default_store, set_default_store
 from hierps.sharding._sharded import ShardedStore
+from hierps.tiers import CheckpointReader
 
 __version__ = "0.1.0"
 

@@ -26,8 +26,8 @@ The store itself holds what spans tables and parts: tables, reads and writes of 
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Mapping, Sequence
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any, cast
 
@@ -44,6 +44,7 @@ from hierps.config import (
     StoreSettings,
 )
 from hierps.errors import ConfigError, StoreFormatError, TableMismatchError
+from hierps.interface import Batches, run_pass
 from hierps.lifecycle._admission import PENDING_ARRAYS, PendingKeys
 from hierps.lifecycle._features import Features
 from hierps.lifecycle._lifecycle import FeatureLifeCycle
@@ -201,14 +202,9 @@ class Store:
         """Close the pass: see :meth:`PassRunner.end_pass`."""
         self._passes.end_pass()
 
-    @contextmanager
-    def run_pass(self, batches: Mapping[str, Any] | Sequence[Mapping[str, Any]]) -> Iterator[None]:
+    def run_pass(self, batches: Batches) -> AbstractContextManager[None]:
         """``with store.run_pass(batches): ...`` = begin_pass(batches) ... end_pass()."""
-        self.begin_pass(batches)
-        try:
-            yield
-        finally:
-            self.end_pass()
+        return run_pass(self, batches)
 
     # -- training (hierps.training._trainer) --------------------------------------------------
     def gather(
@@ -238,6 +234,10 @@ class Store:
     def zero_grad(self) -> None:
         """Forget gradients gathered since the last step."""
         self._trainer.zero_grad()
+
+    def info(self, table: str) -> TableInfo:
+        """The settings of ``table``; ``ConfigError`` naming the tables when there is none."""
+        return self._core.info(table)
 
     def serve_rows(self, table: str, keys: torch.Tensor, counts: torch.Tensor | None) -> torch.Tensor:
         """Weights of keys other ranks asked for (the owner's side of a sharded gather).
@@ -327,7 +327,11 @@ class Store:
         if isinstance(dim, bool) or not isinstance(dim, int) or dim < 1:
             raise ConfigError(f"dim of table {name!r}: expected an int >= 1. Got {dim!r} instead.")
         opt = OptimizerConfig.parse(optimizer) if optimizer is not None else self._core.settings.optimizer
-        init = InitializerConfig.parse(initializer) if initializer is not None else self._core.settings.initializer
+        init = (
+            InitializerConfig.parse(initializer)
+            if initializer is not None
+            else self._core.settings.initializer
+        )
         adm = AdmissionConfig.parse(admission) if admission is not None else None
         evict = EvictionConfig.parse(eviction) if eviction is not None else None
         info = self._core.tables.get(name)

@@ -12,8 +12,8 @@ integer tensor, array or list; rows are float32 ``(U, dim)`` on the store's devi
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from contextlib import AbstractContextManager
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
@@ -21,7 +21,7 @@ import torch
 
 from hierps.rows._table import TableInfo
 
-__all__ = ["Batches", "StoreInterface"]
+__all__ = ["Batches", "StoreInterface", "run_pass"]
 
 # A pass: {table: ids} for the whole pass, or one such mapping per mini-batch, in order.
 Batches = Mapping[str, Any] | Sequence[Mapping[str, Any]]
@@ -47,7 +47,16 @@ class StoreInterface(Protocol):
         ...
 
     # -- tables and rows ------------------------------------------------------------------------
-    def table(self, name: str, dim: int, **settings: Any) -> TableInfo:
+    def table(
+        self,
+        name: str,
+        dim: int,
+        *,
+        optimizer: Any = None,
+        initializer: Any = None,
+        admission: Any = None,
+        eviction: Any = None,
+    ) -> TableInfo:
         """Create table ``name`` with rows of ``dim`` floats, or reopen it (checking dim and optimizer)."""
         ...
 
@@ -125,3 +134,19 @@ class StoreInterface(Protocol):
     def close(self) -> None:
         """Release the store; rows not covered by a checkpoint are not made durable."""
         ...
+
+
+class _Passes(Protocol):
+    def begin_pass(self, batches: Batches) -> None: ...
+    def end_pass(self) -> None: ...
+
+
+@contextmanager
+def run_pass(store: _Passes, batches: Batches) -> Iterator[None]:
+    """``with run_pass(store, batches): ...`` = ``store.begin_pass(batches) ... store.end_pass()``:
+    what every store's ``run_pass`` is."""
+    store.begin_pass(batches)
+    try:
+        yield
+    finally:
+        store.end_pass()

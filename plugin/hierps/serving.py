@@ -135,7 +135,7 @@ def open(
             "start from a full export (hierps export STORE OUT)."
         )
     tables: dict[str, _Table] = {}
-    checkpoint = None
+    checkpoint: int | None = None
     for p, m in zip(chain, manifests):
         if checkpoint is not None and m["since"] != checkpoint:
             raise ConfigError(
@@ -145,7 +145,9 @@ def open(
             )
         _apply(tables, p, m, unknown)
         checkpoint = int(m["checkpoint"])
-    return ServingTables(tables, int(checkpoint), chain)
+    if checkpoint is None:  # unreachable: the chain always starts with the base export
+        raise ConfigError(f"{root}: no export to open.")
+    return ServingTables(tables, checkpoint, chain)
 
 
 def _manifest(path: Path) -> dict[str, Any]:
@@ -219,9 +221,13 @@ def _read_table(path: Path, name: str, dim: int) -> tuple[np.ndarray, np.ndarray
     """(keys (n,) int64, values (n, dim) float32, deleted (m,) int64) of one table of an export."""
     try:
         sub = zarr.open_group(LocalStore(str(path), read_only=True), mode="r")[name]
-        keys = np.asarray(sub["keys"][:], np.int64)
-        values = np.asarray(sub["values"][:], np.float32)
-        deleted = np.asarray(sub["deleted"][:], np.int64) if "deleted" in sub else np.empty(0, np.int64)
+        if not isinstance(sub, zarr.Group):
+            raise ValueError(f"{name!r} is an array, not a group")
+        keys = np.asarray(_array(sub, "keys")[:], np.int64)
+        values = np.asarray(_array(sub, "values")[:], np.float32)
+        deleted = (
+            np.asarray(_array(sub, "deleted")[:], np.int64) if "deleted" in sub else np.empty(0, np.int64)
+        )
     except (KeyError, ValueError, OSError) as exc:
         raise CorruptStoreError(
             f"{path}: table {name!r} of the export cannot be read ({exc!r}); the export is "
@@ -233,3 +239,11 @@ def _read_table(path: Path, name: str, dim: int) -> tuple[np.ndarray, np.ndarray
             f"of dim {dim}; the export is damaged. Export it again."
         )
     return keys, values, deleted
+
+
+def _array(group: zarr.Group, key: str) -> zarr.Array:
+    """The array ``key`` of ``group``; KeyError when absent, ValueError when it is a group."""
+    node = group[key]
+    if not isinstance(node, zarr.Array):
+        raise ValueError(f"{key!r} is a group, not an array")
+    return node

@@ -201,7 +201,7 @@ def select_modules(model: nn.Module, cfg: HierarchicalPSConfig) -> dict[str, nn.
             if name and isinstance(m, _EMBEDDINGS) and m.num_embeddings >= cfg.auto_min_rows
         }
     found = sorted(name for name, m in named.items() if isinstance(m, _EMBEDDINGS))
-    out = {}
+    out: dict[str, nn.Module] = {}
     for name in cfg.modules:
         module = named.get(name) if name else None
         if module is None:

@@ -48,7 +48,7 @@ import copy
 import os
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import deepspeed
 import torch
@@ -239,8 +239,17 @@ def swap_embeddings(
     made: dict[int, nn.Module] = {}
     for name, module in modules.items():
         if id(module) not in made:
-            cls = EmbeddingBag if isinstance(module, nn.EmbeddingBag) else Embedding
-            made[id(module)] = cls.from_module(module, store=store, name=name, optimizer=optimizer)
+            twin: nn.Module
+            if isinstance(module, nn.EmbeddingBag):
+                twin = EmbeddingBag.from_module(module, store=store, name=name, optimizer=optimizer)
+            elif isinstance(module, nn.Embedding):
+                twin = Embedding.from_module(module, store=store, name=name, optimizer=optimizer)
+            else:
+                raise ConfigError(
+                    f"swap_embeddings: {name!r} is a {type(module).__name__}, not an nn.Embedding "
+                    "or nn.EmbeddingBag."
+                )
+            made[id(module)] = twin
             for parent, attr in refs.get(id(module), []):
                 if undo is not None:
                     undo.append((parent, attr, module))
@@ -361,6 +370,17 @@ class HierpsEngine:
     hierps_modules: dict[str, nn.Module]
     hierps_dense_allreduce: DenseAllreduce
     _hierps_average: Callable[[list[nn.Parameter]], None] | None
+
+    if TYPE_CHECKING:  # provided by the DeepSpeed engine class this one is mixed into
+        module: nn.Module
+        global_steps: int
+        global_rank: int
+        world_size: int
+
+        def managed_gradient_accumulation(self) -> bool: ...
+        def is_gradient_accumulation_boundary(self) -> bool: ...
+        def was_step_applied(self) -> bool: ...
+        def load_universal_checkpoint(self) -> bool: ...
 
     def step(self, lr_kwargs: Any = None) -> None:
         """DeepSpeed's step; at an accumulation boundary, then one sparse step for every touched row.

@@ -42,7 +42,7 @@ def _worker(args: argparse.Namespace) -> None:
     data = generate(CriteoSpec(total_vocab=args.rows), args.examples, seed=0)
     store = hierps.ShardedStore(Path(args.store), transport, memory_budget=args.memory_budget, device="cpu")
     model = build_model(store, DemoConfig(embedding_dim=args.dim))  # type: ignore[arg-type]
-    dense_params = list(model.bottom.parameters()) + list(model.top.parameters())
+    dense_params = list(model.dense_parameters())  # the DLRM's bottom then top MLP parameters
     opt = torch.optim.Adam(dense_params, lr=1e-3)
     loss_fn = nn.BCEWithLogitsLoss()
     names = table_names()
@@ -66,8 +66,11 @@ def _worker(args: argparse.Namespace) -> None:
                 for d, s, y in group:
                     loss_fn(model(d, s), y).backward()
                     for q in dense_params:
-                        dist.all_reduce(q.grad)
-                        q.grad /= world
+                        grad = q.grad
+                        if grad is None:
+                            raise RuntimeError("a dense parameter of the model got no gradient")
+                        dist.all_reduce(grad)
+                        grad /= world  # in place: q.grad is this tensor
                     opt.step()
                     opt.zero_grad()
                     store.step()
@@ -151,14 +154,14 @@ def run_distributed_bench(
             subprocess.run(cmd, check=True, env=env, capture_output=True, text=True)
             results[str(world)] = json.loads(result.read_text())
     base = results["1"]["examples_per_s"]
-    for world, r in results.items():
+    for ranks, r in results.items():
         ratio = (
             r["bytes_sent_per_example"] / r["minimum_bytes_per_example"]
             if r["minimum_bytes_per_example"]
             else 0
         )
         out(
-            f"{world} rank(s): {r['examples_per_s']:9.0f} examples/s ({r['examples_per_s'] / base:.2f}x 1 rank); "
+            f"{ranks} rank(s): {r['examples_per_s']:9.0f} examples/s ({r['examples_per_s'] / base:.2f}x 1 rank); "
             f"all-to-all {r['bytes_sent_per_example']:.0f} B/example, minimum {r['minimum_bytes_per_example']:.0f} "
             f"B/example" + (f" ({ratio:.2f}x)" if ratio else "")
         )

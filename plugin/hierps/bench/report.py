@@ -306,12 +306,15 @@ def plot(results: dict[str, Any], path: str) -> None:
 
     stages = [(n, r) for n, r in results["variants"].items() if "train_per_pass" in r]
     scaling = [s for s in results.get("scaling", []) if "fixed" in s]
-    panels = [
+    panels: list[Callable[[Any], None]] = [
         p
         for p, show in (
-            (_plot_throughput, any("examples_per_s" in r for r in results["variants"].values())),
-            (_plot_stages, bool(stages)),
-            (_plot_scaling, len(scaling) >= 2),
+            (
+                lambda ax: _plot_throughput(ax, results),
+                any("examples_per_s" in r for r in results["variants"].values()),
+            ),
+            (lambda ax: _plot_stages(ax, stages), bool(stages)),
+            (lambda ax: _plot_scaling(ax, scaling), len(scaling) >= 2),
         )
         if show
     ]
@@ -319,7 +322,7 @@ def plot(results: dict[str, Any], path: str) -> None:
         return
     fig, axes = plt.subplots(1, len(panels), figsize=(4.6 * len(panels), 3.8), squeeze=False)
     for ax, panel in zip(axes[0], panels):
-        panel(ax, results if panel is _plot_throughput else stages if panel is _plot_stages else scaling)
+        panel(ax)
         ax.tick_params(labelsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=80)

@@ -27,10 +27,10 @@ import os
 import resource
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import numpy as np
 import torch
@@ -40,7 +40,7 @@ from torch import nn
 import hierps
 from hierps.demo.app import DemoConfig, build_model, table_names
 from hierps.demo.data import CriteoData, CriteoSpec, generate
-from hierps.demo.models import make_model, remap_ids
+from hierps.demo.models import ClickModel, make_model, remap_ids
 
 __all__ = ["PROFILER", "VARIANTS", "Workload", "make_workload", "peak_rss_bytes", "run_variant"]
 
@@ -124,7 +124,7 @@ def _measure_dense(
 
 def _folded_batches(work: Workload) -> list[Batch]:
     """The workload's batches with raw ids folded into each torch table's range (``remap_ids``)."""
-    folded = torch.from_numpy(remap_ids(work.data.sparse, work.spec.vocab_sizes))
+    folded = torch.from_numpy(remap_ids(work.data.sparse, work.spec.resolved_vocab_sizes))
     return [(d, folded[i * len(d) : (i + 1) * len(d)], y) for i, (d, _, y) in enumerate(work.batches)]
 
 
@@ -134,7 +134,7 @@ _LOSS = nn.BCEWithLogitsLoss()
 # -- torch-sparse ---------------------------------------------------------------------------------
 def _torch_sparse(work: Workload, cfg: dict[str, Any], tmp: Path, params: dict[str, Any]) -> dict[str, Any]:
     torch.manual_seed(cfg["seed"])
-    model = make_model(cfg["model"], work.spec.vocab_sizes, cfg["dim"])
+    model = make_model(cfg["model"], work.spec.resolved_vocab_sizes, cfg["dim"])
     sparse_opt = torch.optim.Adagrad(list(model.sparse_parameters()), lr=cfg["lr_sparse"])
     dense_opt = torch.optim.Adam(list(model.dense_parameters()), lr=cfg["lr_dense"])
 
@@ -150,10 +150,11 @@ def _torch_sparse(work: Workload, cfg: dict[str, Any], tmp: Path, params: dict[s
 
 
 # -- dense: torch Adam and DeepSpeed ----------------------------------------------------------------
-def _dense_model(work: Workload, cfg: dict[str, Any]) -> nn.Module:
+def _dense_model(work: Workload, cfg: dict[str, Any]) -> ClickModel:
     torch.manual_seed(cfg["seed"])
-    model = make_model(cfg["model"], work.spec.vocab_sizes, cfg["dim"])
+    model = make_model(cfg["model"], work.spec.resolved_vocab_sizes, cfg["dim"])
     for table in model.tables:
+        table = cast(nn.EmbeddingBag, table)  # make_model's own tables
         table.sparse = False  # dense (rows, dim) gradients: what a model without sparse support trains
     return model
 
@@ -261,17 +262,17 @@ class _MmapBag(nn.Module):
         self._pending = []
 
 
-def _with_tables(work: Workload, cfg: dict[str, Any], tables: list[nn.Module]) -> nn.Module:
+def _with_tables(work: Workload, cfg: dict[str, Any], tables: Sequence[nn.Module]) -> ClickModel:
     """The model with ``tables`` in place of its torch embedding tables."""
     torch.manual_seed(cfg["seed"])
-    model = make_model(cfg["model"], [1] * len(work.spec.vocab_sizes), cfg["dim"])
+    model = make_model(cfg["model"], [1] * len(work.spec.resolved_vocab_sizes), cfg["dim"])
     for i, table in enumerate(tables):
         model.tables[i] = table
     return model
 
 
 def _measure_with_tables(
-    work: Workload, cfg: dict[str, Any], tables: list[_MmapBag | _NoLookup], batches: list[Batch]
+    work: Workload, cfg: dict[str, Any], tables: Sequence[_MmapBag | _NoLookup], batches: list[Batch]
 ) -> dict[str, Any]:
     """An epoch of the model with ``tables`` (each stepped after the dense Adam step) over ``batches``."""
     model = _with_tables(work, cfg, tables)
@@ -293,7 +294,7 @@ def _mmap(work: Workload, cfg: dict[str, Any], tmp: Path, params: dict[str, Any]
     tmp.mkdir(parents=True, exist_ok=True)
     bags = [
         _MmapBag(tmp / f"table-{i}.f32", n, cfg["dim"], cfg["lr_sparse"], rng)
-        for i, n in enumerate(work.spec.vocab_sizes)
+        for i, n in enumerate(work.spec.resolved_vocab_sizes)
     ]
     return {
         **_measure_with_tables(work, cfg, bags, _folded_batches(work)),
@@ -318,7 +319,7 @@ class _NoLookup(nn.Module):
 
 def _mlp_only(work: Workload, cfg: dict[str, Any], tmp: Path, params: dict[str, Any]) -> dict[str, Any]:
     gen = torch.Generator().manual_seed(cfg["seed"])
-    bags = [_NoLookup(cfg["batch_size"], cfg["dim"], gen) for _ in work.spec.vocab_sizes]
+    bags = [_NoLookup(cfg["batch_size"], cfg["dim"], gen) for _ in work.spec.resolved_vocab_sizes]
     return _measure_with_tables(work, cfg, bags, work.batches)
 
 
@@ -346,7 +347,8 @@ class _SsdClock:
             finally:
                 self.write_seconds += time.perf_counter() - t0
 
-        ssd.read_many, ssd.write = timed_read, timed_write  # instance attributes shadow the methods
+        # Instance attributes shadow the methods (same signatures): deliberate monkey-patching.
+        ssd.read_many, ssd.write = timed_read, timed_write  # type: ignore[method-assign]
 
 
 def _hierps_run(
@@ -438,7 +440,7 @@ def _hierps(work: Workload, cfg: dict[str, Any], tmp: Path, params: dict[str, An
             DemoConfig(embedding_dim=cfg["dim"], seed=cfg["seed"], lr_sparse=cfg["lr_sparse"]),
             kind=cfg["model"],
         )
-        names = table_names(len(work.spec.vocab_sizes))
+        names = table_names(len(work.spec.resolved_vocab_sizes))
         # The table: every row the workload creates, at what the RAM tier charges per row (floats
         # of weights, optimizer state and counters, plus its bookkeeping). Set before any row exists.
         table_bytes = work.distinct_ids * store.memory.row_bytes(names[0])

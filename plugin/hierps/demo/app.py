@@ -21,7 +21,7 @@ from torch import nn
 import hierps
 from hierps.demo.data import CriteoData, CriteoSpec, generate, read_criteo_tsv
 from hierps.demo.metrics import auc
-from hierps.demo.models import make_model
+from hierps.demo.models import ClickModel, make_model
 
 __all__ = ["DemoConfig", "build_model", "load_data", "run_demo", "table_names"]
 
@@ -60,7 +60,7 @@ def load_data(cfg: DemoConfig) -> tuple[CriteoData, CriteoData]:
 
 def build_model(
     store: hierps.Store, cfg: DemoConfig, n_dense: int = 13, n_sparse: int = 26, kind: str = "dlrm"
-) -> nn.Module:
+) -> ClickModel:
     """The model (``"dlrm"`` or ``"wide"``, see :mod:`hierps.demo.models`) with each ``tables.i`` a
     ``hierps.EmbeddingBag`` keyed by raw feature ids."""
     torch.manual_seed(cfg.seed)
@@ -103,8 +103,12 @@ def run_demo(cfg: DemoConfig, out: Callable[[str], Any] = print) -> dict[str, An
     train, test = load_data(cfg)
     n_sparse = train.sparse.shape[1]
     names = table_names(n_sparse)
-    tmp = tempfile.TemporaryDirectory(prefix="hierps-demo-") if cfg.store is None else None
-    path = Path(tmp.name) / "store" if tmp else Path(cfg.store)
+    tmp: tempfile.TemporaryDirectory[str] | None = None
+    if cfg.store is None:
+        tmp = tempfile.TemporaryDirectory(prefix="hierps-demo-")
+        path = Path(tmp.name) / "store"
+    else:
+        path = Path(cfg.store)
     store = hierps.Store(
         path, memory_budget=cfg.memory_budget, device_budget=cfg.device_budget, seed=cfg.seed
     )

@@ -107,14 +107,30 @@ class CriteoSpec:
         vocab = power_law_vocab_sizes(n, self.total_vocab) if self.vocab_sizes is None else self.vocab_sizes
         pairs = [(n // 8, n // 3), (n // 4, n // 2)] if self.interactions is None else self.interactions
         # Normalised to plain int tuples so specs hash and compare by value (the bias cache).
-        object.__setattr__(self, "vocab_sizes", tuple(int(v) for v in vocab))
-        object.__setattr__(self, "interactions", tuple((int(a), int(b)) for a, b in pairs))
-        if len(self.vocab_sizes) != n or min(self.vocab_sizes) < 1:
-            raise ValueError(f"need {n} positive vocab sizes, got {self.vocab_sizes}")
-        if any(not (0 <= a < n and 0 <= b < n and a != b) for a, b in self.interactions):
-            raise ValueError(f"interaction pairs must be distinct features below {n}: {self.interactions}")
+        sizes = tuple(int(v) for v in vocab)
+        interactions = tuple((int(a), int(b)) for a, b in pairs)
+        object.__setattr__(self, "vocab_sizes", sizes)
+        object.__setattr__(self, "interactions", interactions)
+        if len(sizes) != n or min(sizes) < 1:
+            raise ValueError(f"need {n} positive vocab sizes, got {sizes}")
+        if any(not (0 <= a < n and 0 <= b < n and a != b) for a, b in interactions):
+            raise ValueError(f"interaction pairs must be distinct features below {n}: {interactions}")
         if not 0.0 < self.base_ctr < 1.0:
             raise ValueError("base_ctr must lie in (0, 1)")
+
+    @property
+    def resolved_vocab_sizes(self) -> tuple[int, ...]:
+        """``vocab_sizes`` as resolved at construction (never None once the spec exists)."""
+        if self.vocab_sizes is None:
+            raise RuntimeError("CriteoSpec.vocab_sizes is unresolved: __post_init__ did not run")
+        return self.vocab_sizes
+
+    @property
+    def resolved_interactions(self) -> tuple[tuple[int, int], ...]:
+        """``interactions`` as resolved at construction (never None once the spec exists)."""
+        if self.interactions is None:
+            raise RuntimeError("CriteoSpec.interactions is unresolved: __post_init__ did not run")
+        return self.interactions
 
 
 def _zipf_ranks(u: np.ndarray, vocab: np.ndarray, s: float) -> np.ndarray:
@@ -178,7 +194,7 @@ def _raw_teacher_logits(spec: CriteoSpec, dense: np.ndarray, sparse: np.ndarray)
     logit += ((dense - np.log1p(np.exp(mu))) / sigma) @ (spec.dense_scale * w_dense)
     # Low-rank pairwise terms: exactly what a dot-product interaction layer can represent.
     rank = 4
-    for p, (a, b) in enumerate(spec.interactions):
+    for p, (a, b) in enumerate(spec.resolved_interactions):
         u = np.stack([_centred(_id_hash(spec, sparse, 6 + 2 * p, a, k)) for k in range(rank)], axis=1)
         v = np.stack([_centred(_id_hash(spec, sparse, 7 + 2 * p, b, k)) for k in range(rank)], axis=1)
         logit += spec.interaction_scale * (u * v).sum(axis=1) / math.sqrt(rank)

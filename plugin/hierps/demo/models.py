@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator, Sequence
+from typing import cast, overload
 
 import numpy as np
 import torch
@@ -20,9 +21,13 @@ from torch import nn
 
 from hierps.demo.data import splitmix64
 
-__all__ = ["DLRM", "MODELS", "Wide", "make_model", "remap_ids"]
+__all__ = ["DLRM", "MODELS", "ClickModel", "Wide", "make_model", "remap_ids"]
 
 
+@overload
+def remap_ids(sparse: torch.Tensor, vocab_sizes: Sequence[int] | int) -> torch.Tensor: ...
+@overload
+def remap_ids(sparse: np.ndarray, vocab_sizes: Sequence[int] | int) -> np.ndarray: ...
 def remap_ids(
     sparse: torch.Tensor | np.ndarray, vocab_sizes: Sequence[int] | int
 ) -> torch.Tensor | np.ndarray:
@@ -33,8 +38,7 @@ def remap_ids(
     bucket count equals the number of distinct ids), which is acceptable only for a plain-torch
     baseline. The hash first spreads ids so structured raw ids still fill buckets evenly.
     """
-    is_tensor = isinstance(sparse, torch.Tensor)
-    ids = sparse.detach().cpu().numpy() if is_tensor else np.asarray(sparse)
+    ids = sparse.detach().cpu().numpy() if isinstance(sparse, torch.Tensor) else np.asarray(sparse)
     if ids.ndim != 2:
         raise ValueError(f"expected (B, F) ids, got shape {ids.shape}")
     n_features = ids.shape[1]
@@ -43,11 +47,29 @@ def remap_ids(
         raise ValueError(f"need {n_features} positive vocab sizes")
     hashed = splitmix64(ids.astype(np.int64).view(np.uint64)) % sizes.astype(np.uint64)
     out = hashed.astype(np.int64)
-    return torch.from_numpy(out).to(sparse.device) if is_tensor else out
+    return torch.from_numpy(out).to(sparse.device) if isinstance(sparse, torch.Tensor) else out
+
+
+class ClickModel(nn.Module):
+    """What :class:`DLRM` and :class:`Wide` share: ``tables`` (one module per categorical feature,
+    called as ``table(ids, offsets)``), their sizes, and the sparse / dense parameter groups."""
+
+    tables: nn.ModuleList
+    vocab_sizes: tuple[int, ...]
+    embedding_dim: int
+    n_dense: int
+
+    def sparse_parameters(self) -> Iterator[nn.Parameter]:
+        """Embedding-table weights: they receive sparse gradients."""
+        raise NotImplementedError
+
+    def dense_parameters(self) -> Iterator[nn.Parameter]:
+        """Every other weight: dense gradients."""
+        raise NotImplementedError
 
 
 def _add_tables(
-    model: nn.Module, vocab_sizes: Sequence[int] | int, dim: int, mode: str, n_dense: int, n_sparse: int
+    model: ClickModel, vocab_sizes: Sequence[int] | int, dim: int, mode: str, n_dense: int, n_sparse: int
 ) -> list[int]:
     """Give ``model`` its ``tables`` (one sparse ``nn.EmbeddingBag`` per feature) and sizes."""
     sizes = [vocab_sizes] * n_sparse if isinstance(vocab_sizes, int) else [int(n) for n in vocab_sizes]
@@ -69,7 +91,7 @@ def _mlp(n_in: int, widths: Sequence[int], relu_last: bool) -> nn.Sequential:
     return nn.Sequential(*layers)
 
 
-class DLRM(nn.Module):
+class DLRM(ClickModel):
     """DLRM: bottom MLP on dense features, pairwise dot products, top MLP to one logit.
 
     Args:
@@ -83,6 +105,9 @@ class DLRM(nn.Module):
         n_dense: number of dense features.
         n_sparse: number of categorical features when ``vocab_sizes`` is an int.
     """
+
+    _pair_i: torch.Tensor  # buffers: row / column of each interacting pair
+    _pair_j: torch.Tensor
 
     def __init__(
         self,
@@ -115,7 +140,11 @@ class DLRM(nn.Module):
         Embeddings ~ U(-1/sqrt(n), 1/sqrt(n)) keeps sums of dot products small for big tables;
         linear weights ~ N(0, 2 / (fan_in + fan_out)) and biases ~ N(0, 1 / fan_out).
         """
-        for table in self.tables:
+        for i, table in enumerate(self.tables):
+            if not isinstance(table, nn.EmbeddingBag):
+                raise TypeError(
+                    f"reset_parameters: tables.{i} is a {type(table).__name__}, not nn.EmbeddingBag"
+                )
             bound = 1.0 / math.sqrt(table.num_embeddings)
             table.weight.uniform_(-bound, bound)
         for layer in [*self.bottom, *self.top]:
@@ -149,7 +178,7 @@ class DLRM(nn.Module):
         return self.top(self.interact(self.bottom(dense), embeddings)).squeeze(1)
 
 
-class Wide(nn.Module):
+class Wide(ClickModel):
     """A wide click model: one logistic regression over the dense features and the 26 embeddings.
 
     Almost all of its work is the embedding lookups and updates, as in the sparse "wide" part of
@@ -170,6 +199,7 @@ class Wide(nn.Module):
         self.linear = nn.Linear(n_dense + len(sizes) * embedding_dim, 1)
         with torch.no_grad():
             for table in self.tables:
+                table = cast(nn.EmbeddingBag, table)  # just built by _add_tables
                 bound = 1.0 / math.sqrt(table.num_embeddings)
                 table.weight.uniform_(-bound, bound)
 
@@ -188,10 +218,10 @@ class Wide(nn.Module):
         return self.linear(torch.cat([dense, *embeddings], dim=1)).squeeze(1)
 
 
-MODELS: dict[str, type[nn.Module]] = {"dlrm": DLRM, "wide": Wide}
+MODELS: dict[str, type[ClickModel]] = {"dlrm": DLRM, "wide": Wide}
 
 
-def make_model(kind: str, vocab_sizes: Sequence[int] | int, embedding_dim: int, **kwargs: int) -> nn.Module:
+def make_model(kind: str, vocab_sizes: Sequence[int] | int, embedding_dim: int, **kwargs: int) -> ClickModel:
     """A model of ``MODELS`` by name (``"dlrm"`` or ``"wide"``) with plain ``nn.EmbeddingBag`` tables."""
     if kind not in MODELS:
         raise ValueError(f"model: expected one of {sorted(MODELS)}. Got {kind!r} instead.")

@@ -84,8 +84,9 @@ def resolve_checkpoint(stores: list[Path], ref: int | str | None, what: str = "c
                 f"holds ({_describe(stores, held)}). Checkpoint the store first."
             )
         return max(common)
-    ids = {c.find(ref) if c is not None else None for c in catalogs}
-    if None in ids:
+    found = [c.find(ref) if c is not None else None for c in catalogs]
+    ids = {i for i in found if i is not None}
+    if len(ids) < len(set(found)) or not ids:
         raise ConfigError(
             f"{what} {ref!r}: not held by every store ({_describe(stores, held)}); a retired "
             "checkpoint cannot be exported from. Export in full instead, or raise keep_checkpoints."

@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from hierps._core import StoreCore
+from hierps.config import EvictionConfig
 from hierps.errors import ConfigError
 from hierps.lifecycle._features import Features
 from hierps.rows import _ids
@@ -127,14 +128,10 @@ class FeatureLifeCycle:
         names = [table] if table is not None else list(self._core.tables)
         for name in names:
             self._core.info(name)
-        overrides = {
-            k: v
-            for k, v in (("ttl_passes", ttl_passes), ("min_decayed_count", min_decayed_count))
-            if v is not None
-        }
         return {
             name: self._features.shrink_table(
-                self._core.tables[name], replace(self._core.tables[name].eviction, **overrides)
+                self._core.tables[name],
+                _overridden(self._core.tables[name].eviction, ttl_passes, min_decayed_count),
             )
             for name in names
         }
@@ -156,3 +153,14 @@ class FeatureLifeCycle:
 
         self._core.check_open()
         return export_store(self._core.path, path, since=since)
+
+
+def _overridden(
+    rule: EvictionConfig, ttl_passes: int | None, min_decayed_count: float | None
+) -> EvictionConfig:
+    """``rule`` with the arguments of one :meth:`FeatureLifeCycle.shrink` call in place of its own."""
+    if ttl_passes is not None:
+        rule = replace(rule, ttl_passes=ttl_passes)
+    if min_decayed_count is not None:
+        rule = replace(rule, min_decayed_count=min_decayed_count)
+    return rule

@@ -14,8 +14,7 @@ forward does that naturally).
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -25,6 +24,7 @@ import torch
 
 from hierps._store import Store
 from hierps.errors import ConfigError, NonFiniteGradientError, NotSupportedError
+from hierps.interface import Batches, run_pass
 from hierps.rows import _ids
 from hierps.rows._initializers import splitmix64
 from hierps.rows._table import TableInfo
@@ -112,8 +112,20 @@ class ShardedStore:
     def path(self) -> Path:
         return self.root
 
-    def table(self, name: str, dim: int, **kwargs: Any) -> TableInfo:
-        info = self.local.table(name, dim, **kwargs)
+    def table(
+        self,
+        name: str,
+        dim: int,
+        *,
+        optimizer: Any = None,
+        initializer: Any = None,
+        admission: Any = None,
+        eviction: Any = None,
+    ) -> TableInfo:
+        """Create or reopen table ``name`` on every rank (see :meth:`hierps.Store.table`)."""
+        info = self.local.table(
+            name, dim, optimizer=optimizer, initializer=initializer, admission=admission, eviction=eviction
+        )
         if info.admission.filters:
             raise ConfigError(
                 f"table {name!r}: admission filtering (min_count / admit_probability) runs in one process; "
@@ -125,6 +137,12 @@ class ShardedStore:
         """Set weights of ``keys``; every rank passes the same keys and keeps those it owns."""
         keys = _ids.as_int64_array(keys, what="keys")
         w = weights.detach().cpu().numpy() if isinstance(weights, torch.Tensor) else np.asarray(weights)
+        dim = self.local.info(table).dim
+        if w.shape != (len(keys), dim):
+            raise ConfigError(
+                f"write to {table!r}: weights of shape {w.shape} for {len(keys)} keys of "
+                f"dim {dim}; expected {(len(keys), dim)}."
+            )
         mine = owner_of(keys, self.world_size) == self.rank
         self.local.write(table, keys[mine], w[mine])
 
@@ -205,7 +223,7 @@ class ShardedStore:
         pending = [p for p in self._pending if p.leaf.grad is not None]
         self._pending = []
         names = sorted(self.local.tables)
-        grads = {name: [] for name in names}
+        grads: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {name: [] for name in names}
         for p, g in zip(pending, summed_grads([p.leaf for p in pending])):
             grads[p.table].append((p.keys, g))
         # One small all-reduce: non-finite gradients anywhere, and which tables stepped anywhere.
@@ -276,14 +294,9 @@ class ShardedStore:
     def end_pass(self) -> None:
         self.local.end_pass()
 
-    @contextmanager
-    def run_pass(self, batches: Any) -> Iterator[None]:
+    def run_pass(self, batches: Batches) -> AbstractContextManager[None]:
         """``with sharded.run_pass(batches): ...`` = begin_pass(batches) ... end_pass() (collective)."""
-        self.begin_pass(batches)
-        try:
-            yield
-        finally:
-            self.end_pass()
+        return run_pass(self, batches)
 
     # -- checkpoints ---------------------------------------------------------------------------
     def checkpoint(self, tag: str | None = None) -> int:

@@ -26,7 +26,7 @@ import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, TypeGuard
 
 import crc32c
 import numpy as np
@@ -34,11 +34,9 @@ from zarr.storage import LocalStore
 
 from hierps._faults import fault_point
 from hierps.errors import CorruptStoreError
+from hierps.storage._files import OpenFiles
 
-if TYPE_CHECKING:
-    from hierps.storage._reads import OpenFiles
-
-__all__ = ["Array", "create_array", "encoded_bytes", "make_dir", "open_array"]
+__all__ = ["Array", "ArrayWriter", "create_array", "encoded_bytes", "make_dir", "open_array"]
 
 _CODECS = [{"name": "bytes", "configuration": {"endian": "little"}}, {"name": "crc32c"}]
 _KEY_ENCODING = {"name": "default", "configuration": {"separator": "/"}}
@@ -104,61 +102,108 @@ def create_array(
 ) -> None:
     """Write ``data`` (n, ...) as the array ``name``: one shard of inner chunks of ``chunk_rows`` rows.
 
-    ``zarr.json`` first, then the chunks in blocks of ``_BLOCK_CHUNKS`` (``block_point`` is a
-    fault point after each), then the shard index. Not durable until the caller fsyncs.
+    The chunks in blocks of ``_BLOCK_CHUNKS`` (``block_point`` is a fault point after each), then
+    the shard index, then ``zarr.json``. Not durable until the caller fsyncs.
     """
-    path = Path(zstore.root) / name
-    chunk_rows = max(1, chunk_rows)
-    n, rest = len(data), list(data.shape[1:])
-    n_chunks = math.ceil(n / chunk_rows)
-    meta = {
-        "shape": [n, *rest],
-        "data_type": data.dtype.name,
-        "chunk_grid": {
-            "name": "regular",
-            "configuration": {"chunk_shape": [max(n_chunks, 1) * chunk_rows, *rest]},
-        },
-        "chunk_key_encoding": _KEY_ENCODING,
-        "fill_value": 0,
-        "codecs": _sharded_codecs([chunk_rows, *rest]),
-        "attributes": {},
-        "zarr_format": 3,
-        "node_type": "array",
-        "storage_transformers": [],
-    }
-    make_dir(path)
-    fd = os.open(path / "zarr.json", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    try:
-        _write_all(fd, np.frombuffer(json.dumps(meta).encode("utf-8"), np.uint8))
-    finally:
-        os.close(fd)
-    if n_chunks == 0:
-        return
-    folder = path
-    for part in ["c"] + ["0"] * (data.ndim - 1):  # parent first: each mkdir succeeds at once
-        folder = folder / part
-        make_dir(folder)
-    shard = folder / "0"
-    raw = np.ascontiguousarray(data, dtype=data.dtype.newbyteorder("<")).reshape(n, -1).view(np.uint8)
-    payload = chunk_rows * raw.shape[1]
-    fd = os.open(shard, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    try:
-        for first in range(0, n_chunks, _BLOCK_CHUNKS):
-            count = min(_BLOCK_CHUNKS, n_chunks - first)
-            rows = raw[first * chunk_rows : (first + count) * chunk_rows]
-            if len(rows) < count * chunk_rows:  # the last chunk: padded with the fill value
-                rows = np.concatenate(
-                    [rows, np.zeros((count * chunk_rows - len(rows), raw.shape[1]), np.uint8)]
-                )
-            _write_all(fd, _encode_chunks(rows.reshape(count, payload)))
-            if block_point is not None:
-                fault_point(block_point)
-        index = np.empty((n_chunks, 2), dtype="<u8")
-        index[:, 0] = np.arange(n_chunks, dtype=np.uint64) * np.uint64(payload + 4)
-        index[:, 1] = payload + 4
-        _write_all(fd, _encode_chunks(index.view(np.uint8).reshape(1, -1)))
-    finally:
-        os.close(fd)
+    out = ArrayWriter(zstore, name, data.shape[1:], data.dtype.name, chunk_rows, block_point)
+    out.append(data)
+    out.close()
+
+
+class ArrayWriter:
+    """Writes one array of rows of shape ``row_shape`` from runs of rows appended in order.
+
+    Full inner chunks go to the shard file as they fill (in blocks of ``_BLOCK_CHUNKS``, with
+    ``block_point`` a fault point after each); :meth:`close` pads the last chunk, writes the shard
+    index and then ``zarr.json``, so an array whose writer did not finish has no metadata and
+    cannot be opened. Memory: at most one block of chunks.
+    """
+
+    def __init__(
+        self,
+        zstore: LocalStore,
+        name: str,
+        row_shape: tuple[int, ...],
+        dtype: str,
+        chunk_rows: int,
+        block_point: str | None = None,
+    ) -> None:
+        self.path = Path(zstore.root) / name
+        self._dtype = np.dtype(dtype).newbyteorder("<")
+        self._rest = [int(d) for d in row_shape]
+        self._row_bytes = self._dtype.itemsize * math.prod(self._rest)
+        self._chunk_rows = max(1, chunk_rows)
+        self._payload = self._chunk_rows * self._row_bytes
+        self._block_point = block_point
+        self._partial = np.empty((0, self._row_bytes), np.uint8)
+        self._fd: int | None = None
+        self._chunks = 0
+        self.n = 0
+        make_dir(self.path)
+
+    def append(self, data: np.ndarray) -> None:
+        """Rows (k, *row_shape) after those appended so far."""
+        if len(data) == 0:
+            return
+        raw = np.ascontiguousarray(data, dtype=self._dtype).reshape(len(data), -1).view(np.uint8)
+        if len(self._partial):
+            raw = np.concatenate([self._partial, raw])
+        full = len(raw) // self._chunk_rows
+        for first in range(0, full, _BLOCK_CHUNKS):
+            count = min(_BLOCK_CHUNKS, full - first)
+            block = raw[first * self._chunk_rows : (first + count) * self._chunk_rows]
+            self._write_chunks(block.reshape(count, self._payload))
+        self._partial = raw[full * self._chunk_rows :].copy()
+        self.n += len(data)
+
+    def _write_chunks(self, payloads: np.ndarray) -> None:
+        if self._fd is None:
+            folder = self.path
+            for part in ["c"] + ["0"] * len(self._rest):  # parent first: each mkdir succeeds at once
+                folder = folder / part
+                make_dir(folder)
+            self._fd = os.open(folder / "0", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        _write_all(self._fd, _encode_chunks(payloads))
+        self._chunks += len(payloads)
+        if self._block_point is not None:
+            fault_point(self._block_point)
+
+    def close(self) -> None:
+        """Write the last (padded) chunk, the shard index, then the metadata."""
+        try:
+            if len(self._partial):
+                pad = np.zeros((self._chunk_rows - len(self._partial), self._row_bytes), np.uint8)
+                self._write_chunks(np.concatenate([self._partial, pad]).reshape(1, self._payload))
+                self._partial = self._partial[:0]
+            if self._fd is not None:
+                index = np.empty((self._chunks, 2), dtype="<u8")
+                index[:, 0] = np.arange(self._chunks, dtype=np.uint64) * np.uint64(self._payload + 4)
+                index[:, 1] = self._payload + 4
+                _write_all(self._fd, _encode_chunks(index.view(np.uint8).reshape(1, -1)))
+        finally:
+            if self._fd is not None:
+                os.close(self._fd)
+                self._fd = None
+        meta = {
+            "shape": [self.n, *self._rest],
+            "data_type": self._dtype.name,
+            "chunk_grid": {
+                "name": "regular",
+                "configuration": {"chunk_shape": [max(self._chunks, 1) * self._chunk_rows, *self._rest]},
+            },
+            "chunk_key_encoding": _KEY_ENCODING,
+            "fill_value": 0,
+            "codecs": _sharded_codecs([self._chunk_rows, *self._rest]),
+            "attributes": {},
+            "zarr_format": 3,
+            "node_type": "array",
+            "storage_transformers": [],
+        }
+        fd = os.open(self.path / "zarr.json", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            _write_all(fd, np.frombuffer(json.dumps(meta).encode("utf-8"), np.uint8))
+        finally:
+            os.close(fd)
 
 
 def make_dir(path: Path) -> None:
@@ -184,7 +229,7 @@ def _encode_chunks(payloads: np.ndarray) -> np.ndarray:
 
 
 def _write_all(fd: int, data: np.ndarray) -> None:
-    view = memoryview(data).cast("B")
+    view = memoryview(data.data).cast("B")
     while len(view):
         view = view[os.write(fd, view) :]
 
@@ -239,7 +284,7 @@ def _inner_chunk_shape(codecs: Any) -> Any:
         return None
 
 
-def _ints(value: Any, n: int, low: int) -> bool:
+def _ints(value: Any, n: int, low: int) -> TypeGuard[list[int]]:
     return (
         isinstance(value, list)
         and len(value) == n

@@ -57,7 +57,7 @@ def _check_manifest(path: Path, ckpt: int, body: dict[str, Any]) -> None:
     """Every field a manifest must have, with its type; ``CorruptStoreError`` naming the field."""
 
     def bad(field: str, expected: str) -> CorruptStoreError:
-        value = body
+        value: Any = body
         for part in field.split("."):
             value = value.get(part) if isinstance(value, dict) else None
         return CorruptStoreError(

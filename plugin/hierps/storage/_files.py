@@ -6,8 +6,10 @@ import errno
 import json
 import os
 import shutil
+import threading
 import zlib
-from collections.abc import Iterator
+from collections import OrderedDict
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -121,3 +123,70 @@ def read_json_checked(path: Path) -> dict[str, Any]:
     if not isinstance(body, dict):
         raise CorruptStoreError(f"{path}: expected a JSON object as body. Got {type(body).__name__} instead.")
     return body
+
+
+# -- open files ----------------------------------------------------------------------------------
+class OpenFiles:
+    """Read-only descriptors of array files kept open between reads: at most ``capacity`` (the
+    least recently used beyond that are closed), each closed by :meth:`forget` when its file is
+    retired (deleted or rewritten), or by :meth:`close`.
+
+    A descriptor in use by a read (between :meth:`acquire` and :meth:`release`) is closed only once
+    released, so that no read ever meets a closed or reused descriptor. A file removed while open
+    still reads as it was: an index pointing into it sees the rows it pointed at. Thread-safe.
+    """
+
+    def __init__(self, capacity: int = 512) -> None:
+        self.capacity = capacity
+        self._lock = threading.Lock()
+        self._fds: OrderedDict[Path, int] = OrderedDict()
+        self._pins: dict[int, int] = {}  # fd -> reads using it
+        self._retired: set[int] = set()  # forgotten while in use: closed on the last release
+
+    def acquire(self, path: Path) -> int:
+        """A descriptor of ``path`` for reading, held until :meth:`release`; ``OSError`` if it cannot
+        be opened."""
+        with self._lock:
+            fd = self._fds.get(path)
+            if fd is None:
+                fd = os.open(path, os.O_RDONLY)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)  # no read-ahead
+                self._fds[path] = fd
+                self._trim()
+            else:
+                self._fds.move_to_end(path)
+            self._pins[fd] = self._pins.get(fd, 0) + 1
+            return fd
+
+    def release(self, fd: int) -> None:
+        with self._lock:
+            self._pins[fd] -= 1
+            if self._pins[fd] == 0:
+                del self._pins[fd]
+                if fd in self._retired:
+                    self._retired.discard(fd)
+                    os.close(fd)
+
+    def forget(self, paths: Iterable[Path]) -> None:
+        """Close the descriptors of ``paths`` (now, or when the reads using them end)."""
+        with self._lock:
+            for path in paths:
+                fd = self._fds.pop(path, None)
+                if fd is not None:
+                    self._retire(fd)
+
+    def close(self) -> None:
+        self.forget(list(self._fds))
+
+    def __len__(self) -> int:
+        return len(self._fds)
+
+    def _retire(self, fd: int) -> None:
+        if fd in self._pins:
+            self._retired.add(fd)
+        else:
+            os.close(fd)
+
+    def _trim(self) -> None:
+        while len(self._fds) > self.capacity:
+            self._retire(self._fds.popitem(last=False)[1])

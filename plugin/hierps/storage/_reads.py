@@ -13,8 +13,7 @@ from __future__ import annotations
 
 import os
 import threading
-from collections import OrderedDict
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as futures_wait
 from dataclasses import dataclass, field
@@ -25,8 +24,9 @@ import numpy as np
 
 from hierps.errors import CorruptStoreError
 from hierps.storage._arrays import Array
+from hierps.storage._files import OpenFiles
 
-__all__ = ["OpenFiles", "read_array", "read_arrays"]
+__all__ = ["read_array", "read_arrays"]
 
 # Chunks to read that lie closer than this are fetched by one read through the gap: on an SSD a
 # read costs about as much as streaming ~50 KiB, so fewer, longer reads win below that.
@@ -38,73 +38,6 @@ _THREADS = 16
 _PARALLEL_RUNS = 4  # fewer runs are read by the calling thread
 _pool: tuple[int, ThreadPoolExecutor] | None = None
 _pool_lock = threading.Lock()
-
-
-# -- open files ----------------------------------------------------------------------------------
-class OpenFiles:
-    """Read-only descriptors of array files kept open between reads: at most ``capacity`` (the
-    least recently used beyond that are closed), each closed by :meth:`forget` when its file is
-    retired (deleted or rewritten), or by :meth:`close`.
-
-    A descriptor in use by a read (between :meth:`acquire` and :meth:`release`) is closed only once
-    released, so that no read ever meets a closed or reused descriptor. A file removed while open
-    still reads as it was: an index pointing into it sees the rows it pointed at. Thread-safe.
-    """
-
-    def __init__(self, capacity: int = 512) -> None:
-        self.capacity = capacity
-        self._lock = threading.Lock()
-        self._fds: OrderedDict[Path, int] = OrderedDict()
-        self._pins: dict[int, int] = {}  # fd -> reads using it
-        self._retired: set[int] = set()  # forgotten while in use: closed on the last release
-
-    def acquire(self, path: Path) -> int:
-        """A descriptor of ``path`` for reading, held until :meth:`release`; ``OSError`` if it cannot
-        be opened."""
-        with self._lock:
-            fd = self._fds.get(path)
-            if fd is None:
-                fd = os.open(path, os.O_RDONLY)
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)  # no read-ahead
-                self._fds[path] = fd
-                self._trim()
-            else:
-                self._fds.move_to_end(path)
-            self._pins[fd] = self._pins.get(fd, 0) + 1
-            return fd
-
-    def release(self, fd: int) -> None:
-        with self._lock:
-            self._pins[fd] -= 1
-            if self._pins[fd] == 0:
-                del self._pins[fd]
-                if fd in self._retired:
-                    self._retired.discard(fd)
-                    os.close(fd)
-
-    def forget(self, paths: Iterable[Path]) -> None:
-        """Close the descriptors of ``paths`` (now, or when the reads using them end)."""
-        with self._lock:
-            for path in paths:
-                fd = self._fds.pop(path, None)
-                if fd is not None:
-                    self._retire(fd)
-
-    def close(self) -> None:
-        self.forget(list(self._fds))
-
-    def __len__(self) -> int:
-        return len(self._fds)
-
-    def _retire(self, fd: int) -> None:
-        if fd in self._pins:
-            self._retired.add(fd)
-        else:
-            os.close(fd)
-
-    def _trim(self) -> None:
-        while len(self._fds) > self.capacity:
-            self._retire(self._fds.popitem(last=False)[1])
 
 
 # -- reading ---------------------------------------------------------------------------------------
@@ -195,7 +128,7 @@ class _Plan:
         run_dest = np.concatenate([[0], np.cumsum(run_end - run_start)])
         self.buf = np.empty(int(run_dest[-1]), dtype=np.uint8)
         self.at = run_dest[run_of] + start - run_start[run_of]
-        view = memoryview(self.buf)
+        view = memoryview(self.buf.data)
         return [
             _Run(arr, arr.files[f], lo, view[dest : dest + hi - lo])
             for f, lo, hi, dest in zip(
@@ -306,7 +239,7 @@ def _unreadable(arr: Array, exc: OSError) -> CorruptStoreError:
 def _check_crcs(arr: Array, buf: np.ndarray, at: np.ndarray, file_of: np.ndarray) -> None:
     """Raise ``CorruptStoreError`` naming the file of the first chunk in ``buf`` whose crc32c fails."""
     size = arr.chunk_bytes - 4
-    view = memoryview(buf)
+    view = memoryview(buf.data)
     stored = np.lib.stride_tricks.as_strided(buf, (len(buf) - 3, 4), (1, 1))[at + size].view("<u4")[:, 0]
     check: Callable[[memoryview], int] = crc32c.crc32c
     actual = np.fromiter((check(view[a : a + size]) for a in at.tolist()), dtype=np.uint32, count=len(at))

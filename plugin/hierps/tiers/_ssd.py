@@ -27,9 +27,9 @@ from zarr.storage import LocalStore
 from hierps._faults import fault_point
 from hierps.errors import CorruptStoreError, StoreFullError
 from hierps.storage._arrays import Array, create_array, encoded_bytes, make_dir, open_array
-from hierps.storage._files import disk_full_as_error, fsync_dir, fsync_tree
+from hierps.storage._files import OpenFiles, disk_full_as_error, fsync_dir, fsync_tree
 from hierps.storage._index import TableIndex
-from hierps.storage._reads import OpenFiles, read_array, read_arrays
+from hierps.storage._reads import read_array, read_arrays
 
 __all__ = ["SsdTier"]
 

@@ -93,7 +93,7 @@ class _PooledBags(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, leaf, local, bags, mode, bag_count, members):  # type: ignore[override]
+    def forward(ctx, leaf, local, bags, mode, bag_count, members):
         out, offset2bag, bag_size, max_indices = torch.ops.aten._embedding_bag(
             leaf, local, bags, False, _MODES[mode], True, None, False, -1
         )
@@ -117,7 +117,7 @@ class _PooledBags(torch.autograd.Function):
         return tuple(out.split(bag_count))
 
     @staticmethod
-    def backward(ctx, *grads):  # type: ignore[override]
+    def backward(ctx, *grads):
         local, bags, offset2bag, bag_size, max_indices, shape, mode, members, one_hot = ctx.kept
         grad_out = torch.cat(grads)  # contiguous: index_add_ reads strided rows slowly
         if one_hot:
@@ -221,7 +221,8 @@ def union_positions(
     """The sorted distinct ids of each table over all ``batches`` (the working set of a pass), and
     the position of each id of each batch in them."""
     tables = dict.fromkeys(t for batch in batches for t in batch)
-    keys, positions = {}, [{} for _ in batches]
+    keys: dict[str, np.ndarray] = {}
+    positions: list[dict[str, np.ndarray]] = [{} for _ in batches]
     for t in tables:
         ids = [b[t] for b in batches if t in b]
         keys[t], at = _unique_inverse(np.concatenate(ids))

@@ -8,8 +8,7 @@ background half.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
@@ -146,7 +145,7 @@ class PassRunner:
         if plans is None or len(keep) != len(group):
             base = self._core.device_tier.layout({t: len(k) for t, k in group.items()})
             plans = translate(raw, keep, base, self._core.device, positions)
-        self.batches = PassBatches(plans, self._core.device_tier.generation)
+        self.batches = PassBatches(list[Batch | None](plans), self._core.device_tier.generation)
 
     def prefetch(self, batches: Mapping[str, Any] | Sequence[Mapping[str, Any]]) -> None:
         """Announce the next pass so that its rows are read in the background while this one trains.
@@ -213,15 +212,6 @@ class PassRunner:
     @staticmethod
     def _as_batches(batches: Mapping[str, Any] | Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
         return [batches] if isinstance(batches, Mapping) else list(batches)
-
-    @contextmanager
-    def run_pass(self, batches: Mapping[str, Any] | Sequence[Mapping[str, Any]]) -> Iterator[None]:
-        """``with store.run_pass(batches): ...`` = begin_pass(batches) ... end_pass()."""
-        self.begin_pass(batches)
-        try:
-            yield
-        finally:
-            self.end_pass()
 
     def _batch_keys(self, batch: Mapping[str, Any]) -> dict[str, np.ndarray]:
         out = {}

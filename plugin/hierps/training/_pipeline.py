@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -49,7 +49,7 @@ class PassPipeline:
         self._executor: ThreadPoolExecutor | None = None
         self._writebacks: list[Future[None]] = []
         self._prepared: tuple[list[dict[str, np.ndarray]], Future[ReadAhead]] | None = None  # announced
-        self._background: list[Future[object]] = []
+        self._background: list[Future[Any]] = []
         self.prepare_seconds = 0.0
         self.writeback_seconds = 0.0
         self.wait_seconds = 0.0

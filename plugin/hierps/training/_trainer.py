@@ -123,7 +123,10 @@ class SparseTrainer:
         if fused is None:
             for done in [g for g in batches.fused if g[0] < k]:  # earlier mini-batches: let them go
                 del batches.fused[done]
-            fused = batches.fused[group] = self._fuse(batches.batches[k], table, offsets, mode)
+            batch = batches.batches[k]
+            if batch is None:  # let go once each of its tables ran it: this forward is not its
+                return None
+            fused = batches.fused[group] = self._fuse(batch, table, offsets, mode)
         if table not in fused.rows:
             return None  # another number of ids than the table that pooled the group
         if (
@@ -329,20 +332,27 @@ def summed_grads(leaves: list[torch.Tensor]) -> list[torch.Tensor]:
     Sparse gradients of one dim are summed by one ``index_add_`` into one buffer, of which the
     results are views (see :func:`_distinct_buffers`).
     """
-    out: list[torch.Tensor | None] = [None] * len(leaves)
+    grads = [_grad_of(leaf) for leaf in leaves]
+    out = list(grads)
     by_dim: dict[int, list[int]] = {}
-    for i, leaf in enumerate(leaves):
-        if leaf.grad.is_sparse:
+    for i, (leaf, grad) in enumerate(zip(leaves, grads)):
+        if grad.is_sparse:
             by_dim.setdefault(leaf.shape[1], []).append(i)
         else:
-            out[i] = leaf.grad.detach()
+            out[i] = grad.detach()
     for dim, idx in by_dim.items():
         sizes = [leaves[i].shape[0] for i in idx]
-        grads = [leaves[i].grad for i in idx]
-        total = torch.zeros((sum(sizes), dim), dtype=grads[0].dtype, device=grads[0].device)
-        for i, g, part in zip(idx, grads, total.split(sizes)):
+        sparse = [grads[i] for i in idx]
+        total = torch.zeros((sum(sizes), dim), dtype=sparse[0].dtype, device=sparse[0].device)
+        for i, g, part in zip(idx, sparse, total.split(sizes)):
             out[i] = part.index_add_(0, g._indices()[0], g._values())
-    return out  # type: ignore[return-value]
+    return out
+
+
+def _grad_of(leaf: torch.Tensor) -> torch.Tensor:
+    if leaf.grad is None:
+        raise ValueError("a gathered leaf without a gradient reached the step (it is filtered before)")
+    return leaf.grad
 
 
 def _all_finite(tensors: list[torch.Tensor]) -> bool:
