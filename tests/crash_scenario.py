@@ -143,7 +143,7 @@ def checkpoint_loop(store_path: str, out: str, fault: str, record: bool) -> None
         for i in range(int(fault)):
             train(store, bags, seed=100 + i, passes=1)
             ckpt = store.checkpoint(f"r{i}")
-            keys = {t: store.ssd.index[t].keys.copy() for t in TABLES}
+            keys = {t: store.ssd.keys(t) for t in TABLES}
             sums = {t: digest(keys[t], store.read_rows(t, keys[t])) for t in TABLES}
             log.write(json.dumps({"id": ckpt, "tag": f"r{i}", "digest": sums}) + "\n")
             log.flush()

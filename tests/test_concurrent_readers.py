@@ -118,16 +118,16 @@ def test_read_after_the_checkpoint_was_retired_and_collected(trainer):
 def test_checkpoint_retired_while_the_reader_opens_it(trainer, monkeypatch):
     """The reader listed checkpoint k, then the trainer retired it: the reader takes the newest."""
     store, step = trainer
-    real = hierps.storage._checkpoint.CheckpointCatalog.read_index
+    real = hierps.storage._checkpoint.CheckpointCatalog.segments
     calls = []
 
-    def racing(self, ckpt, table, segments):
+    def racing(self, ckpt, table):
         if not calls:
             step()  # commits k + 1, retires k, collects its segments
         calls.append(ckpt)
-        return real(self, ckpt, table, segments)
+        return real(self, ckpt, table)
 
-    monkeypatch.setattr(hierps.storage._checkpoint.CheckpointCatalog, "read_index", racing)
+    monkeypatch.setattr(hierps.storage._checkpoint.CheckpointCatalog, "segments", racing)
     first = store.checkpoint_id
     reader = CheckpointReader(store.path)
     assert calls[0] == first and reader.checkpoint_id == first + 1

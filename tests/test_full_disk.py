@@ -151,16 +151,16 @@ def test_real_full_disk_during_write_back_and_checkpoint(small_disk, tmp_path):
         assert again.tables["t"].step == r.tables["t"].step
 
 
-def test_real_full_disk_while_writing_the_checkpoint_index(small_disk):
+def test_real_full_disk_while_writing_the_checkpoint_arrays(small_disk):
     store, bag = _open(small_disk / "store")
     try:
         _train(store, bag, KEYS[:300], seed=1)
         store.checkpoint("c1")
         filler = _fill(small_disk)
         with pytest.raises(
-            hierps.StoreFullError, match=r"checkpoints/00000002: no space left .* key index of checkpoint 2"
+            hierps.StoreFullError, match=r"checkpoints/00000002: no space left .* arrays of checkpoint 2"
         ):
-            store.checkpoint("c2")  # nothing dirty: only the index and the manifest are written
+            store.checkpoint("c2")  # nothing dirty: only the checkpoint's arrays and manifest are written
         assert store.catalog.ids() == [1]
         _assert_no_leftovers(store, just_failed=True)
         filler.unlink()
@@ -180,19 +180,19 @@ def enospc(monkeypatch):
     def full(what: str, path: object) -> bool:
         return any(w == what and Path(str(path)).is_relative_to(p) for w, p in armed)
 
-    real_create = hierps.tiers._ssd.create_array
+    real_writer = hierps.storage._segment.ArrayWriter
 
-    def create(zstore, *args, **kwargs):
+    def writer(zstore, *args, **kwargs):
         if full("segment", zstore.root):
             raise OSError(errno.ENOSPC, "No space left on device")
-        return real_create(zstore, *args, **kwargs)
+        return real_writer(zstore, *args, **kwargs)
 
     def fake_open(path, mode="r", *args, **kwargs):
         if "w" in mode and ".tmp-" in str(path) and full("manifest", path):
             raise OSError(errno.ENOSPC, "No space left on device")
         return open(path, mode, *args, **kwargs)
 
-    monkeypatch.setattr(hierps.tiers._ssd, "create_array", create)
+    monkeypatch.setattr(hierps.storage._segment, "ArrayWriter", writer)
     monkeypatch.setattr(hierps.storage._files, "open", fake_open, raising=False)
     return armed
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -52,15 +53,19 @@ def _tiers(store: hierps.Store, table: str, keys: np.ndarray) -> np.ndarray:
     """(n,) bool: the key has a row in the device, RAM or SSD tier."""
     keys = np.asarray(keys, np.int64)
     dev, _ = store.device_tier.resolve(table, torch.from_numpy(keys))
-    return dev.numpy() | store.memory.contains(table, keys) | store.ssd.index[table].find(keys)[0]
+    return dev.numpy() | store.memory.contains(table, keys) | store.ssd.contains(table, keys)
+
+
+def segment_keys(seg: Path) -> np.ndarray:
+    """The keys of a segment read with plain zarr: its rows' first two float32 columns hold them."""
+    rows = zarr.open_array(str(seg / "rows"), mode="r")[:]
+    return np.ascontiguousarray(rows[:, :2]).view(np.int64).reshape(-1)
 
 
 def _keys_on_disk(store_path: Path, table: str) -> np.ndarray:
     """Keys of every segment file of ``table`` left on disk, read with plain zarr."""
     found = [
-        zarr.open_array(str(seg / "keys"), mode="r")[:]
-        for seg in (store_path / "segments" / table).iterdir()
-        if seg.name.isdigit()
+        segment_keys(seg) for seg in (store_path / "segments" / table).iterdir() if seg.name.isdigit()
     ]
     return np.concatenate(found) if found else np.empty(0, np.int64)
 
@@ -227,11 +232,16 @@ def test_shrink_deletes_rows_from_every_tier_and_from_disk(make_store):
 
 
 @pytest.mark.parametrize("reclaim", [True, False])
-def test_reclaim_disk_rewrites_segments_or_leaves_them_to_compaction(make_store, reclaim):
+def test_deleted_rows_leave_the_disk_at_once(make_store, reclaim):
+    """Segments that held deleted rows are rewritten without them; ``reclaim_disk: false`` (hierps
+    0.1's way to leave them to later compaction) is accepted with a warning and has no effect."""
     store = make_store(optimizer=SGD, keep_checkpoints=1)
-    emb = hierps.Embedding(
-        None, DIM, store=store, name="t", eviction={"min_decayed_count": 1.5, "reclaim_disk": reclaim}
-    )
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        emb = hierps.Embedding(
+            None, DIM, store=store, name="t", eviction={"min_decayed_count": 1.5, "reclaim_disk": reclaim}
+        )
+    assert any("reclaim_disk" in str(w.message) for w in caught) != reclaim
     once, twice = torch.arange(0, 10), torch.arange(10, 40)
     with store.run_pass({"t": torch.cat([once, twice, twice])}):
         _train_batch(store, emb, torch.cat([once, twice, twice]))
@@ -239,8 +249,8 @@ def test_reclaim_disk_rewrites_segments_or_leaves_them_to_compaction(make_store,
     assert store.shrink() == {"t": 10}
     assert not store.has_rows("t", once.numpy()).any()
     store.checkpoint()
-    # 30 of its 40 rows live: only reclaim_disk rewrites the segment now.
-    assert np.isin(once.numpy(), _keys_on_disk(store.path, "t")).any() != reclaim
+    # The segment was rewritten with its 30 live rows: the deleted ones left the disk.
+    assert not np.isin(once.numpy(), _keys_on_disk(store.path, "t")).any()
     assert np.isin(twice.numpy(), _keys_on_disk(store.path, "t")).all()
 
 

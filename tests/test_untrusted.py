@@ -43,7 +43,7 @@ def store_path(tmp_path) -> Path:
 
 def _a_segment(path: Path) -> Path:
     with hierps.Store(path, device="cpu") as store:
-        return path / "segments" / "t" / f"{int(store.ssd.index['t'].seg[0]):08d}"
+        return path / "segments" / "t" / f"{store.ssd.segments('t')[0][1]:08d}"
 
 
 def _plant(array_dir: Path, marker: Path, edit) -> None:
@@ -108,14 +108,20 @@ def test_zarr_v2_array_with_pickle_compressor_is_refused(store_path, tmp_path):
     assert not marker.exists()
 
 
-def test_crafted_checkpoint_index_is_refused(store_path, tmp_path):
+@pytest.mark.parametrize("array", ["fences", "filter"])
+def test_crafted_segment_index_arrays_are_refused(store_path, tmp_path, array):
+    """A segment's fences and filter (what finds its keys) are checked like its rows."""
     marker = tmp_path / "pwned"
-    index = store_path / "checkpoints" / "00000001" / "t" / "pos"
-    _plant(index, marker, CRAFTED["numcodecs pickle codec"])
-    with pytest.raises(CorruptStoreError, match=re.escape(str(index / "zarr.json"))):
-        hierps.Store(store_path, device="cpu")
+    crafted = _a_segment(store_path) / array
+    _plant(crafted, marker, CRAFTED["numcodecs pickle codec"])
+    with (
+        hierps.Store(store_path, device="cpu") as store,
+        pytest.raises(CorruptStoreError, match=re.escape(str(crafted / "zarr.json"))),
+    ):
+        store.read_rows("t", KEYS)
+    reader = CheckpointReader(store_path)
     with pytest.raises(CorruptStoreError, match="not an array hierps wrote"):
-        CheckpointReader(store_path)
+        reader.read("t", KEYS)
     assert not marker.exists()
 
 
@@ -156,9 +162,9 @@ MANIFESTS = {
         r"table 't': initializer",
     ),
     "id of another checkpoint": (lambda b: b.update(id=7), r"field id: expected the checkpoint id 1"),
-    "segments the index does not use": (
+    "segments without live counts": (
         lambda b: b["tables"]["t"].update(segments={"99": 1}),
-        r"points outside the segments its manifest names",
+        r"tables.t.live: expected an object of segment id -> live rows, for the same segments",
     ),
 }
 

@@ -79,7 +79,7 @@ class StoreCore:
         self._lock_fd: int | None = None
         self.pipe = background(self)
         self._open_dir()
-        self.ssd = SsdTier(self.path / "segments")
+        self.ssd = SsdTier(self.path / "segments", settings.max_segments)
         self.memory = MemoryTier(settings.memory_budget, self.ssd, settings.eviction)
         self.device_tier = DeviceTier(settings.device_budget, self.device)
         self.catalog = CheckpointCatalog(self.path / "checkpoints")
@@ -238,7 +238,7 @@ class StoreCore:
         self.pipe.wait_writebacks()  # a row on its way down is in no tier for a moment
         with self.pipe.lock:
             found = self.memory.contains(table, keys)
-            return found | self.ssd.index[table].lookup(keys)[0]
+            return found | self.ssd.contains(table, keys)
 
     def has_row(self, table: str, keys: np.ndarray) -> np.ndarray:
         """keys (n,) int64 -> (n,) bool: True where any tier holds a row."""

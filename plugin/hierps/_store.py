@@ -54,7 +54,6 @@ from hierps.rows._initializers import table_salt
 from hierps.rows._optim import initial_state
 from hierps.rows._table import TableInfo
 from hierps.storage._checkpoint import FORMAT_VERSION, CheckpointCatalog, valid_table_name
-from hierps.storage._index import TableIndex
 from hierps.tiers import DeviceTier, MemoryTier, SsdTier
 from hierps.tiers._device import DrainedRows
 from hierps.training._batchplan import BatchPlan
@@ -456,7 +455,7 @@ class Store:
         self._trainer.drop(table)
         self._core.device_tier.discard(table)
         self._core.memory.discard(table)
-        self._core.ssd.load_index(table, info.width, TableIndex(), {})
+        self._core.ssd.reset(table)
         info.step = 0
 
     # -- durability ---------------------------------------------------------------------------
@@ -492,18 +491,13 @@ class Store:
                 name: {
                     **info.to_json(),
                     "rows": self._core.ssd.num_rows(name),
-                    "segments": {
-                        str(s): self._core.ssd.segment_size(name, s) for _, s in self._core.ssd.segments(name)
-                    },
+                    **self._core.ssd.describe(name),
                 }
                 for name, info in self._core.tables.items()
             },
         }
         self._core.catalog.write(
-            ckpt,
-            {name: self._core.ssd.index[name] for name in self._core.tables},
-            body,
-            extra={name: self._core.pending_keys[name].arrays() for name in self._core.tables},
+            ckpt, body, extra={name: self._core.pending_keys[name].arrays() for name in self._core.tables}
         )
         self._core.checkpoint_id = ckpt
         fault_point("checkpoint.after_manifest")
@@ -525,6 +519,7 @@ class Store:
         self._core.device_tier.discard()
         self._core.memory.clear()
         self._load_checkpoint(ckpt)
+        self._core.ssd.collect_garbage(self._core.catalog.referenced_segments())  # the newer rows' segments
         return ckpt
 
     def _load_checkpoint(self, ckpt: int) -> None:
@@ -554,14 +549,11 @@ class Store:
                 info.admission.max_pending, self._core.catalog.read_extra(ckpt, name, PENDING_ARRAYS)
             )
             self._core.register(info, pending)
-            sizes = {int(s): int(n) for s, n in meta["segments"].items()}
-            self._core.ssd.load_index(
-                name, info.width, self._core.catalog.read_index(ckpt, name, sizes), sizes
-            )
+            self._core.ssd.load_segments(name, info.width, self._core.catalog.segments(ckpt, name))
         for name in set(self._core.tables) - set(manifest["tables"]):  # created after that checkpoint
             self._core.tables[name].step = 0
             self._core.pending_keys[name] = PendingKeys(self._core.tables[name].admission.max_pending)
-            self._core.ssd.load_index(name, self._core.tables[name].width, TableIndex(), {})
+            self._core.ssd.load_segments(name, self._core.tables[name].width, {})
         self._core.seed = int(manifest["seed"])
         self._core.passes = int(manifest.get("passes", 0))
         self._core.memory.tick = self._core.passes

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import re
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -338,8 +339,9 @@ class EvictionConfig:
     every_passes: int | None = None
     """Shrink at the end of every this many passes (null: only when asked)."""
     reclaim_disk: bool = True
-    """Rewrite the SSD segments that held deleted rows at once, so the rows leave the disk; false
-    leaves them to compaction of mostly-stale segments (cheaper for huge tables, but slower to free space)."""
+    """Kept for configs written for hierps 0.1, where false left deleted rows to later compaction.
+    The SSD tier keeps no index of deletions, so the segments that held deleted rows are always
+    rewritten at once; false is accepted with a warning and has no effect."""
 
     def __post_init__(self) -> None:
         self._validate("eviction")
@@ -352,6 +354,13 @@ class EvictionConfig:
         if not isinstance(self.reclaim_disk, bool):
             raise ConfigError(
                 f"{key}.reclaim_disk: expected true or false. Got {self.reclaim_disk!r} instead."
+            )
+        if self.reclaim_disk is False:
+            warnings.warn(
+                f"{key}.reclaim_disk: false has no effect: the segments that held deleted rows are "
+                "always rewritten at once (the SSD tier keeps no index of deletions). Drop the setting.",
+                UserWarning,
+                stacklevel=3,
             )
         if self.every_passes is not None and not self.active:
             raise ConfigError(

@@ -19,10 +19,10 @@ of ``checkpoint``. ``unknown`` says what a key without a row reads as in trainin
 ``"initializer"`` (the row :func:`hierps.rows._initializers.initial_rows` gives from ``seed``, the table
 name and the key) or ``"zeros"``.
 
-Which rows changed comes from the key indexes of the two checkpoints: a key whose
-(segment, position) is the same in both has the same row, because segments are never modified.
-Rows that moved (a write-back, a compaction) are compared by weights, so a delta holds only rows
-whose served value changed. Both checkpoints must still be kept by the store.
+Which rows changed comes from one merge of the two checkpoints' rows, by key (both are sorted
+runs): rows are compared by weights, so a delta holds only rows whose served value changed. Both
+checkpoints must still be kept by the store. Every export streams: its memory is a few buffers,
+whatever the table's size.
 
 A directory of per-rank stores (``rank-00000/``, ``rank-00001/``... as the DeepSpeed integration
 writes them) exports as one: the same table names, the ranks' disjoint keys merged, taken at the
@@ -35,6 +35,7 @@ import json
 import os
 import shutil
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +48,7 @@ from hierps.config import AdmissionConfig
 from hierps.errors import ConfigError, StoreFormatError
 from hierps.storage._checkpoint import CheckpointCatalog
 from hierps.storage._files import fsync_dir, fsync_tree
+from hierps.storage._merge import first_of_each, merged_sources
 from hierps.tiers._reader import CheckpointReader
 
 __all__ = ["EXPORT_FORMAT", "export_store", "resolve_checkpoint", "store_dirs"]
@@ -147,14 +149,15 @@ def export_store(
         described = {}
         for name, meta in tables.items():
             dim = int(meta["dim"])
+            deleted: np.ndarray | None = None
             if old is None:
-                parts = [r.keys(name) if name in r.tables else np.empty(0, np.int64) for r in now]
-                deleted = None
+                sources = [_weights(r, name, dim) for r in now]
             else:
-                parts = [_changed(o, r, name, dim) for o, r in zip(old, now)]
-                deleted = _deleted(old, now, name)
-            rows = _write_table(zstore, name, dim, now, parts)
-            if deleted is not None:
+                gone: list[np.ndarray] = []
+                sources = [_changed(o, r, name, dim, gone) for o, r in zip(old, now)]
+            rows = _write_table(zstore, name, dim, now, sources)
+            if old is not None:
+                deleted = _deleted(now, name, gone)
                 _write_array(zstore, f"{name}/deleted", deleted)
             admission = AdmissionConfig.parse(meta.get("admission"))
             described[name] = {
@@ -212,43 +215,46 @@ def _tables(readers: list[CheckpointReader]) -> dict[str, dict[str, Any]]:
     return out
 
 
-def _changed(old: CheckpointReader, now: CheckpointReader, table: str, dim: int) -> np.ndarray:
-    """(k,) int64 sorted keys of ``table`` whose weights in ``now`` differ from ``old`` (or are new)."""
-    if table not in now.tables:
-        return np.empty(0, np.int64)
-    ib = now.index(table)
-    if table not in old.tables:
-        return ib.keys
-    ia = old.index(table)
-    found, at = ia.find(ib.keys)
-    same = np.zeros(len(ib.keys), bool)
-    same[found] = (ia.seg[at[found]] == ib.seg[found]) & (ia.pos[at[found]] == ib.pos[found])
-    moved = np.flatnonzero(found & ~same)  # in both, stored anew: compare the weights
-    keep = ~same
-    batch = _batch_rows(int(now.tables[table]["width"]))
-    for start in range(0, len(moved), batch):
-        part = moved[start : start + batch]
-        keys = ib.keys[part]
-        _, new_rows = now.read(table, keys)
-        _, old_rows = old.read(table, keys)
+Rows = Iterator[tuple[np.ndarray, np.ndarray]]
+
+
+def _weights(reader: CheckpointReader, table: str, dim: int) -> Rows:
+    """Every stored row's weights: ``(keys (b,) int64 sorted, weights (b, dim) float32)`` batches."""
+    if table in reader.tables:
+        for keys, rows in reader.iter_rows(table):
+            yield keys, rows[:, :dim]
+
+
+def _changed(
+    old: CheckpointReader, now: CheckpointReader, table: str, dim: int, gone: list[np.ndarray]
+) -> Rows:
+    """The rows of ``table`` whose weights in ``now`` differ from ``old`` (or are new), in key order;
+    the keys ``old`` held and ``now`` does not go to ``gone``. One merge of the two checkpoints'
+    rows, in bounded memory."""
+    for keys, rows, src in merged_sources([_weights(old, table, dim), _weights(now, table, dim)], dim):
+        first = first_of_each(keys)
+        paired = np.zeros(len(keys), bool)
+        paired[:-1] = first[:-1] & ~first[1:]  # a key in both: now's entry (source 1) comes first
+        at = np.flatnonzero(paired)
         # Bitwise: a NaN that stayed a NaN is unchanged, and -0.0 differs from 0.0.
-        differ = (new_rows[:, :dim].view(np.uint32) != old_rows[:, :dim].view(np.uint32)).any(axis=1)
-        keep[part] = differ
-    return ib.keys[keep]
+        differ = (rows[at].view(np.uint32) != rows[at + 1].view(np.uint32)).any(axis=1)
+        single = first.copy()
+        single[at] = False
+        new = single & (src == 1)
+        take = np.sort(np.concatenate([np.flatnonzero(new), at[differ]]))
+        gone.append(keys[single & (src == 0)])
+        if len(take):
+            yield keys[take], rows[take]
 
 
-def _deleted(old: list[CheckpointReader], now: list[CheckpointReader], table: str) -> np.ndarray:
-    """(m,) int64 sorted keys stored in the old checkpoint of any rank and in the new one of none."""
-    before = [r.keys(table) for r in old if table in r.tables]
-    after = [r.keys(table) for r in now if table in r.tables]
-    if not before:
-        return np.empty(0, np.int64)
-    gone = np.unique(np.concatenate(before))
-    return np.setdiff1d(gone, np.concatenate(after), assume_unique=False) if after else gone
-
-
-def _batch_rows(width: int) -> int:
-    return max(1, _CHUNK_BYTES // (4 * width)) * _BATCH_CHUNKS
+def _deleted(now: list[CheckpointReader], table: str, gone: list[np.ndarray]) -> np.ndarray:
+    """(m,) int64 sorted: keys a rank's old checkpoint held and no rank's new checkpoint holds."""
+    keys = np.unique(np.concatenate(gone)) if gone else np.empty(0, np.int64)
+    for reader in now:
+        if len(keys) and table in reader.tables and len(now) > 1:  # (moved to another rank: not deleted)
+            found, _ = reader.read(table, keys)
+            keys = keys[~found]
+    return keys
 
 
 def _write_array(zstore: LocalStore, name: str, data: np.ndarray) -> None:
@@ -266,39 +272,55 @@ def _write_array(zstore: LocalStore, name: str, data: np.ndarray) -> None:
 
 
 def _write_table(
-    zstore: LocalStore, table: str, dim: int, readers: list[CheckpointReader], parts: list[np.ndarray]
+    zstore: LocalStore, table: str, dim: int, readers: list[CheckpointReader], sources: list[Rows]
 ) -> int:
-    """Write ``keys`` and ``values`` of the rows ``parts[r]`` (sorted keys) of reader r, merged by key."""
-    keys = np.concatenate(parts) if parts else np.empty(0, np.int64)
-    owner = np.concatenate([np.full(len(p), r, np.int32) for r, p in enumerate(parts)]) if parts else keys
-    order = np.argsort(keys, kind="stable")
-    keys, owner = keys[order], owner[order]
-    twice = np.flatnonzero(keys[1:] == keys[:-1])
-    if len(twice):
-        k = int(keys[twice[0]])
-        holders = [readers[int(o)].path.name for o in owner[twice[0] : twice[0] + 2]]
-        raise StoreFormatError(
-            f"table {table!r}: key {k} is stored in both {holders[0]} and {holders[1]}; rank "
-            "stores of one model hold disjoint keys. Export them one by one."
-        )
-    _write_array(zstore, f"{table}/keys", keys)
-    chunk_rows = max(1, min(len(keys), _CHUNK_BYTES // (4 * dim)))
-    values = zarr.create_array(
-        zstore,
-        name=f"{table}/values",
-        shape=(len(keys), dim),
-        chunks=(chunk_rows, dim),
-        dtype="float32",
-        compressors=[zarr.codecs.Crc32cCodec()],
-        fill_value=0.0,
-    )
+    """Write ``keys`` and ``values`` of the rows of ``sources[r]`` (reader r's, by key), merged by
+    key, appending in steps of whole chunks; returns the rows written."""
+    chunk_rows = max(1, _CHUNK_BYTES // (4 * dim))
+    keys_arr = _empty_array(zstore, f"{table}/keys", (0,), (1 << 17,), "int64")
+    values = _empty_array(zstore, f"{table}/values", (0, dim), (chunk_rows, dim), "float32")
     step = chunk_rows * _BATCH_CHUNKS
-    for start in range(0, len(keys), step):
-        kb, ob = keys[start : start + step], owner[start : start + step]
-        block = np.empty((len(kb), dim), np.float32)
-        for r in np.unique(ob).tolist():
-            mine = ob == r
-            _, rows = readers[r].read(table, kb[mine])
-            block[mine] = rows[:, :dim]
-        values[start : start + len(kb)] = block
-    return int(len(keys))
+    pending: list[tuple[np.ndarray, np.ndarray]] = []
+    held = written = 0
+    for keys, rows, src in merged_sources(sources, dim):
+        twice = np.flatnonzero(keys[1:] == keys[:-1])
+        if len(twice):
+            holders = sorted(readers[int(r)].path.name for r in src[twice[0] : twice[0] + 2])
+            raise StoreFormatError(
+                f"table {table!r}: key {int(keys[twice[0]])} is stored in both {holders[0]} and "
+                f"{holders[1]}; rank stores of one model hold disjoint keys. Export them one by one."
+            )
+        pending.append((keys, rows))
+        held += len(keys)
+        if held >= step:
+            written += _flush(keys_arr, values, pending, whole=step)
+            held = sum(len(k) for k, _ in pending)
+    return written + _flush(keys_arr, values, pending, whole=1)
+
+
+def _flush(
+    keys_arr: zarr.Array, values: zarr.Array, pending: list[tuple[np.ndarray, np.ndarray]], whole: int
+) -> int:
+    """Append the pending rows, a multiple of ``whole`` of them (the rest stays pending)."""
+    keys = np.concatenate([k for k, _ in pending]) if pending else np.empty(0, np.int64)
+    rows = np.concatenate([r for _, r in pending]) if pending else np.empty((0, values.shape[1]), np.float32)
+    n = len(keys) - len(keys) % whole
+    if n:
+        keys_arr.append(keys[:n])
+        values.append(rows[:n])
+    pending[:] = [(keys[n:], rows[n:])] if n < len(keys) else []
+    return n
+
+
+def _empty_array(
+    zstore: LocalStore, name: str, shape: tuple[int, ...], chunks: tuple[int, ...], dtype: str
+) -> zarr.Array:
+    return zarr.create_array(
+        zstore,
+        name=name,
+        shape=shape,
+        chunks=chunks,
+        dtype=dtype,
+        compressors=[zarr.codecs.Crc32cCodec()],
+        fill_value=0,
+    )

@@ -83,12 +83,8 @@ class Features:
             doomed.append(keys[older][condemned(block[older], self._core.passes, rule)])
         gone = np.unique(np.concatenate(doomed))
         if len(gone):
-            segments = self._core.ssd.segments_holding(name, gone)
             self._core.memory.discard(name, gone)
-            self._core.ssd.delete(name, gone)
-            self._core.ssd.compact(
-                name, self._core.max_segments, rewrite=segments if rule.reclaim_disk else ()
-            )
+            self._core.ssd.delete(name, gone)  # rewrites the segments that held them
         if rule.ttl_passes is not None:
             self._core.pending_keys[name].prune(self._core.passes - rule.ttl_passes)
         return int(len(gone))

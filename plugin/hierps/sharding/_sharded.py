@@ -316,29 +316,22 @@ class ShardedStore:
             ckpt = self.local.restore(ref)
             self._pending = []
             return ckpt
-        gathered: dict[str, list[tuple[np.ndarray, np.ndarray]]] = {}
-        meta: dict[str, dict[str, Any]] = {}
-        for q in range(old_world):
-            reader = CheckpointReader(rank_dir(self.root, q), ref)
-            for name, tmeta in reader.tables.items():
-                meta[name] = tmeta
-                keys = reader.keys(name)
-                mine = keys[owner_of(keys, self.world_size) == self.rank]
-                _, rows = reader.read(name, mine)
-                gathered.setdefault(name, []).append((mine, rows))
-        self.transport.barrier()  # every rank has read the old shards before any rewrites its own
-        for name, parts in gathered.items():
-            tm = meta[name]
+        readers = [CheckpointReader(rank_dir(self.root, q), ref) for q in range(old_world)]
+        for name in sorted({name for r in readers for name in r.tables}):
+            tm = next(r.tables[name] for r in readers if name in r.tables)
             info = self.local.table(
                 name, int(tm["dim"]), optimizer=tm["optimizer"], initializer=tm["initializer"]
             )
             self.local.reset_table(name)
-            keys = np.concatenate([k for k, _ in parts])
-            rows = (
-                np.concatenate([r for _, r in parts]) if keys.size else np.empty((0, info.width), np.float32)
-            )
-            self.local.write_rows(name, keys, rows)
+            # The checkpoint read stays on disk while this rank rewrites its shard: a kept checkpoint's
+            # segments are not deleted, and no rank checkpoints before all have read (barrier below).
+            for reader in readers:
+                if name in reader.tables:
+                    for keys, rows in reader.iter_rows(name):
+                        mine = owner_of(keys, self.world_size) == self.rank
+                        self.local.write_rows(name, keys[mine], rows[mine])
             info.step = int(tm["step"])
+        self.transport.barrier()  # every rank has read the old shards before any retires them
         ckpt = self.local.checkpoint(
             ref if isinstance(ref, str) else None,
             extra={"world_size": self.world_size, "rank": self.rank, "resharded_from": old_world},

@@ -1,14 +1,16 @@
-"""Checkpoints of a store: the key index of every table plus an atomically written manifest.
+"""Checkpoints of a store: an atomically written manifest naming the segments of every table.
 
 Layout under ``<store>/checkpoints``::
 
-    00000007/            Zarr v3 group: <table>/keys, <table>/seg, <table>/pos (checksummed)
+    00000007/            Zarr v3 group: per table, the keys pending admission (checksummed)
     00000007.json        the manifest; written last, by atomic rename, so its presence is the
-                         commit point. A checkpoint directory without a manifest is an
+                         commit point. For each table it names the segments of its live set, with
+                         their rows and live rows. A checkpoint directory without a manifest is an
                          interrupted checkpoint and is removed on the next open.
 
-Rows themselves are not copied: they live in immutable SSD segments, and a checkpoint only names
-the segments it needs. A checkpoint therefore costs a flush of dirty rows and the index.
+Rows themselves are not copied, nor is any key index: rows live in immutable SSD segments, each
+its own sorted index, and a checkpoint only names the segments it needs. A checkpoint therefore
+costs the flush of the rows dirtied since the last one (new segments), and a manifest.
 """
 
 from __future__ import annotations
@@ -26,14 +28,14 @@ from hierps.config import InitializerConfig, OptimizerConfig
 from hierps.errors import ConfigError, CorruptStoreError, StoreFormatError
 from hierps.storage._arrays import create_array, encoded_bytes, open_array
 from hierps.storage._files import disk_full_as_error, fsync_tree, read_json_checked, write_json_atomic
-from hierps.storage._index import TableIndex
 from hierps.storage._reads import read_array
 
 __all__ = ["FORMAT_VERSION", "MARKER", "CheckpointCatalog", "check_marker", "valid_table_name"]
 
-FORMAT_VERSION = 2  # 2: rows carry counters (count, decayed count, shows, clicks, last pass)
+# 2: rows carry counters (count, decayed count, shows, clicks, last pass).
+# 3: segments are sorted runs with their own fences and filter; checkpoints name segments, no key index.
+FORMAT_VERSION = 3
 MARKER = "hierps.json"
-_INDEX_DTYPES = {"keys": "int64", "seg": "int32", "pos": "int32"}
 
 
 def valid_table_name(name: object) -> bool:
@@ -49,8 +51,20 @@ def check_marker(marker: Path) -> None:
     if meta.get("format_version") != FORMAT_VERSION:
         raise StoreFormatError(
             f"{marker.parent}: written by store format version {meta.get('format_version')!r}; this "
-            f"hierps reads version {FORMAT_VERSION}. Open it with a matching hierps release."
+            f"hierps reads version {FORMAT_VERSION}. {_MIGRATE.get(meta.get('format_version'), _OTHER)}"
         )
+
+
+_OTHER = "Open it with a matching hierps release."
+_MIGRATE: dict[object, str] = {
+    2: (
+        "Version 2 (hierps 0.1) kept a whole key index in RAM and in every checkpoint. To move its "
+        "rows: with hierps 0.1, read each table with CheckpointReader(path).iter_rows(table) and "
+        "save keys and rows (e.g. with numpy); with this release, create a new store and call "
+        "store.table(name, dim, optimizer=...) and store.write_rows(name, keys, rows) with them "
+        "(optimizer state and counters included), then store.checkpoint()."
+    )
+}
 
 
 def _check_manifest(path: Path, ckpt: int, body: dict[str, Any]) -> None:
@@ -90,11 +104,28 @@ def _check_manifest(path: Path, ckpt: int, body: dict[str, Any]) -> None:
         for field, low in (("dim", 1), ("width", 1), ("step", 0), ("rows", 0)):
             if not _is_int(meta.get(field)) or meta[field] < low:
                 raise bad(f"tables.{name}.{field}", f"an int >= {low}")
-        segments = meta.get("segments")
+        segments, live = meta.get("segments"), meta.get("live")
         if not isinstance(segments, dict) or not all(
             isinstance(s, str) and s.isdigit() and _is_int(n) and n >= 0 for s, n in segments.items()
         ):
             raise bad(f"tables.{name}.segments", "an object of segment id -> row count")
+        if (
+            not isinstance(live, dict)
+            or set(live) != set(segments)
+            or not all(_is_int(n) and 0 <= n <= segments[s] for s, n in live.items())
+        ):
+            raise bad(f"tables.{name}.live", "an object of segment id -> live rows, for the same segments")
+        check = meta.get("check")
+        if (
+            not isinstance(check, dict)
+            or set(check) != set(segments)
+            or not all(_is_int(c) for c in check.values())
+        ):
+            raise bad(
+                f"tables.{name}.check", "an object of segment id -> content check, for the same segments"
+            )
+        if sum(live.values()) != meta["rows"]:
+            raise bad(f"tables.{name}.rows", f"the sum of its segments' live rows ({sum(live.values())})")
         try:
             OptimizerConfig.parse(meta.get("optimizer"))
             InitializerConfig.parse(meta.get("initializer"))
@@ -157,15 +188,9 @@ class CheckpointCatalog:
                 return ckpt
         return None
 
-    def write(
-        self,
-        ckpt: int,
-        indexes: dict[str, TableIndex],
-        body: dict[str, Any],
-        extra: dict[str, dict[str, np.ndarray]] | None = None,
-    ) -> None:
-        """Write the index arrays (and ``extra`` 1-D arrays per table), make them durable, then
-        commit the manifest.
+    def write(self, ckpt: int, body: dict[str, Any], extra: dict[str, dict[str, np.ndarray]]) -> None:
+        """Write the ``extra`` 1-D arrays of each table (e.g. its keys pending admission), make them
+        durable, then commit the manifest ``body``.
 
         On failure (e.g. :class:`StoreFullError`) what was written of ``ckpt`` is removed, so the
         previous checkpoint stays the latest and a later attempt starts clean.
@@ -174,18 +199,14 @@ class CheckpointCatalog:
         if path.exists():
             shutil.rmtree(path)
         chunk = 1 << 20
-        arrays = {
-            table: {**{name: getattr(idx, name) for name in _INDEX_DTYPES}, **(extra or {}).get(table, {})}
-            for table, idx in indexes.items()
-        }
-        needed = sum(encoded_bytes(data, chunk) for named in arrays.values() for data in named.values())
+        needed = sum(encoded_bytes(data, chunk) for named in extra.values() for data in named.values())
         try:
-            with disk_full_as_error(path, f"the key index of checkpoint {ckpt}", needed):
+            with disk_full_as_error(path, f"the arrays of checkpoint {ckpt}", needed):
                 zstore = LocalStore(str(path))
-                for table, named in arrays.items():
+                for table, named in extra.items():
                     for name, data in named.items():
                         create_array(zstore, f"{table}/{name}", data, min(len(data), chunk))
-                    fault_point("checkpoint.index_table")
+                    fault_point("checkpoint.table_arrays")
                 fsync_tree(path)
             fault_point("checkpoint.before_manifest")
             write_json_atomic(self._manifest_path(ckpt), {**body, "id": ckpt, "created": time.time()})
@@ -194,27 +215,15 @@ class CheckpointCatalog:
                 shutil.rmtree(path, ignore_errors=True)
             raise
 
-    def read_index(self, ckpt: int, table: str, segments: dict[int, int]) -> TableIndex:
-        """The key index of ``table`` in ``ckpt``, checked against the manifest's ``segments`` sizes."""
-        path = self._index_path(ckpt)
-        zstore = LocalStore(str(path), read_only=True)
-        keys, seg, pos = (
-            read_array(open_array(zstore, path, f"{table}/{name}", dtype, 1), path, f"{table}/{name}")
-            for name, dtype in _INDEX_DTYPES.items()
-        )
-        where = f"{path / table}: the key index of checkpoint {ckpt}"
-        if not (len(keys) == len(seg) == len(pos)) or (len(keys) > 1 and not np.all(keys[1:] > keys[:-1])):
-            raise CorruptStoreError(f"{where} is inconsistent (lengths differ or keys are not sorted).")
-        if len(seg):
-            known = np.array(sorted(segments), dtype=np.int64)
-            at = np.minimum(np.searchsorted(known, seg), max(len(known) - 1, 0))
-            sizes = np.array([segments[int(s)] for s in known], dtype=np.int64)
-            if len(known) == 0 or not np.all(known[at] == seg) or not np.all((pos >= 0) & (pos < sizes[at])):
-                raise CorruptStoreError(f"{where} points outside the segments its manifest names.")
-        return TableIndex(keys.astype(np.int64), seg.astype(np.int32), pos.astype(np.int32))
+    def segments(self, ckpt: int, table: str) -> dict[int, tuple[int, int, int]]:
+        """The segments ``ckpt`` names for ``table``: ``{id: (rows, live rows, check)}`` from its manifest."""
+        meta = self.manifest(ckpt)["tables"][table]
+        return {
+            int(s): (int(n), int(meta["live"][s]), int(meta["check"][s])) for s, n in meta["segments"].items()
+        }
 
     def read_extra(self, ckpt: int, table: str, names: dict[str, str]) -> dict[str, np.ndarray] | None:
-        """The ``extra`` arrays (``{name: dtype}``) written with a table's index; None when absent."""
+        """The ``extra`` arrays (``{name: dtype}``) written with a table; None when absent."""
         path = self._index_path(ckpt)
         first = next(iter(names))
         if not (path / table / first).exists():

@@ -175,6 +175,12 @@ class OpenFiles:
                 if fd is not None:
                     self._retire(fd)
 
+    def forget_under(self, root: Path) -> None:
+        """Close the descriptors of every file below the directory ``root``."""
+        with self._lock:
+            paths = [p for p in self._fds if p.is_relative_to(root)]
+        self.forget(paths)
+
     def close(self) -> None:
         self.forget(list(self._fds))
 

@@ -25,7 +25,6 @@ from hierps.errors import CheckpointRetiredError, ConfigError, CorruptStoreError
 from hierps.lifecycle._admission import PENDING_ARRAYS
 from hierps.rows._counters import NUM_COUNTERS
 from hierps.storage._checkpoint import FORMAT_VERSION, MARKER, CheckpointCatalog, check_marker
-from hierps.storage._index import TableIndex
 from hierps.tiers._ssd import SsdTier
 
 __all__ = ["CheckpointReader"]
@@ -73,8 +72,7 @@ class CheckpointReader:
             )
         self._ssd = SsdTier(self.path / "segments")
         for name, meta in self.manifest["tables"].items():
-            sizes = {int(s): int(n) for s, n in meta["segments"].items()}
-            self._ssd.load_index(name, int(meta["width"]), self.catalog.read_index(ckpt, name, sizes), sizes)
+            self._ssd.load_segments(name, int(meta["width"]), self.catalog.segments(ckpt, name))
 
     def _check_alive(self) -> None:
         if not self.catalog.exists(self.checkpoint_id):
@@ -91,17 +89,19 @@ class CheckpointReader:
         return self.manifest["tables"]
 
     def keys(self, table: str) -> np.ndarray:
-        """(n,) int64 sorted keys stored for ``table``."""
-        return self._ssd.index[self._check(table)].keys
+        """(n,) int64 sorted keys stored for ``table``: all of them in RAM (see :meth:`iter_rows`)."""
+        parts = [keys for keys, _ in self.iter_rows(table)]
+        return np.concatenate(parts) if parts else np.empty(0, np.int64)
 
-    def index(self, table: str) -> TableIndex:
-        """The key index of ``table``: where each key's row lies (segment, position); do not modify."""
-        return self._ssd.index[self._check(table)]
+    def num_rows(self, table: str) -> int:
+        """Rows stored for ``table``."""
+        return int(self.tables[self._check(table)]["rows"])
 
     def scan_counters(self, table: str) -> Iterator[tuple[np.ndarray, np.ndarray]]:
         """Yield ``(keys (b,) int64, counters (b, NUM_COUNTERS) float32)`` over every stored row."""
         width = int(self.tables[self._check(table)]["width"])
-        yield from self._ssd.scan(table, slice(width - NUM_COUNTERS, width))
+        for keys, rows in self.iter_rows(table):
+            yield keys, rows[:, width - NUM_COUNTERS :]
 
     def pending_keys(self, table: str) -> np.ndarray:
         """(p,) int64 keys of ``table`` that were pending admission (counted, without a row)."""
@@ -121,13 +121,21 @@ class CheckpointReader:
         self._check_alive()
         return out
 
-    def iter_rows(self, table: str, batch: int = 1 << 18) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-        """Yield ``(keys (b,) int64, rows (b, width) float32)`` over every stored row, by key."""
-        keys = self.keys(table)
-        for start in range(0, len(keys), batch):
-            chunk = keys[start : start + batch]
-            _, rows = self.read(table, chunk)
-            yield chunk, rows
+    def iter_rows(self, table: str) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        """Yield ``(keys (b,) int64, rows (b, width) float32)`` over every stored row, by key, in
+        bounded memory (a buffer per segment). Raises :class:`CheckpointRetiredError` when the
+        checkpoint was retired during the scan."""
+        rows_iter = self._ssd.iter_rows(self._check(table))
+        while True:
+            try:
+                part = next(rows_iter, None)
+            except CorruptStoreError:
+                self._check_alive()  # a file that vanished because the checkpoint was retired
+                raise
+            self._check_alive()
+            if part is None:
+                return
+            yield part
 
     def _check(self, table: str) -> str:
         if table not in self.manifest["tables"]:

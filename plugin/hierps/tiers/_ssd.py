@@ -1,16 +1,24 @@
-"""SSD tier: every row that is not newer in a tier above, as append-only Zarr v3 segments.
+"""SSD tier: every row that is not newer in a tier above, as an LSM tree of immutable segments.
 
-Layout under ``<store>/segments`` (a Zarr v3 hierarchy; each array one shard of small inner
-chunks checksummed with crc32c, see :mod:`hierps.storage._arrays`)::
+Layout under ``<store>/segments``: one directory per segment, ``<table>/<segment id, 8 digits>``,
+a sorted run of rows with its own fences and key filter (:mod:`hierps.storage._segment`). A key
+may lie in several segments; the one with the highest id holds its newest row. RAM holds no
+per-key index, only each segment's fences and filter (under 2 bytes per key, loaded on first
+use) and a count of its live rows (those that are the newest of their key).
 
-    <table>/<segment id, 8 digits>/keys   (n,) int64, sorted
-    <table>/<segment id, 8 digits>/rows   (n, dim + state) float32
-
-A segment is written once, whole, from a batch of rows sorted by key, and never modified: that is
-what makes checkpoints cheap (a checkpoint is the key index plus the list of segments it points
-to) and crashes harmless (a segment no checkpoint names is garbage). The key index maps each key
-to (segment, position) with sorted numpy arrays: 16 bytes per key. Compaction rewrites the live
-rows of many small or mostly-stale segments into one.
+- A write (a batch of rows leaving the RAM tier) becomes one new segment. The keys it supersedes
+  are found with the same lookups as reads, to keep the live counts exact.
+- A lookup of a sorted batch of keys asks each segment's filter, then reads the one chunk the
+  fences point at for each candidate: keys and rows share chunks, so a stored key costs one read,
+  and a key no segment holds costs none (but for the filter's ~2% false positives). The reads of
+  all tables and segments go out together.
+- Compaction merges segments in bounded memory (:func:`hierps.storage._merge.merged`), keeping
+  the newest row of each key that no newer segment outside the merge holds: its output holds only
+  live rows, and takes the next id. Segments at most half live, or too many, are merged; so the
+  live set's segment rows stay within twice the live rows, and its segment count bounded.
+- A segment leaving the live set is deleted at once unless a kept checkpoint names it
+  (``protected``): checkpoints name segments, they copy nothing. Deleting a key rewrites the
+  segments that hold any version of it without it.
 """
 
 from __future__ import annotations
@@ -25,38 +33,38 @@ import numpy as np
 from zarr.storage import LocalStore
 
 from hierps._faults import fault_point
-from hierps.errors import CorruptStoreError, StoreFullError
-from hierps.storage._arrays import Array, create_array, encoded_bytes, make_dir, open_array
+from hierps.errors import StoreFullError
+from hierps.storage._arrays import encoded_bytes
 from hierps.storage._files import OpenFiles, disk_full_as_error, fsync_dir, fsync_tree
-from hierps.storage._index import TableIndex
-from hierps.storage._reads import read_array, read_arrays
+from hierps.storage._merge import merged
+from hierps.storage._reads import read_arrays
+from hierps.storage._segment import KEY_COLUMNS, Segment, SegmentWriter, segment_name, split_block
 
 __all__ = ["SsdTier"]
 
-# Inner chunks of ~4 KiB: a read of a few rows fetches about one page each, not a 1 MiB chunk.
-_CHUNK_BYTES = 4 << 10
-
-
-def _segment_name(table: str, seg: int) -> str:
-    return f"{table}/{seg:08d}"
+# Keys looked up per read dispatch: bounds the chunks held at once (~4 KiB each).
+_LOOKUP_KEYS = 1 << 13
+# A write whose rows leave more than this many segments behind compacts at once (x max_segments).
+_HARD_SEGMENTS = 2
 
 
 class SsdTier:
-    """Append-only segment store of rows for many tables, with an in-memory key index per table."""
+    """Sorted runs of rows for many tables on disk; RAM holds each run's fences and filter."""
 
-    def __init__(self, root: Path, chunk_bytes: int = _CHUNK_BYTES) -> None:
+    def __init__(self, root: Path, max_segments: int = 16) -> None:
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
         self._zstore = LocalStore(str(self.root))
-        self._chunk_bytes = chunk_bytes
-        self.index: dict[str, TableIndex] = {}
+        self.max_segments = max_segments
         self.widths: dict[str, int] = {}
+        self._segs: dict[str, dict[int, Segment]] = {}  # per table, by id (ascending)
+        self._live: dict[tuple[str, int], int] = {}  # rows of each segment that are the newest of their key
+        # Live rows per table: one int, read without the tier lock (e.g. by pass statistics).
+        self._rows: dict[str, int] = {}
+        self.protected: set[tuple[str, int]] = set()  # named by a kept checkpoint: its files stay
         self.next_segment = 1
-        self._live: dict[tuple[str, int], int] = {}  # live rows per segment of the live index
-        self._sizes: dict[tuple[str, int], int] = {}
         self._unsynced: list[tuple[str, int]] = []
         self._sync_error: OSError | None = None
-        self._arrays: dict[tuple[str, int], tuple[Array, Array]] = {}
         self._files = OpenFiles()  # segment files stay open between reads
         weakref.finalize(self, self._files.close)
         self.bytes_read = 0
@@ -66,115 +74,125 @@ class SsdTier:
 
     # -- tables -------------------------------------------------------------------------------
     def add_table(self, table: str, width: int) -> None:
-        self.index.setdefault(table, TableIndex())
+        self._segs.setdefault(table, {})
         self.widths[table] = width
 
     def num_rows(self, table: str) -> int:
-        return len(self.index[table])
+        """Live rows of ``table``: its distinct stored keys."""
+        return self._rows.get(table, 0)
 
     def segments(self, table: str | None = None) -> list[tuple[str, int]]:
-        return sorted(s for s in self._live if table is None or s[0] == table)
+        """The live set: ``(table, segment id)``, sorted."""
+        return sorted(
+            (t, s) for t, segs in list(self._segs.items()) if table in (None, t) for s in list(segs)
+        )
 
-    # -- reads --------------------------------------------------------------------------------
+    def live_segments(self) -> set[tuple[str, int]]:
+        """The live set of every table, as a set."""
+        return set(self.segments())
+
+    def segment_size(self, table: str, seg: int) -> int:
+        return self._segs[table][seg].n
+
+    def segment_live(self, table: str, seg: int) -> int:
+        return self._live[(table, seg)]
+
+    @property
+    def index_ram_bytes(self) -> int:
+        """Bytes of RAM the tier holds to find keys (fences and filters of the segments loaded so far)."""
+        return sum(s.ram_bytes for segs in list(self._segs.values()) for s in list(segs.values()))
+
+    def _segment(self, table: str, seg: int, n: int, check: int) -> Segment:
+        return Segment(self.root, self._zstore, table, seg, n, self.widths[table], self._files, check)
+
+    # -- lookups ------------------------------------------------------------------------------
     def read(self, table: str, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """keys: (n,) int64 sorted unique -> (found (n,) bool, rows (found.sum(), width) float32).
-
-        The one-table case of :meth:`read_many`.
-        """
+        """keys: (n,) int64 sorted unique -> (found (n,) bool, rows (found.sum(), width) float32)."""
         return self.read_many({table: keys})[table]
 
     def read_many(self, requests: dict[str, np.ndarray]) -> dict[str, tuple[np.ndarray, np.ndarray]]:
-        """Rows of many tables at once, as :meth:`read` gives them table by table.
+        """``{table: keys (n,) int64 sorted unique}`` -> ``{table: (found (n,) bool, rows
+        (found.sum(), width) float32)}``: the newest row of each stored key, every table's reads
+        dispatched together."""
+        out = {}
+        for table, (found, _, rows) in self._locate(requests, with_rows=True).items():
+            out[table] = (found, rows[found])
+            self.rows_read += int(found.sum())
+            self.bytes_read += int(found.sum()) * 4 * self.widths[table]
+        return out
 
-        ``{table: keys (n,) int64 sorted unique}`` -> ``{table: (found (n,) bool, rows
-        (found.sum(), width) float32)}``. Every wanted chunk of every table's segments is read in
-        one dispatch, so that the reads of different tables overlap on the device; then, segment by
-        segment, the segment's own keys at the positions read must be the keys asked for (a damaged
-        index or segment is reported instead of returning another key's row) before its rows are
-        taken. Each segment is read once, at sorted positions (segments are sorted by key).
-        """
-        results: dict[str, tuple[np.ndarray, np.ndarray]] = {}
-        groups: list[tuple[str, int, np.ndarray, np.ndarray, np.ndarray]] = []
+    def contains(self, table: str, keys: np.ndarray) -> np.ndarray:
+        """keys (n,) int64 -> (n,) bool: True where a segment holds the key."""
+        order = np.argsort(keys, kind="stable")
+        sorted_keys = keys[order]
+        uniq, inverse = np.unique(sorted_keys, return_inverse=True)
+        found = self._locate({table: uniq}, with_rows=False)[table][0][inverse]
+        out = np.empty(len(keys), bool)
+        out[order] = found
+        return out
+
+    def _locate(
+        self, requests: dict[str, np.ndarray], *, with_rows: bool, among: dict[str, list[int]] | None = None
+    ) -> dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]]:
+        """``{table: keys sorted unique}`` -> ``{table: (found (n,) bool, segment (n,) int64 of the
+        newest holder (-1 if none), rows (n, width) float32 (valid where found; empty without
+        ``with_rows``))}``, over the live segments (or the ids ``among`` gives per table)."""
+        out = {}
         for table, keys in requests.items():
-            found, seg_of, pos_of = self.index[table].lookup(keys)
-            segs, pos_found, found_keys = seg_of[found], pos_of[found], keys[found]
-            results[table] = (found, np.empty((len(segs), self.widths[table]), dtype=np.float32))
-            order = np.argsort(segs, kind="stable")
-            for group in np.split(order, np.flatnonzero(np.diff(segs[order])) + 1) if len(segs) else []:
-                groups.append((table, int(segs[group[0]]), group, pos_found[group], found_keys[group]))
-        fetched = read_arrays(
-            [(arr, positions) for table, seg, _, positions, _ in groups for arr in self._open(table, seg)],
-            self._files,
-        )
-        for table, seg, group, positions, wanted in groups:
-            stored = next(fetched)
-            if not np.array_equal(stored, wanted):
-                bad = int(np.flatnonzero(stored != wanted)[0])
-                raise CorruptStoreError(
-                    f"{self.root / _segment_name(table, seg)}: holds key {int(stored[bad])} at position "
-                    f"{int(positions[bad])} where the key index expects key {int(wanted[bad])}; the segment "
-                    "or the index is damaged. Restore the store from a backup or open an earlier checkpoint."
-                )
-            results[table][1][group] = next(fetched)
-        for _, out in results.values():
-            self.rows_read += len(out)
-            self.bytes_read += out.nbytes
-        return results
+            rows = np.empty((len(keys), self.widths[table]) if with_rows else (0, 0), np.float32)
+            out[table] = (np.zeros(len(keys), bool), np.full(len(keys), -1, np.int64), rows)
+        units = [(t, a) for t, k in requests.items() for a in range(0, len(k), _LOOKUP_KEYS)]
+        for table, start in units:
+            keys = requests[table][start : start + _LOOKUP_KEYS]
+            ids = among[table] if among is not None else list(self._segs[table])
+            self._locate_slice(table, keys, sorted(ids, reverse=True), start, out[table], with_rows)
+        return out
 
-    def scan(
-        self, table: str, columns: slice, batch: int = 1 << 18
-    ) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-        """Yield ``(keys (b,) int64 sorted, values (b, k) float32)``: ``columns`` of every live row.
+    def _locate_slice(
+        self,
+        table: str,
+        keys: np.ndarray,
+        newest_first: list[int],
+        start: int,
+        out: tuple[np.ndarray, np.ndarray, np.ndarray],
+        with_rows: bool,
+    ) -> None:
+        found, holder, rows = out
+        plans = []
+        for seg_id in newest_first:
+            seg = self._segs[table][seg_id]
+            maybe, chunks = seg.candidates(keys)
+            if len(chunks):
+                plans.append((seg, np.flatnonzero(maybe), seg.chunk_positions(np.unique(chunks))))
+        blocks = read_arrays([(seg.rows_array, positions) for seg, _, positions in plans], self._files)
+        for (seg, which, _), block in zip(plans, blocks):
+            stored, stored_rows = split_block(block)
+            at = np.minimum(np.searchsorted(stored, keys[which]), len(stored) - 1)
+            hit = stored[at] == keys[which]
+            fresh = hit & ~found[start + which]  # newest first: an older copy is stale
+            dest = start + which[fresh]
+            found[dest], holder[dest] = True, seg.seg
+            if with_rows:
+                rows[dest] = stored_rows[at[fresh]]
 
-        Reads segment after segment, each in contiguous ranges of rows (live rows of a segment
-        lie in key order, which is position order), never the whole table at once.
-        """
-        idx = self.index[table]
-        if len(idx.keys) == 0:
-            return
-        order = np.argsort(idx.seg, kind="stable")
-        bounds = np.flatnonzero(np.diff(idx.seg[order])) + 1
-        for group in np.split(order, bounds):
-            seg = int(idx.seg[group[0]])
-            rows_arr = self._open(table, seg)[1]
-            name = f"{_segment_name(table, seg)}/rows"
-            for start in range(0, len(group), batch):
-                part = group[start : start + batch]
-                pos = idx.pos[part].astype(np.int64)
-                self.rows_read += len(pos)
-                yield idx.keys[part], read_array(rows_arr, self.root, name, pos, self._files)[:, columns]
+    # -- scans --------------------------------------------------------------------------------
+    def iter_rows(self, table: str) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        """Yield ``(keys (b,) int64 sorted, rows (b, width) float32)``: every live row, in key order,
+        a bounded buffer per segment at a time."""
+        segs = list(self._segs[table].values())
+        for keys, rows, _ in merged(segs, self.widths[table]):
+            self.rows_read += len(keys)
+            yield keys, rows
 
-    def segments_holding(self, table: str, keys: np.ndarray) -> set[int]:
-        """Segments the live index points into for ``keys`` (n,) int64."""
-        idx = self.index[table]
-        found, at = idx.find(np.asarray(keys, dtype=np.int64))
-        return {int(s) for s in np.unique(idx.seg[at[found]])}
+    def keys(self, table: str) -> np.ndarray:
+        """(n,) int64 sorted: every stored key of ``table``, all in RAM (for small tables and tests)."""
+        parts = [keys for keys, _ in self.iter_rows(table)]
+        return np.concatenate(parts) if parts else np.empty(0, np.int64)
 
-    def _open(self, table: str, seg: int) -> tuple[Array, Array]:
-        handles = self._arrays.get((table, seg))
-        if handles is None:
-            name = _segment_name(table, seg)
-            handles = (
-                open_array(self._zstore, self.root, f"{name}/keys", "int64", 1, self._files),
-                open_array(self._zstore, self.root, f"{name}/rows", "float32", 2, self._files),
-            )
-            if handles[0].shape[0] != handles[1].shape[0] or handles[1].shape[1] != self.widths[table]:
-                raise CorruptStoreError(
-                    f"{self.root / name}: keys {handles[0].shape} and rows {handles[1].shape} do not form a "
-                    f"segment of table {table!r} (width {self.widths[table]})."
-                )
-            self._arrays[(table, seg)] = handles
-        return handles
-
-    def _forget(self, key: tuple[str, int]) -> None:
-        """Drop the open handles of a segment that leaves the live index or the disk."""
-        for arr in self._arrays.pop(key, ()):
-            self._files.forget(arr.files)
-
-    def close(self) -> None:
-        """Close the segment files kept open for reads (they reopen on the next read)."""
-        self._files.close()
-        self._arrays.clear()
+    def scan(self, table: str, columns: slice) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        """Yield ``(keys (b,) int64 sorted, values (b, k) float32)``: ``columns`` of every live row."""
+        for keys, rows in self.iter_rows(table):
+            yield keys, rows[:, columns]
 
     # -- writes -------------------------------------------------------------------------------
     def write(self, table: str, keys: np.ndarray, rows: np.ndarray) -> None:
@@ -187,118 +205,146 @@ class SsdTier:
         order = np.argsort(keys, kind="stable")
         keys = np.ascontiguousarray(keys[order])
         rows = np.ascontiguousarray(rows[order], dtype=np.float32)
-        seg = self._write_segment(table, keys, rows)
-        self._point_to(table, keys, seg, np.arange(len(keys), dtype=np.int32))
+        found, holder, _ = self._locate({table: keys}, with_rows=False)[table]
+        seg = self._write_segment(table, iter([(keys, rows)]), len(keys))
+        self._supersede(table, holder[found])
+        self._set_live(table, seg.seg, seg.n)
+        self._maybe_compact(table, _HARD_SEGMENTS * self.max_segments)
 
-    def _write_segment(self, table: str, keys: np.ndarray, rows: np.ndarray) -> int:
-        seg = self.next_segment
+    def _set_live(self, table: str, seg: int, live: int) -> None:
+        self._rows[table] = self._rows.get(table, 0) + live - self._live.get((table, seg), 0)
+        self._live[(table, seg)] = live
+
+    def _supersede(self, table: str, holders: np.ndarray) -> None:
+        """The newest rows of some keys left segments ``holders`` (one entry per key)."""
+        if len(holders):
+            segs, counts = np.unique(holders, return_counts=True)
+            for s, c in zip(segs.tolist(), counts.tolist()):
+                self._set_live(table, s, self._live[(table, s)] - c)
+
+    def _write_segment(
+        self, table: str, parts: Iterable[tuple[np.ndarray, np.ndarray]], expected: int
+    ) -> Segment:
+        """Write runs of (sorted keys, rows) as a new segment of ``table`` (not live yet)."""
+        seg_id = self.next_segment
         self.next_segment += 1
-        name = _segment_name(table, seg)
-        n, width = rows.shape
-        chunk_rows = max(1, min(n, self._chunk_bytes // (4 * width)))
-        key_rows = max(1, min(n, self._chunk_bytes // 8))
+        name = segment_name(table, seg_id)
+        width = self.widths[table]
         fault_point("ssd.segment_begin")
-        needed = encoded_bytes(keys, key_rows) + encoded_bytes(rows, chunk_rows)
+        needed = encoded_bytes(np.empty((expected, width + KEY_COLUMNS), np.float32), 64)
         try:
-            with disk_full_as_error(self.root / name, f"segment {seg} of table {table!r}", needed):
-                make_dir(self.root / name)
-                create_array(self._zstore, f"{name}/keys", keys, key_rows)
-                fault_point("ssd.segment_keys_written")
-                create_array(
-                    self._zstore, f"{name}/rows", rows, chunk_rows, block_point="ssd.segment_rows_block"
+            with disk_full_as_error(self.root / name, f"segment {seg_id} of table {table!r}", needed):
+                writer = SegmentWriter(
+                    self._zstore, self.root, name, width, expected, block_point="ssd.segment_rows_block"
                 )
+                for keys, rows in parts:
+                    writer.append(keys, rows)
+                n, check = writer.close()
         except BaseException:
             # Nothing names the segment yet: drop what was written of it (and the space it took).
             shutil.rmtree(self.root / name, ignore_errors=True)
             raise
         fault_point("ssd.segment_written")
-        self._sizes[(table, seg)] = n
-        self._live[(table, seg)] = 0
-        self._unsynced.append((table, seg))
+        seg = self._segment(table, seg_id, n, check)
+        self._segs[table][seg_id] = seg
+        self._unsynced.append((table, seg_id))
         self.rows_written += n
-        self.bytes_written += int(rows.nbytes + keys.nbytes)
+        self.bytes_written += n * 4 * (width + KEY_COLUMNS)
         return seg
 
-    def _point_to(self, table: str, keys: np.ndarray, seg: int, positions: np.ndarray) -> None:
-        """Make sorted unique ``keys`` point at ``seg``/``positions`` in the index."""
-        self._unlive(table, self.index[table].assign(keys, seg, positions))
-        self._live[(table, seg)] = self._live.get((table, seg), 0) + len(keys)
-
-    def _unlive(self, table: str, old_segments: np.ndarray) -> None:
-        if len(old_segments):
-            segs, counts = np.unique(old_segments, return_counts=True)
-            for s, c in zip(segs.tolist(), counts.tolist()):
-                self._live[(table, s)] -= c
-
     def delete(self, table: str, keys: np.ndarray) -> int:
-        """Drop keys from the index (their rows become garbage); returns how many were present."""
-        old = self.index[table].remove(np.unique(keys))
-        self._unlive(table, old)
-        return int(len(old))
+        """Remove ``keys`` from the tier: every segment holding any row of them is rewritten without
+        them (at once: no index remembers deletions). Returns how many keys had a row."""
+        keys = np.unique(np.asarray(keys, np.int64))
+        found, holder, _ = self._locate({table: keys}, with_rows=False)[table]
+        holding = {
+            s
+            for s in self._segs[table]
+            if self._locate({table: keys}, with_rows=False, among={table: [s]})[table][0].any()
+        }
+        self._supersede(table, holder[found])
+        if holding:
+            self._merge(table, sorted(holding), drop=keys[found])
+        return int(found.sum())
+
+    def reset(self, table: str) -> None:
+        """Forget every row of ``table`` (kept checkpoints keep theirs)."""
+        for seg in list(self._segs[table]):
+            self._retire(table, seg)
 
     # -- compaction ---------------------------------------------------------------------------
     def compact(
-        self, table: str, max_segments: int = 16, min_live_fraction: float = 0.5, rewrite: Iterable[int] = ()
+        self,
+        table: str,
+        max_segments: int | None = None,
+        min_live_fraction: float = 0.5,
+        rewrite: Iterable[int] = (),
     ) -> int:
-        """Rewrite segments that are mostly stale, or too many, into one; returns rows rewritten.
+        """Merge the segments that are mostly stale, or too many, into one; returns rows written.
 
-        ``rewrite`` names segments to rewrite whatever their live fraction (e.g. those that held
-        deleted rows, so that the deleted rows leave the disk). Retired segments leave the live
-        index only; their files go once no kept checkpoint names them (see :meth:`collect_garbage`).
+        ``rewrite`` names segments to merge whatever their live fraction.
         """
-        forced = set(rewrite)
-        segs = [s for (t, s) in self._live if t == table]
-        chosen = [
-            s
-            for s in segs
-            if s in forced or self._live[(table, s)] < min_live_fraction * self._sizes[(table, s)]
-        ]
+        chosen = self._choose(table, max_segments or self.max_segments, min_live_fraction, set(rewrite))
+        return self._merge(table, chosen) if chosen else 0
+
+    def _maybe_compact(self, table: str, limit: int) -> None:
+        """Compact now when a write left more than ``limit`` segments or the disk over twice the live rows."""
+        segs = self._segs[table]
+        stored = sum(s.n for s in segs.values())
+        if len(segs) > limit or stored > 2 * self.num_rows(table) + 4096:
+            self.compact(table)
+
+    def _choose(self, table: str, max_segments: int, min_live_fraction: float, forced: set[int]) -> list[int]:
+        segs = self._segs[table]
+        live = {s: self._live[(table, s)] for s in segs}
+        chosen = [s for s in segs if s in forced or live[s] < min_live_fraction * segs[s].n]
         if len(segs) - len(chosen) + 1 > max_segments:
             # Too many segments even after merging the stale ones: merge the smallest too.
-            rest = sorted(set(segs) - set(chosen), key=lambda s: self._live[(table, s)])
+            rest = sorted(set(segs) - set(chosen), key=lambda s: live[s])
             pick = rest[: len(segs) - len(chosen) + 1 - max_segments + 1]
             # Size-tiered: a merge that would mostly rewrite one large segment to absorb a few small
             # ones costs O(table) per pass; let small segments gather (up to twice max_segments)
             # and merge among themselves until they are worth a quarter of the large one.
             if len(segs) <= 2 * max_segments:
-                while len(pick) > 1 and self._live[(table, pick[-1])] > 4 * sum(
-                    self._live[(table, p)] for p in pick[:-1]
-                ):
+                while len(pick) > 1 and live[pick[-1]] > 4 * sum(live[p] for p in pick[:-1]):
                     pick.pop()
                 if len(pick) < 2:
                     pick = []
             chosen += pick
-        if not chosen:
-            return 0
-        fault_point("ssd.compaction_begin")
-        stale = chosen
-        keys = self._live_keys(table, stale)
-        rewritten = 0
-        if len(keys):
-            found, rows = self.read(table, keys)
-            seg = self._write_segment(table, keys, rows)
-            self._point_to(table, keys, seg, np.arange(len(keys), dtype=np.int32))
-            rewritten = len(keys)
-            fault_point("ssd.compaction")
-        for s in stale:
-            if self._live.get((table, s), 0) == 0:
-                self._live.pop((table, s), None)
-                self._forget((table, s))
-        return rewritten
+        return sorted(chosen)
 
-    def _live_keys(self, table: str, segments: list[int]) -> np.ndarray:
-        """Sorted keys whose live rows are in ``segments``: read from the segments' own key arrays,
-        so the cost follows the segments' size, not the table's."""
-        idx = self.index[table]
-        parts = [np.empty(0, np.int64)]
-        for seg in segments:
-            if self._live.get((table, seg), 0) == 0:
-                continue
-            name = _segment_name(table, seg)
-            stored = read_array(self._open(table, seg)[0], self.root, f"{name}/keys", open_files=self._files)
-            found, seg_of, _ = idx.lookup(stored)
-            parts.append(stored[found & (seg_of == seg)])
-        return np.sort(np.concatenate(parts))
+    def _merge(self, table: str, chosen: list[int], drop: np.ndarray | None = None) -> int:
+        """Rewrite the live rows of segments ``chosen`` (but ``drop``'s keys) as one new segment."""
+        fault_point("ssd.compaction_begin")
+        segs = self._segs[table]
+        inputs = [segs[s] for s in chosen]
+        newer = [s for s in segs if s not in set(chosen) and s > chosen[0]]
+        expected = sum(self._live[(table, s)] for s in chosen)
+        out = self._write_segment(table, self._live_parts(table, inputs, newer, drop), max(expected, 1))
+        self._set_live(table, out.seg, out.n)
+        for s in chosen:
+            self._set_live(table, s, 0)
+            self._retire(table, s)
+        fault_point("ssd.compaction")
+        if out.n == 0:
+            self._retire(table, out.seg)
+        return out.n
+
+    def _live_parts(
+        self, table: str, inputs: list[Segment], newer: list[int], drop: np.ndarray | None
+    ) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        """The rows of ``inputs`` that are the newest of their key: not in a ``newer`` segment outside
+        the merge (nor in ``drop``), by key."""
+        for keys, rows, seg in merged(inputs, self.widths[table]):
+            keep = np.ones(len(keys), bool)
+            if drop is not None and len(drop):
+                keep &= ~np.isin(keys, drop, assume_unique=True)
+            if newer:
+                found, holder, _ = self._locate({table: keys}, with_rows=False, among={table: newer})[table]
+                keep &= ~(found & (holder > seg))
+            self.rows_read += len(keys)
+            if keep.any():
+                yield keys[keep], rows[keep]
 
     # -- durability ---------------------------------------------------------------------------
     def sync(self) -> None:
@@ -312,7 +358,7 @@ class SsdTier:
             raise self._sync_error
         try:
             for table, seg in self._unsynced:
-                path = self.root / _segment_name(table, seg)
+                path = self.root / segment_name(table, seg)
                 if path.exists():
                     fsync_tree(path)
             for table in {t for t, _ in self._unsynced}:
@@ -332,31 +378,44 @@ class SsdTier:
             raise self._sync_error from exc
         self._unsynced.clear()
 
-    def live_segments(self) -> set[tuple[str, int]]:
-        """Segments the live index points into."""
-        return {s for s, n in self._live.items() if n > 0}
+    def describe(self, table: str) -> dict[str, dict[str, int]]:
+        """What a checkpoint records of ``table``'s live set: ``{"segments": {id: rows}, "live": {id:
+        live rows}, "check": {id: fences_check}}``."""
+        segs = self._segs[table]
+        return {
+            "segments": {str(s): seg.n for s, seg in segs.items()},
+            "live": {str(s): self._live[(table, s)] for s in segs},
+            "check": {str(s): seg.check for s, seg in segs.items()},
+        }
 
-    def load_index(self, table: str, width: int, index: TableIndex, sizes: dict[int, int]) -> None:
-        """Replace the live index of ``table`` (from a checkpoint)."""
+    def load_segments(self, table: str, width: int, segments: dict[int, tuple[int, int, int]]) -> None:
+        """Replace the live set of ``table`` by ``{id: (rows, live rows, check)}`` (from a checkpoint)."""
         self.add_table(table, width)
-        self.index[table] = index
-        for key in [k for k in self._live if k[0] == table]:
-            self._live.pop(key)
-            self._sizes.pop(key, None)
-        if len(index.seg):
-            segs, counts = np.unique(index.seg, return_counts=True)
-            for s, c in zip(segs.tolist(), counts.tolist()):
-                self._live[(table, s)] = c
-                self._sizes[(table, s)] = sizes.get(s, c)
-        for key in [k for k in self._arrays if k[0] == table]:
-            self._forget(key)
+        for seg in list(self._segs[table]):
+            self._drop(table, seg)
+        for seg, (n, live, check) in sorted(segments.items()):
+            self._segs[table][seg] = self._segment(table, seg, n, check)
+            self._set_live(table, seg, live)
 
-    def segment_size(self, table: str, seg: int) -> int:
-        return self._sizes.get((table, seg), 0)
+    def _drop(self, table: str, seg: int) -> None:
+        """Take a segment out of the live set (its files stay)."""
+        gone = self._segs[table].pop(seg)
+        self._set_live(table, seg, 0)
+        self._live.pop((table, seg), None)
+        self._files.forget_under(gone.path)
+
+    def _retire(self, table: str, seg: int) -> None:
+        """Take a segment out of the live set, deleting it unless a kept checkpoint names it."""
+        self._drop(table, seg)
+        if (table, seg) not in self.protected:
+            shutil.rmtree(self.root / segment_name(table, seg), ignore_errors=True)
+            fault_point("ssd.gc_segment")
 
     def collect_garbage(self, keep: set[tuple[str, int]]) -> int:
-        """Delete segment directories named neither in ``keep`` nor by the live index."""
-        keep = keep | self.live_segments()
+        """Delete segment directories named neither in ``keep`` (the kept checkpoints' segments,
+        protected from now on) nor by the live set."""
+        self.protected = set(keep)
+        keep = keep | set(self.segments())
         removed = 0
         if not self.root.exists():
             return 0
@@ -366,11 +425,8 @@ class SsdTier:
             for sdir in tdir.iterdir():
                 if not (sdir.is_dir() and sdir.name.isdigit()):
                     continue
-                key = (tdir.name, int(sdir.name))
-                if key not in keep:
-                    self._forget(key)
+                if (tdir.name, int(sdir.name)) not in keep:
                     shutil.rmtree(sdir, ignore_errors=True)
-                    self._sizes.pop(key, None)
                     removed += 1
                     fault_point("ssd.gc_segment")
         return removed
@@ -387,3 +443,7 @@ class SsdTier:
 
     def disk_bytes(self) -> int:
         return sum(p.stat().st_size for p in self.root.rglob("*") if p.is_file())
+
+    def close(self) -> None:
+        """Close the segment files kept open for reads (they reopen on the next read)."""
+        self._files.close()

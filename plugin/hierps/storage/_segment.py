@@ -1,0 +1,268 @@
+"""A segment: one immutable sorted run of rows on disk, and what finds a key in it from RAM.
+
+Layout of a segment directory (each a Zarr v3 array of :mod:`hierps.storage._arrays`)::
+
+    rows     (n, 2 + width) float32, sorted by key: columns 0-1 hold the int64 key's bytes, the
+             rest the row; inner chunks of ``chunk_rows`` rows (~4 KiB, at least 16 rows)
+    fences   (c,) int64   the first key of each of the c inner chunks of ``rows``
+    filter   (w,) uint64  a blocked Bloom filter of the keys (~10 bits per key)
+
+A key and its row share a chunk, so finding a stored key costs one chunk read: the filter says
+whether the segment may hold the key (about 2% false positives), the fences which chunk, and the
+chunk holds both the keys to compare and the row. What a segment keeps in RAM is its fences and
+filter: ``8 / chunk_rows + 10 / 8`` bytes per key (at most 1.75), loaded on first use.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+from zarr.storage import LocalStore
+
+from hierps._faults import fault_point
+from hierps.errors import CorruptStoreError
+from hierps.rows._initializers import splitmix64
+from hierps.storage._arrays import Array, ArrayWriter, make_dir, open_array
+from hierps.storage._files import OpenFiles
+from hierps.storage._reads import read_array
+
+__all__ = [
+    "KEY_COLUMNS",
+    "Segment",
+    "SegmentWriter",
+    "bloom_build",
+    "bloom_may_contain",
+    "chunk_rows_for",
+    "segment_name",
+]
+
+KEY_COLUMNS = 2  # float32 columns holding a row's int64 key
+_CHUNK_BYTES = 4 << 10  # inner chunks of ~4 KiB: a lookup reads about one page
+_MIN_CHUNK_ROWS = 16  # wide rows: chunks of 16 rows, so fences stay under 0.5 B per key
+_FILTER_BITS = 10  # Bloom filter bits per key
+_FILTER_PROBES = 7  # bits set per key, all in one 64-bit word (one cache line per probe)
+
+
+def segment_name(table: str, seg: int) -> str:
+    return f"{table}/{seg:08d}"
+
+
+def chunk_rows_for(width: int) -> int:
+    """Rows per inner chunk of a segment of rows of ``width`` floats (plus the key columns)."""
+    return max(_MIN_CHUNK_ROWS, _CHUNK_BYTES // (4 * (width + KEY_COLUMNS)))
+
+
+# -- the filter -------------------------------------------------------------------------------------
+def _filter_words(n: int) -> int:
+    return max(1, (n * _FILTER_BITS + 63) // 64)
+
+
+def _probes(keys: np.ndarray, n_words: int) -> tuple[np.ndarray, np.ndarray]:
+    """keys (n,) int64 -> (word of each key (n,) int64, the bits it sets there (n,) uint64)."""
+    with np.errstate(over="ignore"):
+        h = splitmix64(np.ascontiguousarray(keys, np.int64).view(np.uint64))
+        word = ((h >> np.uint64(32)) * np.uint64(n_words)) >> np.uint64(32)
+        h2 = splitmix64(h)
+    mask = np.zeros(len(keys), np.uint64)
+    for i in range(_FILTER_PROBES):
+        mask |= np.uint64(1) << ((h2 >> np.uint64(6 * i)) & np.uint64(63))
+    return word.astype(np.int64), mask
+
+
+def bloom_build(keys: np.ndarray, n_words: int | None = None) -> np.ndarray:
+    """A filter of ``keys`` (n,) int64: (w,) uint64 words."""
+    words = np.zeros(n_words if n_words is not None else _filter_words(len(keys)), np.uint64)
+    bloom_add(words, keys)
+    return words
+
+
+def bloom_add(words: np.ndarray, keys: np.ndarray) -> None:
+    """Set the bits of ``keys`` in the filter ``words``."""
+    if len(keys):
+        word, mask = _probes(keys, len(words))
+        np.bitwise_or.at(words, word, mask)
+
+
+def bloom_may_contain(words: np.ndarray, keys: np.ndarray) -> np.ndarray:
+    """keys (n,) int64 -> (n,) bool: False where the filter ``words`` proves a key absent."""
+    word, mask = _probes(keys, len(words))
+    return (words[word] & mask) == mask
+
+
+# -- writing ----------------------------------------------------------------------------------------
+class SegmentWriter:
+    """Writes one segment from runs of rows given in increasing key order, in bounded memory.
+
+    ``expected`` (an upper bound of the rows to come) sizes the filter. Nothing is durable until
+    the caller fsyncs the directory; a writer that fails leaves a partial directory that nothing
+    names (the caller removes it).
+    """
+
+    def __init__(
+        self,
+        zstore: LocalStore,
+        root: Path,
+        name: str,
+        width: int,
+        expected: int,
+        block_point: str | None = None,
+    ) -> None:
+        self.name, self.width = name, width
+        self.chunk_rows = chunk_rows_for(width)
+        make_dir(root / name)
+        self._zstore = zstore
+        self._rows = ArrayWriter(
+            zstore, f"{name}/rows", (width + KEY_COLUMNS,), "float32", self.chunk_rows, block_point
+        )
+        self._filter = np.zeros(_filter_words(max(expected, 1)), np.uint64)
+        self._fences: list[np.ndarray] = []
+        self._last: int | None = None
+        self.n = 0
+
+    def append(self, keys: np.ndarray, rows: np.ndarray) -> None:
+        """keys (k,) int64 sorted, all above the previous run's; rows (k, width) float32."""
+        if len(keys) == 0:
+            return
+        if (self._last is not None and keys[0] <= self._last) or (
+            len(keys) > 1 and np.any(keys[1:] <= keys[:-1])
+        ):
+            raise ValueError(f"segment {self.name}: keys must be appended in strictly increasing order")
+        block = np.empty((len(keys), self.width + KEY_COLUMNS), np.float32)
+        block[:, :KEY_COLUMNS] = (
+            np.ascontiguousarray(keys, np.int64).view(np.float32).reshape(-1, KEY_COLUMNS)
+        )
+        block[:, KEY_COLUMNS:] = rows
+        first = -self.n % self.chunk_rows  # the first row of this run that starts a chunk
+        self._fences.append(keys[first :: self.chunk_rows].astype(np.int64))
+        bloom_add(self._filter, keys)
+        self._rows.append(block)
+        self.n += len(keys)
+        self._last = int(keys[-1])
+
+    def close(self) -> tuple[int, int]:
+        """Finish the segment's arrays; returns its row count and :func:`fences_check`."""
+        self._rows.close()
+        fault_point("ssd.segment_rows_written")
+        fences = np.concatenate(self._fences) if self._fences else np.empty(0, np.int64)
+        for array_name, data in (("fences", fences), ("filter", self._filter)):
+            out = ArrayWriter(
+                self._zstore, f"{self.name}/{array_name}", (), data.dtype.name, max(1, len(data))
+            )
+            out.append(data)
+            out.close()
+        return self.n, fences_check(fences)
+
+
+def fences_check(fences: np.ndarray) -> int:
+    """What identifies a segment's content in a manifest: the CRC-32 of its fences (its keys, sampled).
+
+    A segment copied over another (whose checksums all pass) is caught by it."""
+    return zlib.crc32(np.ascontiguousarray(fences, "<i8").tobytes())
+
+
+# -- reading ----------------------------------------------------------------------------------------
+@dataclass(eq=False)
+class Segment:
+    """One segment of a table, opened lazily: nothing is read before the first lookup or scan."""
+
+    root: Path
+    zstore: LocalStore
+    table: str
+    seg: int
+    n: int  # rows, as the manifest records them
+    width: int
+    files: OpenFiles
+    check: int  # fences_check of its content, as the manifest records it
+    _rows: Array | None = field(default=None, init=False)
+    _fences: np.ndarray | None = field(default=None, init=False)
+    _filter: np.ndarray | None = field(default=None, init=False)
+
+    @property
+    def name(self) -> str:
+        return segment_name(self.table, self.seg)
+
+    @property
+    def path(self) -> Path:
+        return self.root / self.name
+
+    @property
+    def ram_bytes(self) -> int:
+        """Bytes this segment holds in RAM (its fences and filter, once loaded)."""
+        return sum(a.nbytes for a in (self._fences, self._filter) if a is not None)
+
+    @property
+    def rows_array(self) -> Array:
+        if self._rows is None:
+            arr = open_array(self.zstore, self.root, f"{self.name}/rows", "float32", 2, self.files)
+            if arr.shape != (self.n, self.width + KEY_COLUMNS):
+                raise CorruptStoreError(
+                    f"{self.path}: rows of shape {arr.shape} do not form the segment the manifest names "
+                    f"({self.n} rows of table {self.table!r}, width {self.width}). The segment or the "
+                    "manifest is damaged."
+                )
+            self._rows = arr
+        return self._rows
+
+    def _load(self) -> tuple[np.ndarray, np.ndarray]:
+        if self._fences is None or self._filter is None:
+            arrays = {}
+            for name, dtype in (("fences", "int64"), ("filter", "uint64")):
+                arr = open_array(self.zstore, self.root, f"{self.name}/{name}", dtype, 1, self.files)
+                arrays[name] = read_array(arr, self.root, f"{self.name}/{name}", open_files=self.files)
+            rows = self.rows_array
+            fences, filt = arrays["fences"], arrays["filter"]
+            if (
+                len(fences) != math.ceil(self.n / rows.chunk_rows)
+                or (len(fences) > 1 and not np.all(fences[1:] > fences[:-1]))
+                or fences_check(fences) != self.check
+            ):
+                raise CorruptStoreError(
+                    f"{self.path}: its keys (fences) do not form the segment the manifest names ({self.n} rows, "
+                    f"check {self.check}); the segment is damaged or another segment was copied over it. "
+                    "Restore the store from a backup or open an earlier checkpoint."
+                )
+            if len(filt) == 0:
+                raise CorruptStoreError(f"{self.path}: its key filter is empty; the segment is damaged.")
+            self._fences, self._filter = fences, filt
+        return self._fences, self._filter
+
+    def candidates(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """keys (n,) int64 sorted -> (which may be here (n,) bool, their chunk (m,) int64 for those)."""
+        if self.n == 0 or len(keys) == 0:
+            return np.zeros(len(keys), bool), np.empty(0, np.int64)
+        fences, filt = self._load()
+        maybe = (keys >= fences[0]) & bloom_may_contain(filt, keys)
+        chunk = np.searchsorted(fences, keys[maybe], side="right") - 1
+        return maybe, chunk.astype(np.int64)
+
+    def chunk_positions(self, chunks: np.ndarray) -> np.ndarray:
+        """Sorted unique chunk indices (c,) -> every row position in them (sorted)."""
+        rows = self.rows_array.chunk_rows
+        starts = chunks * rows
+        ends = np.minimum(starts + rows, self.n)
+        counts = ends - starts
+        if len(counts) == 0:
+            return np.empty(0, np.int64)
+        offsets = np.repeat(starts - np.concatenate([[0], np.cumsum(counts)[:-1]]), counts)
+        return np.arange(int(counts.sum()), dtype=np.int64) + offsets
+
+    def scan(self, batch_rows: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        """Yield ``(keys (b,) int64, rows (b, width) float32)`` of every row, in key order."""
+        arr = self.rows_array
+        step = max(arr.chunk_rows, batch_rows - batch_rows % arr.chunk_rows)
+        for start in range(0, self.n, step):
+            block = read_array(
+                arr, self.root, f"{self.name}/rows", np.arange(start, min(start + step, self.n)), self.files
+            )
+            yield split_block(block)
+
+
+def split_block(block: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(k, 2 + width) float32 rows of a segment -> (keys (k,) int64, rows (k, width) float32)."""
+    keys = np.ascontiguousarray(block[:, :KEY_COLUMNS]).view(np.int64).reshape(-1)
+    return keys, block[:, KEY_COLUMNS:]
