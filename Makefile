@@ -10,7 +10,7 @@ HVD_CACHE   ?= $(HOME)/.cache/hierps/wheels
 HVD_ENV     := HOROVOD_WITH_PYTORCH=1 HOROVOD_WITHOUT_TENSORFLOW=1 HOROVOD_WITHOUT_MXNET=1 \
                HOROVOD_WITH_GLOO=1 HOROVOD_WITHOUT_MPI=1 HOROVOD_CPU_OPERATIONS=gloo
 
-.PHONY: setup horovod demo test test-all lint bench clean
+.PHONY: setup horovod demo test test-all lint bench bench-scale clean
 
 setup: $(STAMP)
 
@@ -62,6 +62,13 @@ lint: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/hierps bench
+
+# The store at 10^6 and 10^7 rows: write, train, reopen, export, serving, each in a fresh process
+# (seconds, peak RSS against its limit, I/O, files), against this disk's random 4 KiB read rate.
+# For 10^8 rows too (about 25 GB of disk for the store and its export), run it with --full:
+#   $(BIN)/hierps bench --scale --full --json runs/scale-full.json --plot docs/scale-full.png
+bench-scale: $(STAMP)
+	$(BIN)/hierps bench --scale --json runs/scale.json --plot docs/scale.png
 
 clean:
 	rm -rf $(VENV) build *.egg-info

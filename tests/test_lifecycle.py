@@ -64,9 +64,7 @@ def segment_keys(seg: Path) -> np.ndarray:
 
 def _keys_on_disk(store_path: Path, table: str) -> np.ndarray:
     """Keys of every segment file of ``table`` left on disk, read with plain zarr."""
-    found = [
-        segment_keys(seg) for seg in (store_path / "segments" / table).iterdir() if seg.name.isdigit()
-    ]
+    found = [segment_keys(seg) for seg in (store_path / "segments" / table).iterdir() if seg.name.isdigit()]
     return np.concatenate(found) if found else np.empty(0, np.int64)
 
 

@@ -199,9 +199,7 @@ def test_ssd_tier_reads_exact_rows_across_segments(tmp_path):
     found, rows = tier.read("t", want)
     assert found.all()
     np.testing.assert_array_equal(rows, np.stack([expected[k] for k in want.tolist()]))
-    scanned = {
-        k: v for keys, vals in tier.scan("t", slice(0, 37)) for k, v in zip(keys.tolist(), vals)
-    }
+    scanned = {k: v for keys, vals in tier.scan("t", slice(0, 37)) for k, v in zip(keys.tolist(), vals)}
     assert sorted(scanned) == want.tolist()
     np.testing.assert_array_equal(np.stack([scanned[k] for k in want.tolist()]), rows)
     tier.compact("t", max_segments=1)

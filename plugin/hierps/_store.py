@@ -440,11 +440,13 @@ class Store:
             )
         self._pipe.drain()
         self._core.device_tier.discard(table)
-        order = np.argsort(keys, kind="stable")
-        keys, rows = keys[order], np.ascontiguousarray(rows[order], dtype=np.float32)
-        for start in range(0, len(keys), 1 << 18):
+        sorted_keys = len(keys) < 2 or bool(np.all(keys[1:] > keys[:-1]))
+        order = None if sorted_keys else np.argsort(keys, kind="stable")
+        step = 1 << 18  # rows gathered (sorted) per step: the caller's array is never copied whole
+        for start in range(0, len(keys), step):
+            part = slice(start, start + step) if order is None else order[start : start + step]
             self._core.memory.put(
-                table, keys[start : start + (1 << 18)], rows[start : start + (1 << 18)], dirty=True
+                table, keys[part], np.ascontiguousarray(rows[part], dtype=np.float32), dirty=True
             )
 
     def reset_table(self, table: str) -> None:

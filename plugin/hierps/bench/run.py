@@ -22,7 +22,6 @@ import json
 import os
 import pstats
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -30,6 +29,8 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
+
+from hierps.bench._worker import spawn as spawn_worker
 
 __all__ = [
     "ALL_VARIANTS",
@@ -101,6 +102,10 @@ def _worker(spec: dict[str, Any]) -> dict[str, Any]:
     import torch
 
     torch.set_num_threads(spec["config"]["threads"])
+    if spec["task"] == "scale":  # one phase of hierps bench --scale, which measures it itself
+        from hierps.bench.scale import run_phase
+
+        return run_phase(spec)
     from hierps.bench import machine as bench_machine
     from hierps.bench import variants as bench_variants
     from hierps.bench.variants import peak_rss_bytes, run_variant
@@ -133,25 +138,6 @@ def _worker(spec: dict[str, Any]) -> dict[str, Any]:
     record["process_seconds"] = time.perf_counter() - t0
     record["torch_threads"] = torch.get_num_threads()
     return record
-
-
-def _spawn(spec: dict[str, Any], timeout: float) -> dict[str, Any]:
-    """Run ``spec`` in a fresh ``python -m hierps.bench.run --worker`` process; its record or ``{"error"}``."""
-    out = Path(spec["tmp"]) / "result.json"
-    Path(spec["tmp"]).mkdir(parents=True, exist_ok=True)
-    env = {
-        **os.environ,
-        "DS_ACCELERATOR": os.environ.get("DS_ACCELERATOR", "cpu"),
-        "OMP_NUM_THREADS": str(spec["config"]["threads"]),
-    }
-    cmd = [sys.executable, "-m", "hierps.bench.run", "--worker", json.dumps(spec), "--out", str(out)]
-    try:
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, check=False)
-    except subprocess.TimeoutExpired:
-        return {"error": f"timed out after {timeout:.0f} s"}
-    if proc.returncode != 0 or not out.exists():
-        return {"error": (proc.stderr or proc.stdout or f"exit status {proc.returncode}")[-2000:]}
-    return json.loads(out.read_text(encoding="utf-8"))
 
 
 def _median_record(runs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -207,7 +193,7 @@ def run_bench(
         def spawn(task: str, config: dict[str, Any], label: str, **extra: Any) -> dict[str, Any]:
             spec = {"task": task, "config": config, "tmp": str(tmp / f"{next(counter):03d}-{label}"), **extra}
             t0 = time.perf_counter()
-            record = _spawn(spec, cfg.worker_timeout)
+            record = spawn_worker(spec, cfg.worker_timeout)
             status = (
                 f"{record['examples_per_s']:.0f} examples/s"
                 if "examples_per_s" in record
@@ -270,6 +256,11 @@ def _count(text: str) -> int:
     return value
 
 
+def _counts(text: str) -> tuple[int, ...]:
+    """Comma-separated ints >= 1 from the command line."""
+    return tuple(_count(item) for item in text.split(",") if item.strip())
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of ``hierps bench``."""
     a = parser.add_argument
@@ -287,7 +278,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a(
         "--full",
         action="store_true",
-        help="also the 10M-row comparison with deepspeed-dense, and 10^7 rows in the scaling experiment",
+        help="also the 10M-row comparison with deepspeed-dense, and 10^7 rows in the scaling experiment "
+        "(with --scale: also 10^8 rows)",
     )
     a("--scaling", action="store_true", help="run only the SSD scaling experiment")
     a("--no-scaling", action="store_true", help="skip the SSD scaling experiment")
@@ -299,6 +291,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="DIR",
         help="also write a cProfile summary of the measured epoch of one extra run per variant into DIR",
     )
+    a(
+        "--scale",
+        action="store_true",
+        help="instead: the store at 10^6 and 10^7 rows (--full: also 10^8), write / train / reopen / export / "
+        "serving each in a fresh process: seconds, peak RSS against its limit, I/O, files (hierps.bench.scale)",
+    )
+    a("--sizes", type=_counts, help="with --scale: comma-separated table sizes (default 1000000,10000000)")
+    a("--passes", type=_count, help="with --scale: passes of 4 x 4096 fresh keys per size (default 8)")
+    a("--memory-budget", help="with --scale: the store's RAM budget (default 256MiB)")
+    a("--keep", action="store_true", help="with --scale: keep the stores and exports (under --tmp)")
     a("--json", metavar="PATH", help="write the results as JSON here")
     a("--plot", metavar="PATH", help="write a PNG chart here")
 
@@ -334,6 +336,10 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
 
 def run_from_args(args: argparse.Namespace) -> int:
     """``hierps bench``: run, print the report, write ``--json`` / ``--plot``."""
+    if args.scale:
+        from hierps.bench.scale import run_from_args as run_scale
+
+        return run_scale(args)
     cfg = config_from_args(args)
     unknown = sorted(set(cfg.variants) - set(ALL_VARIANTS))
     if unknown:

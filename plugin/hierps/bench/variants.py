@@ -340,10 +340,10 @@ class _SsdClock:
             finally:
                 self.read_seconds += time.perf_counter() - t0
 
-        def timed_write(table: str, keys: np.ndarray, rows: np.ndarray) -> None:
+        def timed_write(table: str, keys: np.ndarray, rows: np.ndarray, at: np.ndarray | None = None) -> None:
             t0 = time.perf_counter()
             try:
-                write(table, keys, rows)
+                write(table, keys, rows, at)
             finally:
                 self.write_seconds += time.perf_counter() - t0
 

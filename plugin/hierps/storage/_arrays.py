@@ -127,6 +127,7 @@ class ArrayWriter:
         dtype: str,
         chunk_rows: int,
         block_point: str | None = None,
+        align: int = 1,
     ) -> None:
         self.path = Path(zstore.root) / name
         self._dtype = np.dtype(dtype).newbyteorder("<")
@@ -134,6 +135,9 @@ class ArrayWriter:
         self._row_bytes = self._dtype.itemsize * math.prod(self._rest)
         self._chunk_rows = max(1, chunk_rows)
         self._payload = self._chunk_rows * self._row_bytes
+        # Each encoded chunk starts at a multiple of ``align`` bytes (the shard index says where): a
+        # chunk of at most a page then costs one page read, not two.
+        self._stride = -(-(self._payload + 4) // align) * align
         self._block_point = block_point
         self._partial = np.empty((0, self._row_bytes), np.uint8)
         self._fd: int | None = None
@@ -163,7 +167,12 @@ class ArrayWriter:
                 folder = folder / part
                 make_dir(folder)
             self._fd = os.open(folder / "0", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        _write_all(self._fd, _encode_chunks(payloads))
+        encoded = _encode_chunks(payloads)
+        if self._stride != encoded.shape[1]:
+            padded = np.zeros((len(encoded), self._stride), np.uint8)
+            padded[:, : encoded.shape[1]] = encoded
+            encoded = padded
+        _write_all(self._fd, encoded)
         self._chunks += len(payloads)
         if self._block_point is not None:
             fault_point(self._block_point)
@@ -177,7 +186,7 @@ class ArrayWriter:
                 self._partial = self._partial[:0]
             if self._fd is not None:
                 index = np.empty((self._chunks, 2), dtype="<u8")
-                index[:, 0] = np.arange(self._chunks, dtype=np.uint64) * np.uint64(self._payload + 4)
+                index[:, 0] = np.arange(self._chunks, dtype=np.uint64) * np.uint64(self._stride)
                 index[:, 1] = self._payload + 4
                 _write_all(self._fd, _encode_chunks(index.view(np.uint8).reshape(1, -1)))
         finally:

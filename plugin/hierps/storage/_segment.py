@@ -42,7 +42,7 @@ __all__ = [
 ]
 
 KEY_COLUMNS = 2  # float32 columns holding a row's int64 key
-_CHUNK_BYTES = 4 << 10  # inner chunks of ~4 KiB: a lookup reads about one page
+_PAGE = 4 << 10  # inner chunks of at most a page (with their checksum), page-aligned: a lookup reads one page
 _MIN_CHUNK_ROWS = 16  # wide rows: chunks of 16 rows, so fences stay under 0.5 B per key
 _FILTER_BITS = 10  # Bloom filter bits per key
 _FILTER_PROBES = 7  # bits set per key, all in one 64-bit word (one cache line per probe)
@@ -54,7 +54,7 @@ def segment_name(table: str, seg: int) -> str:
 
 def chunk_rows_for(width: int) -> int:
     """Rows per inner chunk of a segment of rows of ``width`` floats (plus the key columns)."""
-    return max(_MIN_CHUNK_ROWS, _CHUNK_BYTES // (4 * (width + KEY_COLUMNS)))
+    return max(_MIN_CHUNK_ROWS, (_PAGE - 4) // (4 * (width + KEY_COLUMNS)))
 
 
 # -- the filter -------------------------------------------------------------------------------------
@@ -117,7 +117,13 @@ class SegmentWriter:
         make_dir(root / name)
         self._zstore = zstore
         self._rows = ArrayWriter(
-            zstore, f"{name}/rows", (width + KEY_COLUMNS,), "float32", self.chunk_rows, block_point
+            zstore,
+            f"{name}/rows",
+            (width + KEY_COLUMNS,),
+            "float32",
+            self.chunk_rows,
+            block_point,
+            align=_PAGE,
         )
         self._filter = np.zeros(_filter_words(max(expected, 1)), np.uint64)
         self._fences: list[np.ndarray] = []
@@ -236,7 +242,12 @@ class Segment:
         if self.n == 0 or len(keys) == 0:
             return np.zeros(len(keys), bool), np.empty(0, np.int64)
         fences, filt = self._load()
-        maybe = (keys >= fences[0]) & bloom_may_contain(filt, keys)
+        maybe = keys >= fences[0]
+        span = np.searchsorted(fences, keys[[0, -1]], side="right")
+        if len(keys) < span[1] - span[0] + 1:
+            # Fewer keys than chunks in their range: the filter saves reads. More: nearly every chunk
+            # of the range is read anyway, and the reads are long sequential runs; skip it.
+            maybe &= bloom_may_contain(filt, keys)
         chunk = np.searchsorted(fences, keys[maybe], side="right") - 1
         return maybe, chunk.astype(np.int64)
 

@@ -216,7 +216,7 @@ class MemoryTier:
             dirty = slab.dirty[slots]
             if dirty.any():
                 fault_point("memory.evict")
-                self.lower.write(table, slab.keys[positions[dirty]], slab.rows[slots[dirty]])
+                self.lower.write(table, slab.keys[positions[dirty]], slab.rows, at=slots[dirty])
         slab.remove(positions)
         self.evicted_rows += len(positions)
 
@@ -227,7 +227,7 @@ class MemoryTier:
                 continue
             dirty = slab.dirty[slab.slots]
             if dirty.any():
-                self.lower.write(table, slab.keys[dirty], slab.rows[slab.slots[dirty]])
+                self.lower.write(table, slab.keys[dirty], slab.rows, at=slab.slots[dirty])
                 slab.dirty[slab.slots[dirty]] = False
                 fault_point("memory.flush_table")
 

@@ -44,6 +44,8 @@ __all__ = ["SsdTier"]
 
 # Keys looked up per read dispatch: bounds the chunks held at once (~4 KiB each).
 _LOOKUP_KEYS = 1 << 13
+# Rows gathered and written per step of a segment write.
+_WRITE_SLICE_BYTES = 8 << 20
 # A write whose rows leave more than this many segments behind compacts at once (x max_segments).
 _HARD_SEGMENTS = 2
 
@@ -195,18 +197,26 @@ class SsdTier:
             yield keys, rows[:, columns]
 
     # -- writes -------------------------------------------------------------------------------
-    def write(self, table: str, keys: np.ndarray, rows: np.ndarray) -> None:
+    def write(self, table: str, keys: np.ndarray, rows: np.ndarray, at: np.ndarray | None = None) -> None:
         """Append rows as one new segment; they supersede older rows of the same keys.
 
-        keys: (n,) int64 unique (any order); rows: (n, width) float32.
+        keys: (n,) int64 unique (any order); rows: (n, width) float32, or with ``at`` (n,) int64 the
+        rows ``rows[at]`` (e.g. slots of a larger array), gathered a slice at a time: memory stays
+        bounded however many rows are written.
         """
         if len(keys) == 0:
             return
-        order = np.argsort(keys, kind="stable")
-        keys = np.ascontiguousarray(keys[order])
-        rows = np.ascontiguousarray(rows[order], dtype=np.float32)
+        order = None if _is_sorted(keys) else np.argsort(keys, kind="stable")
+        if order is not None:
+            keys = keys[order]
+        where = at if order is None else (order if at is None else at[order])
+        step = max(1, _WRITE_SLICE_BYTES // (4 * self.widths[table]))
+        parts = (
+            (keys[a : a + step], rows[a : a + step] if where is None else rows[where[a : a + step]])
+            for a in range(0, len(keys), step)
+        )
         found, holder, _ = self._locate({table: keys}, with_rows=False)[table]
-        seg = self._write_segment(table, iter([(keys, rows)]), len(keys))
+        seg = self._write_segment(table, parts, len(keys))
         self._supersede(table, holder[found])
         self._set_live(table, seg.seg, seg.n)
         self._maybe_compact(table, _HARD_SEGMENTS * self.max_segments)
@@ -447,3 +457,8 @@ class SsdTier:
     def close(self) -> None:
         """Close the segment files kept open for reads (they reopen on the next read)."""
         self._files.close()
+
+
+def _is_sorted(keys: np.ndarray) -> bool:
+    """Strictly increasing (what a segment needs)."""
+    return len(keys) < 2 or bool(np.all(keys[1:] > keys[:-1]))

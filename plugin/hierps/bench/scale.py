@@ -1,0 +1,762 @@
+"""``hierps bench --scale``: the store at 10^6 and 10^7 rows (``--full``: also 10^8), phase by phase.
+
+Per table size N, one table ``"t"`` (dim 16, adagrad) under a RAM budget (``--memory-budget``,
+default 256MiB) and a 64MiB device budget, the pipeline on, goes through five phases, each in a
+fresh process (the ``--worker`` of :mod:`hierps.bench.run`), so that each phase's peak RSS is its own:
+
+1. ``write``: keys 0..N-1 through ``Store.write_rows`` in chunks of 2^20 rows, then a checkpoint;
+2. ``train``: ``--passes`` passes of 4 mini-batches of 4096 keys never trained before (the store's
+   files dropped from the page cache before each pass), each pass followed by a checkpoint;
+3. ``reopen``: ``hierps.Store(path)`` and ``num_rows``, cold;
+4. ``export``: ``hierps export``'s :func:`~hierps.lifecycle._export.export_store`, cold;
+5. ``serving``: :func:`hierps.serving.open` of the export, cold, and a lookup of 16384 random ids.
+
+Each phase reports its seconds, peak RSS (``VmHWM``), the ``/proc/self/io`` deltas over the phase,
+the SSD tier's key-index RAM, the files and bytes under the store directory, and whether its peak
+RSS stays under ``memory_budget + device_budget + 2 B * N + 700 MiB``. A probe process measures
+the disk in the same run: random 4 KiB reads at queue depth 16 (:func:`random_read`) and the cold
+sequential read bandwidth (:func:`hierps.bench.machine.disk_read`); the train phase's rows read
+from SSD per second are reported against the random read rate.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from hierps.bench._worker import spawn
+
+__all__ = [
+    "FULL_SIZE",
+    "PHASES",
+    "ScaleConfig",
+    "bare_import_rss",
+    "check_goals",
+    "config_from_args",
+    "format_report",
+    "io_counters",
+    "peak_rss",
+    "phase_config",
+    "plot",
+    "random_read",
+    "rss_limit",
+    "run_phase",
+    "run_scale",
+    "spawn_phase",
+]
+
+_MiB = 1 << 20
+FULL_SIZE = 100_000_000
+PHASES = ("write", "train", "reopen", "export", "serving")
+_IO_FIELDS = ("rchar", "wchar", "read_bytes", "write_bytes")
+_RSS_SLACK = 700 * _MiB  # the issue's allowance beyond the budgets and 2 B per key
+_CHECKPOINT_SLACK = 1 * _MiB  # a checkpoint may write 4x its dirty rows' bytes + this
+GOALS = [
+    ("rss", "every phase's peak RSS <= memory budget + device budget + 2 B/key + 700 MiB", 1.0),
+    ("checkpoint", "a checkpoint after a pass writes <= 4x the dirty rows' bytes + 1 MiB", 1.0),
+    ("ssd_rows", "fresh-key pass reads rows at >= 50% of the random 4 KiB read rate", 0.5),
+    ("wide", "reading a quarter of the rows runs at >= 50% of the sequential read bandwidth", 0.5),
+]
+
+
+@dataclass
+class ScaleConfig:
+    """Settings of one ``hierps bench --scale`` run."""
+
+    sizes: tuple[int, ...] = (1_000_000, 10_000_000)
+    dim: int = 16
+    passes: int = 8
+    batches: int = 4  # mini-batches per pass
+    batch_keys: int = 4096  # distinct keys per mini-batch
+    memory_budget: str = "256MiB"
+    device_budget: str = "64MiB"
+    write_chunk: int = 1 << 20  # rows per write_rows call
+    lookups: int = 16_384  # random ids looked up in the serving phase
+    disk_bytes: int = 1 << 30  # size of each disk probe file
+    probe_threads: int = 16  # random reads in flight
+    seed: int = 0
+    threads: int = 1  # torch intra-op threads of each phase
+    tmp: str | None = None  # directory for stores and probe files (default: the system temp dir)
+    keep: bool = False  # keep each size's store and export
+    timeout: float = 4 * 3600.0  # per phase
+
+    def __post_init__(self) -> None:
+        from hierps.config import parse_size
+
+        parse_size(self.memory_budget, "memory_budget")  # a ConfigError (a ValueError) when malformed
+        parse_size(self.device_budget, "device_budget")
+        fresh = self.passes * self.batches * self.batch_keys
+        small = [n for n in self.sizes if n < fresh]
+        if small:
+            raise ValueError(
+                f"{self.passes} passes of {self.batches} x {self.batch_keys} fresh keys need {fresh:,} rows; "
+                f"size(s) {small} are smaller: give fewer --passes or larger --sizes."
+            )
+
+
+def phase_config(cfg: ScaleConfig) -> dict[str, Any]:
+    """The JSON-ready settings a phase process gets (``threads`` also sets its OMP_NUM_THREADS)."""
+    conf = asdict(cfg)
+    conf["sizes"] = list(cfg.sizes)
+    return conf
+
+
+def rss_limit(conf: dict[str, Any], rows: int) -> int:
+    """The peak RSS a phase on ``rows`` rows may reach: the budgets + 2 B per key + 700 MiB."""
+    from hierps.config import parse_size
+
+    return (
+        parse_size(conf["memory_budget"], "memory_budget")
+        + parse_size(conf["device_budget"], "device_budget")
+        + 2 * rows
+        + _RSS_SLACK
+    )
+
+
+# -- what a process measures of itself ------------------------------------------------------------
+def peak_rss(status: str | None = None) -> int:
+    """Bytes of ``VmHWM`` (peak resident set) in ``status`` (default: this process's /proc/self/status)."""
+    text = Path("/proc/self/status").read_text(encoding="ascii") if status is None else status
+    found = re.search(r"^VmHWM:\s+(\d+)\s+kB", text, re.MULTILINE)
+    return int(found.group(1)) * 1024 if found else 0
+
+
+def io_counters() -> dict[str, int]:
+    """``rchar``, ``wchar``, ``read_bytes``, ``write_bytes`` of this process (zeros without /proc/self/io)."""
+    try:
+        words = Path("/proc/self/io").read_text(encoding="ascii").split()
+    except OSError:
+        words = []
+    found = {name.rstrip(":"): int(value) for name, value in zip(words[::2], words[1::2])}
+    return {name: found.get(name, 0) for name in _IO_FIELDS}
+
+
+def _io_delta(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
+    return {name: after[name] - before[name] for name in _IO_FIELDS}
+
+
+def _measured(fn: Callable[[], object], sync: bool = False) -> tuple[float, dict[str, int]]:
+    """Seconds of ``fn()`` and its /proc/self/io deltas; with ``sync``, ``os.sync()`` (untimed) before and
+    after, so that what it wrote has reached the block layer when ``write_bytes`` is read."""
+    if sync:
+        os.sync()
+    io0, t0 = io_counters(), time.perf_counter()
+    fn()
+    seconds = time.perf_counter() - t0
+    if sync:
+        os.sync()
+    return seconds, _io_delta(io0, io_counters())
+
+
+def _tree(path: str | None) -> dict[str, int]:
+    """Files and bytes under ``path`` (zeros when it is missing)."""
+    files = nbytes = 0
+    for root, _, names in os.walk(path or ""):
+        for name in names:
+            try:
+                nbytes += os.stat(os.path.join(root, name)).st_size
+            except FileNotFoundError:
+                continue
+            files += 1
+    return {"files": files, "bytes": nbytes}
+
+
+def bare_import_rss() -> int:
+    """Peak RSS of a fresh process that only runs ``import hierps, torch``: what every phase starts from."""
+    code = "import hierps, torch; print(open('/proc/self/status').read())"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    return peak_rss(proc.stdout)
+
+
+# -- the disk -------------------------------------------------------------------------------------
+def _fill(path: Path, nbytes: int) -> None:
+    """Write ``nbytes`` of incompressible bytes to ``path`` and fsync."""
+    block = np.random.default_rng(1).integers(0, 256, 16 * _MiB, dtype=np.uint8)
+    with open(path, "wb") as f:
+        for start in range(0, nbytes, len(block)):
+            f.write(block[: nbytes - start].data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _pread_all(fd: int, block: int, offsets: np.ndarray) -> int:
+    return sum(len(os.pread(fd, block, int(offset))) for offset in offsets)
+
+
+def random_read(
+    directory: Path, nbytes: int = 1 << 30, threads: int = 16, block: int = 4096, reads: int = 65_536
+) -> dict[str, Any]:
+    """Reads of ``block`` bytes at distinct random aligned offsets of a fresh ``nbytes`` file, ``threads``
+    in flight (each thread one ``os.pread`` after another), the file dropped from the page cache and
+    advised ``POSIX_FADV_RANDOM`` (no read-ahead) first; ``device_bytes_per_read`` shows that each read
+    reached the device (4 KiB, not a page-cache hit nor a read-ahead)."""
+    from hierps.bench.machine import drop_from_page_cache, io_read_bytes
+
+    path = directory / "random-probe.bin"
+    pages = nbytes // block
+    offsets = np.random.default_rng(0).choice(pages, size=max(1, min(reads, pages // 2)), replace=False)
+    try:
+        _fill(path, nbytes)
+        drop_from_page_cache(path)
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+            io0, t0 = io_read_bytes(), time.perf_counter()
+            with ThreadPoolExecutor(threads) as pool:
+                got = sum(pool.map(partial(_pread_all, fd, block), np.array_split(offsets * block, threads)))
+            seconds, fetched = time.perf_counter() - t0, io_read_bytes() - io0
+        finally:
+            os.close(fd)
+    finally:
+        path.unlink(missing_ok=True)
+    return {
+        "file_bytes": nbytes,
+        "block": block,
+        "threads": threads,
+        "reads": len(offsets),
+        "seconds": seconds,
+        "reads_per_s": len(offsets) / seconds,
+        "bytes_per_s": got / seconds,
+        "device_bytes_per_read": fetched / len(offsets),
+    }
+
+
+def _disk_phase(spec: dict[str, Any]) -> dict[str, Any]:
+    from hierps.bench.machine import disk_read
+
+    conf, tmp = spec["config"], Path(spec["tmp"])
+    t0 = time.perf_counter()
+    rand = random_read(tmp, conf["disk_bytes"], threads=conf["probe_threads"])
+    return {
+        "random_4k": rand,
+        "sequential": disk_read(tmp, conf["disk_bytes"]),
+        "seconds": time.perf_counter() - t0,
+    }
+
+
+# -- the phases (each in its own process) ---------------------------------------------------------
+def _open(spec: dict[str, Any]) -> Any:
+    import hierps
+
+    conf = spec["config"]
+    return hierps.Store(
+        spec["store"], memory_budget=conf["memory_budget"], device_budget=conf["device_budget"], pipeline=True
+    )
+
+
+def _write_phase(spec: dict[str, Any]) -> dict[str, Any]:
+    """Keys 0..N-1, rows of seeded random weights, zero optimizer state and counters; a checkpoint."""
+    conf, n = spec["config"], spec["rows"]
+    rng = np.random.default_rng(conf["seed"])
+    t0 = time.perf_counter()
+    with _open(spec) as store:
+        info = store.table("t", conf["dim"], optimizer="adagrad")
+        for start in range(0, n, conf["write_chunk"]):
+            keys = np.arange(start, min(n, start + conf["write_chunk"]), dtype=np.int64)
+            rows = np.zeros((len(keys), info.width), np.float32)
+            rows[:, : info.dim] = rng.standard_normal((len(keys), info.dim), dtype=np.float32)
+            store.write_rows("t", keys, rows)
+            del rows  # before the next chunk is allocated: one chunk of rows at a time
+        t1 = time.perf_counter()
+        store.checkpoint()
+        t2 = time.perf_counter()
+        index = store.ssd.index_ram_bytes
+    return {
+        "seconds": t2 - t0,
+        "write_seconds": t1 - t0,
+        "checkpoint_seconds": t2 - t1,
+        "index_ram_bytes": index,
+    }
+
+
+def _fresh_keys(conf: dict[str, Any], rows: int) -> np.ndarray:
+    """(passes, batches, batch_keys) distinct keys of 0..rows-1: disjoint slices of a seeded permutation."""
+    shape = (conf["passes"], conf["batches"], conf["batch_keys"])
+    rng = np.random.default_rng(conf["seed"] + 1)
+    return rng.choice(rows, size=int(np.prod(shape)), replace=False).reshape(shape)
+
+
+def _run_pass(store: Any, ids: list[Any], load: list[float]) -> None:
+    """begin_pass (its seconds appended to ``load``: the reads of the pass's rows), per mini-batch
+    gather / backward of sum(w^2) / step, end_pass."""
+    t0 = time.perf_counter()
+    store.begin_pass([{"t": k} for k in ids])
+    load.append(time.perf_counter() - t0)
+    for k in ids:
+        w = store.gather("t", k, requires_grad=True)
+        (w * w).sum().backward()
+        store.step()
+    store.end_pass()
+
+
+def _train_pass(store: Any, batches: np.ndarray) -> dict[str, Any]:
+    """One pass over ``batches`` (store files cold), then a checkpoint, each with its own I/O."""
+    import torch
+
+    from hierps.bench.machine import drop_from_page_cache
+
+    ids = [torch.from_numpy(np.sort(b)).to(store.device) for b in batches]
+    drop_from_page_cache(store.path)
+    load: list[float] = []
+    seconds, io = _measured(lambda: _run_pass(store, ids, load))
+    stats = store.stats.history[-1]
+    # The pass's background work (its compaction, on the pipeline's worker) ends before the checkpoint
+    # is measured: num_rows waits for it. Its bytes are reported apart, as the pass's.
+    background_seconds, background_io = _measured(lambda: store.num_rows("t"), sync=True)
+    checkpoint_seconds, checkpoint_io = _measured(store.checkpoint, sync=True)
+    return {
+        "seconds": seconds,
+        "load_seconds": load[0],
+        "background_seconds": background_seconds,
+        "background_io": background_io,
+        "checkpoint_seconds": checkpoint_seconds,
+        "io": io,
+        "checkpoint_io": checkpoint_io,
+        "dirty_bytes": batches.size * store.info("t").width * 4,
+        "rows_loaded": int(stats["rows_loaded"]),
+        "ssd_rows": round(stats["rows_loaded"] * stats["ssd_hit_rate"]),
+        "ssd_bytes_read": int(stats["ssd_bytes_read"]),
+    }
+
+
+def _train_phase(spec: dict[str, Any]) -> dict[str, Any]:
+    keys = _fresh_keys(spec["config"], spec["rows"])
+    t0 = time.perf_counter()
+    with _open(spec) as store:
+        opened = time.perf_counter() - t0
+        passes = [_train_pass(store, group) for group in keys]
+        index = store.ssd.index_ram_bytes
+        wide = _wide_read(store, spec["rows"], spec["config"]["seed"])
+    pass_seconds = sum(p["seconds"] for p in passes)
+    ssd_rows = sum(p["ssd_rows"] for p in passes)
+    return {
+        "seconds": pass_seconds + sum(p["checkpoint_seconds"] for p in passes),
+        "open_seconds": opened,
+        "passes": passes,
+        "ssd_rows_per_s": ssd_rows / sum(p["load_seconds"] for p in passes),
+        "pass_rows_per_s": ssd_rows / pass_seconds,
+        "index_ram_bytes": index,
+        "wide": wide,
+    }
+
+
+def _wide_read(store: Any, rows: int, seed: int) -> dict[str, Any]:
+    """The SSD tier reading a quarter of the table's rows (store files cold), sorted batches of
+    2^18 keys as a pass's load of a large working set asks them: seconds, bytes from the device."""
+    from hierps.bench.machine import drop_from_page_cache
+
+    keys = np.sort(np.random.default_rng(seed + 7).choice(rows, rows // 4, replace=False).astype(np.int64))
+    drop_from_page_cache(store.path)
+    found = 0
+
+    def read() -> None:
+        nonlocal found
+        for start in range(0, len(keys), 1 << 18):
+            found += int(store.ssd.read("t", keys[start : start + (1 << 18)])[0].sum())
+
+    seconds, io = _measured(read)
+    return {
+        "keys": len(keys),
+        "found": found,
+        "seconds": seconds,
+        "io": io,
+        "row_bytes": 4 * store.info("t").width,
+    }
+
+
+def _reopen_phase(spec: dict[str, Any]) -> dict[str, Any]:
+    t0 = time.perf_counter()
+    store = _open(spec)
+    try:
+        t1 = time.perf_counter()
+        rows = store.num_rows("t")
+        t2 = time.perf_counter()
+        index = store.ssd.index_ram_bytes
+    finally:
+        store.close()
+    return {
+        "seconds": t2 - t0,
+        "open_seconds": t1 - t0,
+        "num_rows_seconds": t2 - t1,
+        "num_rows": rows,
+        "index_ram_bytes": index,
+    }
+
+
+def _export_phase(spec: dict[str, Any]) -> dict[str, Any]:
+    from hierps.lifecycle._export import export_store
+
+    t0 = time.perf_counter()
+    manifest = export_store(spec["store"], spec["export"])
+    return {
+        "seconds": time.perf_counter() - t0,
+        "exported_rows": manifest["tables"]["t"]["rows"],
+        "export": _tree(spec["export"]),
+    }
+
+
+def _serving_phase(spec: dict[str, Any]) -> dict[str, Any]:
+    import hierps.serving
+
+    ids = np.random.default_rng(spec["config"]["seed"] + 2).integers(
+        0, spec["rows"], spec["config"]["lookups"]
+    )
+    t0 = time.perf_counter()
+    tables = hierps.serving.open(spec["export"])
+    t1 = time.perf_counter()
+    tables.lookup("t", ids)
+    t2 = time.perf_counter()
+    return {"seconds": t2 - t0, "open_seconds": t1 - t0, "lookup_seconds": t2 - t1, "lookups": len(ids)}
+
+
+# phase -> (what it runs, the directory dropped from the page cache before it: "store" / "export")
+_RUNNERS: dict[str, tuple[Callable[[dict[str, Any]], dict[str, Any]], str | None]] = {
+    "disk": (_disk_phase, None),
+    "write": (_write_phase, None),
+    "train": (_train_phase, None),
+    "reopen": (_reopen_phase, "store"),
+    "export": (_export_phase, "store"),
+    "serving": (_serving_phase, "export"),
+}
+
+
+def run_phase(spec: dict[str, Any]) -> dict[str, Any]:
+    """Run one phase in this process (the worker's ``"scale"`` task): its record with what it cost."""
+    from hierps.bench.machine import drop_from_page_cache
+
+    body, cold = _RUNNERS[spec["phase"]]
+    if cold is not None:
+        drop_from_page_cache(Path(spec[cold]))
+    io0 = io_counters()
+    record = body(spec)
+    record["io"] = _io_delta(io0, io_counters())
+    record["peak_rss_bytes"] = peak_rss()
+    record["store"] = _tree(spec.get("store"))
+    return record
+
+
+# -- the run --------------------------------------------------------------------------------------
+def spawn_phase(phase: str, conf: dict[str, Any], workdir: Path, **paths: Any) -> dict[str, Any]:
+    """Run ``phase`` in a fresh worker process (``rows``, ``store``, ``export`` in ``paths``); its record,
+    or ``{"error": ...}``."""
+    spec = {"task": "scale", "phase": phase, "config": conf, "tmp": str(workdir), **paths}
+    return spawn(spec, conf["timeout"])
+
+
+def _judge(record: dict[str, Any], limit: int) -> dict[str, Any]:
+    if "peak_rss_bytes" in record:
+        record["rss_limit_bytes"] = limit
+        record["rss_ok"] = record["peak_rss_bytes"] <= limit
+    return record
+
+
+def _run_size(conf: dict[str, Any], rows: int, root: Path, out: Callable[[str], Any]) -> dict[str, Any]:
+    """Every phase on a table of ``rows`` rows under ``root``, in order; stops at the first that fails."""
+    paths = {"rows": rows, "store": str(root / "store"), "export": str(root / "export")}
+    limit = rss_limit(conf, rows)
+    phases: dict[str, dict[str, Any]] = {}
+    try:
+        for i, phase in enumerate(PHASES):
+            t0 = time.perf_counter()
+            phases[phase] = _judge(spawn_phase(phase, conf, root / f"{i}-{phase}", **paths), limit)
+            state = "failed" if "error" in phases[phase] else f"{phases[phase]['seconds']:.1f} s"
+            out(f"  {rows:,} rows, {phase}: {state} ({time.perf_counter() - t0:.0f} s with the process)")
+            if "error" in phases[phase]:
+                break
+    finally:
+        if not conf["keep"]:
+            shutil.rmtree(root, ignore_errors=True)
+    return {"rows": rows, "rss_limit_bytes": limit, "phases": phases}
+
+
+def run_scale(cfg: ScaleConfig, out: Callable[[str], Any] = print) -> dict[str, Any]:
+    """Probe the disk, then run every phase per size of ``cfg``; print the report; the JSON-ready results."""
+    conf = phase_config(cfg)
+    started = time.perf_counter()
+    root = Path(tempfile.mkdtemp(prefix="hierps-scale-", dir=cfg.tmp))
+    out(
+        f"hierps bench --scale: table 't', dim {cfg.dim}, adagrad; RAM budget {cfg.memory_budget}, device budget "
+        f"{cfg.device_budget}; {cfg.passes} passes of {cfg.batches} x {cfg.batch_keys} fresh keys; sizes "
+        f"{', '.join(f'{n:,}' for n in cfg.sizes)}; under {root}"
+    )
+    results: dict[str, Any] = {
+        "config": conf,
+        "cpu_count": os.cpu_count(),
+        "load_average_start": os.getloadavg(),
+    }
+    try:
+        results["bare_import_rss_bytes"] = bare_import_rss()
+        results["disk"] = spawn_phase("disk", conf, root / "disk")
+        out("  disk probes: " + ("failed" if "error" in results["disk"] else "done"))
+        results["sizes"] = [_run_size(conf, n, root / f"rows-{n}", out) for n in cfg.sizes]
+    finally:
+        if cfg.keep:
+            out(f"stores and exports kept under {root}")
+        else:
+            shutil.rmtree(root, ignore_errors=True)
+    results["goals"] = check_goals(results)
+    results["seconds"] = time.perf_counter() - started
+    format_report(results, out)
+    out(f"bench --scale took {results['seconds']:.0f} s")
+    return results
+
+
+# -- the report -----------------------------------------------------------------------------------
+def _finished(results: dict[str, Any], phase: str) -> Iterator[tuple[int, dict[str, Any]]]:
+    """(rows, record) of every size whose ``phase`` finished."""
+    for size in results.get("sizes", []):
+        record = size["phases"].get(phase, {})
+        if "seconds" in record:
+            yield size["rows"], record
+
+
+def _random_rate(results: dict[str, Any]) -> float | None:
+    return results.get("disk", {}).get("random_4k", {}).get("reads_per_s")
+
+
+def _checkpoint_ratio(p: dict[str, Any]) -> float:
+    """A pass's checkpoint bytes over what the bound allows it (<= 1 meets it)."""
+    return p["checkpoint_io"]["write_bytes"] / (4 * p["dirty_bytes"] + _CHECKPOINT_SLACK)
+
+
+def check_goals(results: dict[str, Any]) -> list[dict[str, Any]]:
+    """One entry per goal: ``{"key", "goal", "value", "met", "note"}`` (value None: not measured)."""
+    records = [
+        (s["rows"], ph, r) for s in results.get("sizes", []) for ph, r in s["phases"].items() if "rss_ok" in r
+    ]
+    trained = list(_finished(results, "train"))
+    rate = _random_rate(results)
+    values: dict[str, tuple[float | None, str]] = {"rss": (None, "no phase finished")}
+    if records:
+        n, ph, r = max(records, key=lambda x: x[2]["peak_rss_bytes"] / x[2]["rss_limit_bytes"])
+        values["rss"] = (
+            r["peak_rss_bytes"] / r["rss_limit_bytes"],
+            f"peak RSS / limit, worst: {ph} at {n:,} rows",
+        )
+    passes = [p for _, r in trained for p in r["passes"]]
+    values["checkpoint"] = (
+        (max(map(_checkpoint_ratio, passes)), "write_bytes / (4x dirty rows' bytes + 1 MiB), worst pass")
+        if passes
+        else (None, "train phase not run")
+    )
+    values["ssd_rows"] = (
+        (
+            min(r["ssd_rows_per_s"] for _, r in trained) / rate,
+            "SSD rows/s of the train phase / random reads/s, worst",
+        )
+        if trained and rate
+        else (None, "train phase or disk probe not run")
+    )
+    seq = results.get("disk", {}).get("sequential", {}).get("bytes_per_s")
+    wides = [(n, r["wide"]) for n, r in trained if "wide" in r]
+    values["wide"] = (
+        (
+            min(w["io"]["read_bytes"] / w["seconds"] for _, w in wides) / seq,
+            "device bytes/s reading a quarter of the rows / sequential bytes/s, worst",
+        )
+        if wides and seq
+        else (None, "train phase or disk probe not run")
+    )
+    report = []
+    for key, goal, threshold in GOALS:
+        value, note = values[key]
+        met = (
+            None
+            if value is None
+            else (value >= threshold if key in ("ssd_rows", "wide") else value <= threshold)
+        )
+        report.append({"key": key, "goal": goal, "value": value, "met": met, "note": note})
+    return report
+
+
+def _mib(x: float | None) -> str:
+    return "-" if x is None else f"{x / _MiB:.1f}"
+
+
+def _phase_row(rows: int, phase: str, r: dict[str, Any]) -> str:
+    if "error" in r:
+        return f"{rows:>11,} {phase:8s} failed: {(r['error'].strip().splitlines() or ['?'])[-1]}"
+    index = r.get("index_ram_bytes")
+    io = r["io"]
+    return (
+        f"{rows:>11,} {phase:8s} {r['seconds']:8.2f} {_mib(r['peak_rss_bytes']):>8s} {_mib(r['rss_limit_bytes']):>8s} "
+        f"{'ok' if r['rss_ok'] else 'OVER':>4s} {_mib(io['read_bytes']):>8s} {_mib(io['write_bytes']):>8s} "
+        f"{_mib(io['rchar']):>8s} {_mib(io['wchar']):>8s} {'-' if index is None else f'{index / rows:.1f}':>7s} "
+        f"{r['store']['files']:>6d} {_mib(r['store']['bytes']):>9s}"
+    )
+
+
+def _train_line(rows: int, r: dict[str, Any], rate: float | None) -> str:
+    ps = r["passes"]
+    ckpt = statistics.median(p["checkpoint_io"]["write_bytes"] for p in ps)
+    dirty = ps[0]["dirty_bytes"]
+    vs = f" = {r['ssd_rows_per_s'] / rate:.2f}x the random 4 KiB read rate" if rate else ""
+    return (
+        f"train, {rows:,} rows (medians of {len(ps)} passes): pass {statistics.median(p['seconds'] for p in ps):.3f} s, "
+        f"{statistics.median(p['io']['read_bytes'] for p in ps) / _MiB:.1f} MiB read from the device; checkpoint "
+        f"{statistics.median(p['checkpoint_seconds'] for p in ps):.3f} s, writes {ckpt / _MiB:.2f} MiB = "
+        f"{ckpt / dirty:.1f}x the {dirty / _MiB:.2f} MiB of dirty rows (wchar "
+        f"{statistics.median(p['checkpoint_io']['wchar'] for p in ps) / _MiB:.2f} MiB); background compaction "
+        f"{statistics.mean(p['background_io']['write_bytes'] for p in ps) / _MiB:.2f} MiB a pass (mean); "
+        f"{r['ssd_rows_per_s']:,.0f} rows/s from SSD while loading passes{vs} "
+        f"({r['pass_rows_per_s']:,.0f} rows/s over whole passes){_wide_text(r)}"
+    )
+
+
+def _wide_text(r: dict[str, Any]) -> str:
+    w = r.get("wide")
+    if not w:
+        return ""
+    return (
+        f"; a quarter of the rows ({w['keys']:,}) read in {w['seconds']:.2f} s: "
+        f"{w['io']['read_bytes'] / w['seconds'] / 1e6:,.0f} MB/s from the device, "
+        f"{w['keys'] * w['row_bytes'] / w['seconds'] / 1e6:,.0f} MB/s of rows"
+    )
+
+
+def _disk_lines(results: dict[str, Any]) -> list[str]:
+    d = results.get("disk", {})
+    if "error" in d or not d:
+        return [f"disk probes: {'failed: ' + d['error'].strip().splitlines()[-1] if d else 'not run'}"]
+    r, s = d["random_4k"], d["sequential"]
+    return [
+        f"disk random 4 KiB reads, {r['threads']} in flight: {r['reads_per_s']:,.0f} reads/s "
+        f"({r['bytes_per_s'] / 1e6:.0f} MB/s; {r['device_bytes_per_read'] / 1024:.1f} KiB from the device per read)",
+        f"disk sequential read (cold): {s['bytes_per_s'] / 1e9:.2f} GB/s",
+    ]
+
+
+def format_report(results: dict[str, Any], out: Callable[[str], Any] = print) -> None:
+    """Print the table (one row per size x phase), the train phase per size, the disk and the goals."""
+    out("")
+    for line in _disk_lines(results):
+        out(line)
+    if "bare_import_rss_bytes" in results:
+        out(f"a bare `import hierps, torch` process: peak RSS {_mib(results['bare_import_rss_bytes'])} MiB")
+    out("")
+    out(
+        f"{'rows':>11s} {'phase':8s} {'seconds':>8s} {'RSS MiB':>8s} {'limit':>8s} {'RSS':>4s} {'read MiB':>8s} "
+        f"{'writ MiB':>8s} {'rchar':>8s} {'wchar':>8s} {'idx B/k':>7s} {'files':>6s} {'store MiB':>9s}"
+    )
+    for size in results.get("sizes", []):
+        for phase, record in size["phases"].items():
+            out(_phase_row(size["rows"], phase, record))
+    out("")
+    for rows, record in _finished(results, "train"):
+        out(_train_line(rows, record, _random_rate(results)))
+    for g in results.get("goals", []):
+        state = {True: "MET    ", False: "NOT MET", None: "n/a    "}[g["met"]]
+        value = "-" if g["value"] is None else f"{g['value']:.2f}"
+        out(f"{state} {g['goal']}: {value} ({g['note']})")
+
+
+def _label(ax: Any, ylabel: str, title: str, log_rows: bool = True) -> None:
+    """Rows on the x axis (log scale unless told), ``ylabel`` from 0, ``title``, a legend."""
+    if log_rows:
+        ax.set_xscale("log")
+    ax.set_xlabel("rows", fontsize=8)
+    ax.set_ylabel(ylabel, fontsize=8)
+    ax.set_title(title, fontsize=9)
+    ax.set_ylim(bottom=0)
+    ax.legend(fontsize=7)
+
+
+def _plot_rss(ax: Any, results: dict[str, Any]) -> None:
+    for phase in PHASES:
+        points = list(_finished(results, phase))
+        ax.plot(
+            [n for n, _ in points], [r["peak_rss_bytes"] / _MiB for _, r in points], marker="o", label=phase
+        )
+    sizes = [s["rows"] for s in results.get("sizes", [])]
+    limits = [s["rss_limit_bytes"] / _MiB for s in results.get("sizes", [])]
+    ax.plot(sizes, limits, "k--", marker="_", markersize=16, label="limit")
+    _label(ax, "peak RSS, MiB", "peak RSS per phase (fresh process each)")
+
+
+def _plot_checkpoint(ax: Any, results: dict[str, Any]) -> None:
+    trained = list(_finished(results, "train"))
+    x = np.arange(len(trained))
+    ckpt = [
+        statistics.median(p["checkpoint_io"]["write_bytes"] for p in r["passes"]) / _MiB for _, r in trained
+    ]
+    dirty = [r["passes"][0]["dirty_bytes"] / _MiB for _, r in trained]
+    ax.bar(x - 0.2, dirty, 0.4, label="dirty rows", color="#55a868")
+    ax.bar(x + 0.2, ckpt, 0.4, label="checkpoint write_bytes", color="#c44e52")
+    ax.plot(
+        x, [4 * d + _CHECKPOINT_SLACK / _MiB for d in dirty], "k_", markersize=20, label="4x dirty + 1 MiB"
+    )
+    ax.set_xticks(x)
+    ax.set_xticklabels([f"{n:.0e}" for n, _ in trained])
+    _label(ax, "MiB per checkpoint (median)", "checkpoint after a pass vs its dirty rows", log_rows=False)
+
+
+def _plot_reopen(ax: Any, results: dict[str, Any]) -> None:
+    points = list(_finished(results, "reopen"))
+    ax.plot([n for n, _ in points], [r["seconds"] for _, r in points], marker="o", label="Store() + num_rows")
+    _label(ax, "seconds (cold)", "reopen")
+
+
+def plot(results: dict[str, Any], path: str) -> None:
+    """A PNG: peak RSS per phase vs rows with the limit, checkpoint vs dirty bytes, reopen seconds vs rows."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(13.8, 3.8))
+    for ax, panel in zip(axes, (_plot_rss, _plot_checkpoint, _plot_reopen)):
+        panel(ax, results)
+        ax.tick_params(labelsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+
+
+# -- command line ---------------------------------------------------------------------------------
+def config_from_args(args: argparse.Namespace) -> ScaleConfig:
+    """The :class:`ScaleConfig` of parsed ``hierps bench --scale`` options; ValueError when they clash."""
+    from hierps.config import parse_size
+
+    sizes = tuple(args.sizes or ScaleConfig.sizes)
+    given = {
+        "sizes": (*sizes, FULL_SIZE) if args.full and FULL_SIZE not in sizes else sizes,
+        "passes": args.passes,
+        "memory_budget": args.memory_budget,
+        "threads": args.threads,
+        "tmp": args.tmp,
+        "keep": args.keep or None,
+        "disk_bytes": parse_size(args.disk_bytes, "--disk-bytes") if args.disk_bytes else None,
+    }
+    return ScaleConfig(**{k: v for k, v in given.items() if v is not None})
+
+
+def run_from_args(args: argparse.Namespace) -> int:
+    """``hierps bench --scale``: run, print the report, write ``--json`` / ``--plot``."""
+    try:
+        cfg = config_from_args(args)
+    except ValueError as e:
+        print(f"hierps bench --scale: {e}", file=sys.stderr)
+        return 2
+    results = run_scale(cfg)
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(results, indent=1), encoding="utf-8")
+    if args.plot:
+        plot(results, args.plot)
+    return 0
