@@ -237,6 +237,10 @@ class Segment:
             self._fences, self._filter = fences, filt
         return self._fences, self._filter
 
+    def unload(self) -> None:
+        """Drop the fences and filter from RAM (they load again on the next lookup)."""
+        self._fences = self._filter = None
+
     def candidates(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """keys (n,) int64 sorted -> (which may be here (n,) bool, their chunk (m,) int64 for those)."""
         if self.n == 0 or len(keys) == 0:

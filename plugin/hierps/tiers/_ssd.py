@@ -328,6 +328,8 @@ class SsdTier:
         fault_point("ssd.compaction_begin")
         segs = self._segs[table]
         inputs = [segs[s] for s in chosen]
+        for seg in inputs:  # a merge scans its inputs, never looks keys up in them: their filters can go
+            seg.unload()
         newer = [s for s in segs if s not in set(chosen) and s > chosen[0]]
         expected = sum(self._live[(table, s)] for s in chosen)
         out = self._write_segment(table, self._live_parts(table, inputs, newer, drop), max(expected, 1))
