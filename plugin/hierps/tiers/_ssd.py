@@ -27,7 +27,10 @@ import errno
 import shutil
 import weakref
 from collections.abc import Iterable, Iterator
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from zarr.storage import LocalStore
@@ -41,6 +44,19 @@ from hierps.storage._reads import read_arrays
 from hierps.storage._segment import KEY_COLUMNS, Segment, SegmentWriter, segment_name, split_block
 
 __all__ = ["SsdTier"]
+
+
+@dataclass
+class _Merge:
+    """A merge under way: its inputs, the segments newer than they that it checks its rows against,
+    their live rows when it began, and the id of the segment it writes."""
+
+    table: str
+    inputs: list[Segment]
+    newer: list[int]
+    live: int
+    out: int
+
 
 # Keys looked up per read dispatch: bounds the chunks held at once (~4 KiB each).
 _LOOKUP_KEYS = 1 << 13
@@ -64,6 +80,7 @@ class SsdTier:
         # Live rows per table: one int, read without the tier lock (e.g. by pass statistics).
         self._rows: dict[str, int] = {}
         self.protected: set[tuple[str, int]] = set()  # named by a kept checkpoint: its files stay
+        self._merging: set[str] = set()  # tables a merge is under way in
         self.next_segment = 1
         self._unsynced: list[tuple[str, int]] = []
         self._sync_error: OSError | None = None
@@ -232,12 +249,22 @@ class SsdTier:
             for s, c in zip(segs.tolist(), counts.tolist()):
                 self._set_live(table, s, self._live[(table, s)] - c)
 
-    def _write_segment(
-        self, table: str, parts: Iterable[tuple[np.ndarray, np.ndarray]], expected: int
-    ) -> Segment:
-        """Write runs of (sorted keys, rows) as a new segment of ``table`` (not live yet)."""
+    def _new_id(self) -> int:
         seg_id = self.next_segment
         self.next_segment += 1
+        return seg_id
+
+    def _write_segment(
+        self,
+        table: str,
+        parts: Iterable[tuple[np.ndarray, np.ndarray]],
+        expected: int,
+        seg_id: int | None = None,
+    ) -> Segment:
+        """Write runs of (sorted keys, rows) as a new segment of ``table``; registered (in the live set,
+        with no live rows yet) unless ``seg_id`` was allocated by the caller, who registers it."""
+        register = seg_id is None
+        seg_id = self._new_id() if seg_id is None else seg_id
         name = segment_name(table, seg_id)
         width = self.widths[table]
         fault_point("ssd.segment_begin")
@@ -256,11 +283,15 @@ class SsdTier:
             raise
         fault_point("ssd.segment_written")
         seg = self._segment(table, seg_id, n, check)
-        self._segs[table][seg_id] = seg
-        self._unsynced.append((table, seg_id))
-        self.rows_written += n
-        self.bytes_written += n * 4 * (width + KEY_COLUMNS)
+        if register:
+            self._register(seg)
         return seg
+
+    def _register(self, seg: Segment) -> None:
+        self._segs[seg.table][seg.seg] = seg
+        self._unsynced.append((seg.table, seg.seg))
+        self.rows_written += seg.n
+        self.bytes_written += seg.n * 4 * (seg.width + KEY_COLUMNS)
 
     def delete(self, table: str, keys: np.ndarray) -> int:
         """Remove ``keys`` from the tier: every segment holding any row of them is rewritten without
@@ -289,19 +320,29 @@ class SsdTier:
         max_segments: int | None = None,
         min_live_fraction: float = 0.5,
         rewrite: Iterable[int] = (),
+        lock: AbstractContextManager[Any] | None = None,
     ) -> int:
         """Merge the segments that are mostly stale, or too many, into one; returns rows written.
 
-        ``rewrite`` names segments to merge whatever their live fraction.
+        ``rewrite`` names segments to merge whatever their live fraction. With ``lock`` (the lock
+        that serialises access to the tier), it is held only to choose the segments and to swap the
+        merged one in: reads and writes of other threads go on while the merge reads and writes
+        (segments are immutable; the rows a write supersedes meanwhile are counted at the swap).
         """
-        chosen = self._choose(table, max_segments or self.max_segments, min_live_fraction, set(rewrite))
-        return self._merge(table, chosen) if chosen else 0
+        with lock or nullcontext():
+            if table in self._merging:
+                return 0
+            chosen = self._choose(table, max_segments or self.max_segments, min_live_fraction, set(rewrite))
+            if not chosen:
+                return 0
+            merge = self._begin_merge(table, chosen)
+        return self._finish_merge(merge, None, lock)
 
     def _maybe_compact(self, table: str, limit: int) -> None:
         """Compact now when a write left more than ``limit`` segments or the disk over twice the live rows."""
         segs = self._segs[table]
         stored = sum(s.n for s in segs.values())
-        if len(segs) > limit or stored > 2 * self.num_rows(table) + 4096:
+        if table not in self._merging and (len(segs) > limit or stored > 2 * self.num_rows(table) + 4096):
             self.compact(table)
 
     def _choose(self, table: str, max_segments: int, min_live_fraction: float, forced: set[int]) -> list[int]:
@@ -325,21 +366,52 @@ class SsdTier:
 
     def _merge(self, table: str, chosen: list[int], drop: np.ndarray | None = None) -> int:
         """Rewrite the live rows of segments ``chosen`` (but ``drop``'s keys) as one new segment."""
+        return self._finish_merge(self._begin_merge(table, chosen), drop, None)
+
+    def _begin_merge(self, table: str, chosen: list[int]) -> _Merge:
+        """What a merge of ``chosen`` starts from (taken with the tier lock held)."""
         fault_point("ssd.compaction_begin")
         segs = self._segs[table]
-        inputs = [segs[s] for s in chosen]
-        for seg in inputs:  # a merge scans its inputs, never looks keys up in them: their filters can go
+        self._merging.add(table)  # one merge per table at a time: its segments stay while it reads them
+        merge = _Merge(
+            table,
+            [segs[s] for s in chosen],
+            [s for s in segs if s not in set(chosen) and s > chosen[0]],
+            sum(self._live[(table, s)] for s in chosen),
+            self._new_id(),
+        )
+        for (
+            seg
+        ) in merge.inputs:  # a merge scans its inputs, never looks keys up in them: their filters can go
             seg.unload()
-        newer = [s for s in segs if s not in set(chosen) and s > chosen[0]]
-        expected = sum(self._live[(table, s)] for s in chosen)
-        out = self._write_segment(table, self._live_parts(table, inputs, newer, drop), max(expected, 1))
-        self._set_live(table, out.seg, out.n)
-        for s in chosen:
-            self._set_live(table, s, 0)
-            self._retire(table, s)
-        fault_point("ssd.compaction")
-        if out.n == 0:
-            self._retire(table, out.seg)
+        return merge
+
+    def _finish_merge(
+        self, merge: _Merge, drop: np.ndarray | None, lock: AbstractContextManager[Any] | None
+    ) -> int:
+        """Write the merged segment (without the lock), then swap it in (with it)."""
+        table = merge.table
+        try:
+            parts = self._live_parts(table, merge.inputs, merge.newer, drop)
+            out = self._write_segment(table, parts, max(merge.live, 1), seg_id=merge.out)
+        except BaseException:
+            self._merging.discard(table)
+            raise
+        with lock or nullcontext():
+            try:
+                # Rows of the merged segment that writes superseded meanwhile: those the writes took
+                # from its inputs' live counts.
+                superseded = merge.live - sum(self._live[(table, s.seg)] for s in merge.inputs)
+                self._register(out)
+                self._set_live(table, out.seg, out.n - superseded)
+                for s in merge.inputs:
+                    self._set_live(table, s.seg, 0)
+                    self._retire(table, s.seg)
+                fault_point("ssd.compaction")
+                if out.n == 0:
+                    self._retire(table, out.seg)
+            finally:
+                self._merging.discard(table)
         return out.n
 
     def _live_parts(

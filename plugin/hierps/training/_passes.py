@@ -205,9 +205,9 @@ class PassRunner:
         return out
 
     def _compact(self) -> None:
-        with self._pipe.lock:
-            for table in list(self._core.tables):
-                self._core.ssd.compact(table, self._core.max_segments)
+        # The tier lock is held only to choose and to swap segments: the next pass's reads go on.
+        for table in list(self._core.tables):
+            self._core.ssd.compact(table, self._core.max_segments, lock=self._pipe.lock)
 
     @staticmethod
     def _as_batches(batches: Mapping[str, Any] | Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
