@@ -421,9 +421,9 @@ class Store:
             )
             self._core.device_tier.mark_dirty(table, slots[found])
             keys, rows = keys[~f_np], rows[~f_np]
-        for start in range(0, len(keys), 1 << 18):
+        for start in range(0, len(keys), 1 << 16):
             self._core.memory.put(
-                table, keys[start : start + (1 << 18)], rows[start : start + (1 << 18)], dirty=True
+                table, keys[start : start + (1 << 16)], rows[start : start + (1 << 16)], dirty=True
             )
 
     def write_rows(self, table: str, keys: np.ndarray, rows: np.ndarray) -> None:

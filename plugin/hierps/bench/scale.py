@@ -270,7 +270,10 @@ def _write_phase(spec: dict[str, Any]) -> dict[str, Any]:
         for start in range(0, n, conf["write_chunk"]):
             keys = np.arange(start, min(n, start + conf["write_chunk"]), dtype=np.int64)
             rows = np.zeros((len(keys), info.width), np.float32)
-            rows[:, : info.dim] = rng.standard_normal((len(keys), info.dim), dtype=np.float32)
+            for a in range(0, len(keys), 1 << 16):  # weights drawn in small blocks: no chunk-sized temporary
+                rows[a : a + (1 << 16), : info.dim] = rng.standard_normal(
+                    (min(1 << 16, len(keys) - a), info.dim), dtype=np.float32
+                )
             store.write_rows("t", keys, rows)
             del rows  # before the next chunk is allocated: one chunk of rows at a time
         t1 = time.perf_counter()
@@ -537,10 +540,10 @@ def run_scale(cfg: ScaleConfig, out: Callable[[str], Any] = print) -> dict[str, 
 
 # -- the report -----------------------------------------------------------------------------------
 def _finished(results: dict[str, Any], phase: str) -> Iterator[tuple[int, dict[str, Any]]]:
-    """(rows, record) of every size whose ``phase`` finished."""
+    """(rows, record) of every size whose ``phase`` finished (not skipped)."""
     for size in results.get("sizes", []):
         record = size["phases"].get(phase, {})
-        if "seconds" in record:
+        if "seconds" in record and "skipped" not in record:
             yield size["rows"], record
 
 

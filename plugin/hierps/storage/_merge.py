@@ -17,7 +17,7 @@ from hierps.storage._segment import Segment
 __all__ = ["BUFFER_BYTES", "first_of_each", "merged", "merged_sources"]
 
 # Bytes each input of a merge holds in RAM at a time.
-BUFFER_BYTES = 2 << 20
+BUFFER_BYTES = 512 << 10
 
 
 class _Input:

@@ -5,12 +5,13 @@ Layout of a segment directory (each a Zarr v3 array of :mod:`hierps.storage._arr
     rows     (n, 2 + width) float32, sorted by key: columns 0-1 hold the int64 key's bytes, the
              rest the row; inner chunks of ``chunk_rows`` rows (~4 KiB, at least 16 rows)
     fences   (c,) int64   the first key of each of the c inner chunks of ``rows``
-    filter   (w,) uint64  a blocked Bloom filter of the keys (~10 bits per key)
+    filter   (w,) uint64  a blocked Bloom filter of the keys (12 bits per key)
 
 A key and its row share a chunk, so finding a stored key costs one chunk read: the filter says
-whether the segment may hold the key (about 2% false positives), the fences which chunk, and the
+whether the segment may hold the key (about 1% false positives), the fences which chunk, and the
 chunk holds both the keys to compare and the row. What a segment keeps in RAM is its fences and
-filter: ``8 / chunk_rows + 10 / 8`` bytes per key (at most 1.75), loaded on first use.
+filter: ``8 / chunk_rows + 12 / 8`` bytes per key (1.8 for a dim-16 adagrad row, at most 2), loaded
+on first use.
 """
 
 from __future__ import annotations
@@ -44,8 +45,9 @@ __all__ = [
 KEY_COLUMNS = 2  # float32 columns holding a row's int64 key
 _PAGE = 4 << 10  # inner chunks of at most a page (with their checksum), page-aligned: a lookup reads one page
 _MIN_CHUNK_ROWS = 16  # wide rows: chunks of 16 rows, so fences stay under 0.5 B per key
-_FILTER_BITS = 10  # Bloom filter bits per key
-_FILTER_PROBES = 7  # bits set per key, all in one 64-bit word (one cache line per probe)
+_FILTER_BITS = 12  # Bloom filter bits per key: ~1% false positives (fewer for wide rows, see below)
+_RAM_PER_KEY = 1.9  # bytes of fences and filter per key a segment may hold in RAM
+_FILTER_PROBES = 6  # bits set per key, all in one 64-bit word (one cache line per probe)
 
 
 def segment_name(table: str, seg: int) -> str:
@@ -58,8 +60,11 @@ def chunk_rows_for(width: int) -> int:
 
 
 # -- the filter -------------------------------------------------------------------------------------
-def _filter_words(n: int) -> int:
-    return max(1, (n * _FILTER_BITS + 63) // 64)
+def _filter_words(n: int, chunk_rows: int = 1 << 30) -> int:
+    """Filter words for ``n`` keys: 12 bits each, or fewer where wide rows (few rows per chunk, so
+    more fences per key) would take a segment over ``_RAM_PER_KEY``."""
+    bits = min(_FILTER_BITS, int((_RAM_PER_KEY - 8 / chunk_rows) * 8))
+    return max(1, (n * bits + 63) // 64)
 
 
 def _probes(keys: np.ndarray, n_words: int) -> tuple[np.ndarray, np.ndarray]:
@@ -125,7 +130,7 @@ class SegmentWriter:
             block_point,
             align=_PAGE,
         )
-        self._filter = np.zeros(_filter_words(max(expected, 1)), np.uint64)
+        self._filter = np.zeros(_filter_words(max(expected, 1), self.chunk_rows), np.uint64)
         self._fences: list[np.ndarray] = []
         self._last: int | None = None
         self.n = 0

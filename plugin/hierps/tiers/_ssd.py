@@ -10,7 +10,7 @@ use) and a count of its live rows (those that are the newest of their key).
   are found with the same lookups as reads, to keep the live counts exact.
 - A lookup of a sorted batch of keys asks each segment's filter, then reads the one chunk the
   fences point at for each candidate: keys and rows share chunks, so a stored key costs one read,
-  and a key no segment holds costs none (but for the filter's ~2% false positives). The reads of
+  and a key no segment holds costs none (but for the filter's ~1% false positives). The reads of
   all tables and segments go out together.
 - Compaction merges segments in bounded memory (:func:`hierps.storage._merge.merged`), keeping
   the newest row of each key that no newer segment outside the merge holds: its output holds only
@@ -59,7 +59,7 @@ class _Merge:
 
 
 # Keys looked up per read dispatch: bounds the chunks held at once (~4 KiB each).
-_LOOKUP_KEYS = 1 << 13
+_LOOKUP_KEYS = 1 << 12
 # Rows gathered and written per step of a segment write.
 _WRITE_SLICE_BYTES = 8 << 20
 # A write whose rows leave more than this many segments behind compacts at once (x max_segments).
