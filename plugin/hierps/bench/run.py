@@ -301,6 +301,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--passes", type=_count, help="with --scale: passes of 4 x 4096 fresh keys per size (default 8)")
     a("--memory-budget", help="with --scale: the store's RAM budget (default 256MiB)")
     a("--keep", action="store_true", help="with --scale: keep the stores and exports (under --tmp)")
+    a("--phases", help="with --scale: comma-separated phases to run (default all; write is required)")
     a("--json", metavar="PATH", help="write the results as JSON here")
     a("--plot", metavar="PATH", help="write a PNG chart here")
 
