@@ -407,7 +407,7 @@ def test_a_whole_checkpoint_snapshot_reads_back_after_later_work(tmp_path):
 
 def _segment(root: Path, zstore: LocalStore, files: OpenFiles, seg: int, keys, rows) -> Segment:
     width = rows.shape[1]
-    writer = SegmentWriter(zstore, root, segment_name(T, seg), width, len(keys))
+    writer = SegmentWriter(zstore, root, segment_name(T, seg), width)
     for a in range(0, len(keys), 37):  # in runs
         writer.append(keys[a : a + 37], rows[a : a + 37])
     n, check = writer.close()

@@ -36,6 +36,7 @@ __all__ = [
     "KEY_COLUMNS",
     "Segment",
     "SegmentWriter",
+    "FILTER_BLOCK_CHUNKS",
     "bloom_build",
     "bloom_may_contain",
     "chunk_rows_for",
@@ -60,52 +61,61 @@ def chunk_rows_for(width: int) -> int:
 
 
 # -- the filter -------------------------------------------------------------------------------------
-def _filter_words(n: int, chunk_rows: int = 1 << 30) -> int:
-    """Filter words for ``n`` keys: 12 bits each, or fewer where wide rows (few rows per chunk, so
-    more fences per key) would take a segment over ``_RAM_PER_KEY``."""
-    bits = min(_FILTER_BITS, int((_RAM_PER_KEY - 8 / chunk_rows) * 8))
-    return max(1, (n * bits + 63) // 64)
+# The filter is cut in blocks, one per FILTER_BLOCK_CHUNKS chunks of rows: a key's block follows from
+# its chunk (which the fences give), and a block is built and written as soon as its rows are, so a
+# segment of any size is written in bounded memory.
+FILTER_BLOCK_CHUNKS = 2048
 
 
-def _probes(keys: np.ndarray, n_words: int) -> tuple[np.ndarray, np.ndarray]:
-    """keys (n,) int64 -> (word of each key (n,) int64, the bits it sets there (n,) uint64)."""
+def filter_bits(chunk_rows: int) -> int:
+    """Filter bits per key: 12, or fewer where wide rows (few rows per chunk, so more fences per key)
+    would take a segment over ``_RAM_PER_KEY``."""
+    return min(_FILTER_BITS, int((_RAM_PER_KEY - 8 / chunk_rows) * 8))
+
+
+def block_words(keys: int, chunk_rows: int) -> int:
+    """Filter words of a block of ``keys`` keys."""
+    return max(1, (keys * filter_bits(chunk_rows) + 63) // 64)
+
+
+def _probes(keys: np.ndarray, first_word: np.ndarray, words: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """keys (n,) int64 and their blocks' (first word, word count) -> (word of each key (n,) int64,
+    the bits it sets there (n,) uint64)."""
     with np.errstate(over="ignore"):
         h = splitmix64(np.ascontiguousarray(keys, np.int64).view(np.uint64))
-        word = ((h >> np.uint64(32)) * np.uint64(n_words)) >> np.uint64(32)
+        word = ((h >> np.uint64(32)) * words.astype(np.uint64)) >> np.uint64(32)
         h2 = splitmix64(h)
     mask = np.zeros(len(keys), np.uint64)
     for i in range(_FILTER_PROBES):
         mask |= np.uint64(1) << ((h2 >> np.uint64(6 * i)) & np.uint64(63))
-    return word.astype(np.int64), mask
+    return first_word + word.astype(np.int64), mask
 
 
-def bloom_build(keys: np.ndarray, n_words: int | None = None) -> np.ndarray:
-    """A filter of ``keys`` (n,) int64: (w,) uint64 words."""
-    words = np.zeros(n_words if n_words is not None else _filter_words(len(keys)), np.uint64)
-    bloom_add(words, keys)
+def bloom_build(keys: np.ndarray, n_words: int) -> np.ndarray:
+    """A one-block filter of ``keys`` (n,) int64: (n_words,) uint64."""
+    words = np.zeros(n_words, np.uint64)
+    if len(keys):
+        one = np.ones(len(keys), np.int64)
+        word, mask = _probes(keys, 0 * one, n_words * one)
+        np.bitwise_or.at(words, word, mask)
     return words
 
 
-def bloom_add(words: np.ndarray, keys: np.ndarray) -> None:
-    """Set the bits of ``keys`` in the filter ``words``."""
-    if len(keys):
-        word, mask = _probes(keys, len(words))
-        np.bitwise_or.at(words, word, mask)
-
-
-def bloom_may_contain(words: np.ndarray, keys: np.ndarray) -> np.ndarray:
-    """keys (n,) int64 -> (n,) bool: False where the filter ``words`` proves a key absent."""
-    word, mask = _probes(keys, len(words))
-    return (words[word] & mask) == mask
+def bloom_may_contain(filt: np.ndarray, keys: np.ndarray, block: np.ndarray, full_words: int) -> np.ndarray:
+    """keys (n,) int64 in blocks ``block`` (n,) of ``full_words`` words each (the last block: what is
+    left of ``filt``) -> (n,) bool: False where the filter proves a key absent."""
+    first = block * full_words
+    last_first = (len(filt) - 1) // full_words * full_words
+    words = np.where(first >= last_first, len(filt) - first, full_words)
+    word, mask = _probes(keys, first, words)
+    return (filt[word] & mask) == mask
 
 
 # -- writing ----------------------------------------------------------------------------------------
 class SegmentWriter:
-    """Writes one segment from runs of rows given in increasing key order, in bounded memory.
-
-    ``expected`` (an upper bound of the rows to come) sizes the filter. Nothing is durable until
-    the caller fsyncs the directory; a writer that fails leaves a partial directory that nothing
-    names (the caller removes it).
+    """Writes one segment from runs of rows given in increasing key order, in bounded memory (a
+    block of rows and one filter block at a time). Nothing is durable until the caller fsyncs the
+    directory; a writer that fails leaves a partial directory that nothing names (the caller removes it).
     """
 
     def __init__(
@@ -114,7 +124,6 @@ class SegmentWriter:
         root: Path,
         name: str,
         width: int,
-        expected: int,
         block_point: str | None = None,
     ) -> None:
         self.name, self.width = name, width
@@ -130,7 +139,10 @@ class SegmentWriter:
             block_point,
             align=_PAGE,
         )
-        self._filter = np.zeros(_filter_words(max(expected, 1), self.chunk_rows), np.uint64)
+        self._filter = ArrayWriter(zstore, f"{name}/filter", (), "uint64", _PAGE // 8)
+        self._block_rows = self.chunk_rows * FILTER_BLOCK_CHUNKS
+        self._block: list[np.ndarray] = []  # keys of the filter block being filled
+        self._block_len = 0
         self._fences: list[np.ndarray] = []
         self._last: int | None = None
         self.n = 0
@@ -150,22 +162,36 @@ class SegmentWriter:
         block[:, KEY_COLUMNS:] = rows
         first = -self.n % self.chunk_rows  # the first row of this run that starts a chunk
         self._fences.append(keys[first :: self.chunk_rows].astype(np.int64))
-        bloom_add(self._filter, keys)
+        self._add_to_filter(keys)
         self._rows.append(block)
         self.n += len(keys)
         self._last = int(keys[-1])
+
+    def _add_to_filter(self, keys: np.ndarray) -> None:
+        while len(keys):
+            take = min(len(keys), self._block_rows - self._block_len)
+            self._block.append(keys[:take])
+            self._block_len += take
+            keys = keys[take:]
+            if self._block_len == self._block_rows:
+                self._write_block()
+
+    def _write_block(self) -> None:
+        keys = np.concatenate(self._block) if self._block else np.empty(0, np.int64)
+        self._filter.append(bloom_build(keys, block_words(len(keys), self.chunk_rows)))
+        self._block, self._block_len = [], 0
 
     def close(self) -> tuple[int, int]:
         """Finish the segment's arrays; returns its row count and :func:`fences_check`."""
         self._rows.close()
         fault_point("ssd.segment_rows_written")
+        if self._block_len or self.n == 0:
+            self._write_block()
+        self._filter.close()
         fences = np.concatenate(self._fences) if self._fences else np.empty(0, np.int64)
-        for array_name, data in (("fences", fences), ("filter", self._filter)):
-            out = ArrayWriter(
-                self._zstore, f"{self.name}/{array_name}", (), data.dtype.name, max(1, len(data))
-            )
-            out.append(data)
-            out.close()
+        out = ArrayWriter(self._zstore, f"{self.name}/fences", (), "int64", max(1, len(fences)))
+        out.append(fences)
+        out.close()
         return self.n, fences_check(fences)
 
 
@@ -237,8 +263,14 @@ class Segment:
                     f"check {self.check}); the segment is damaged or another segment was copied over it. "
                     "Restore the store from a backup or open an earlier checkpoint."
                 )
-            if len(filt) == 0:
-                raise CorruptStoreError(f"{self.path}: its key filter is empty; the segment is damaged.")
+            blocks = -(-len(fences) // FILTER_BLOCK_CHUNKS)
+            full = block_words(rows.chunk_rows * FILTER_BLOCK_CHUNKS, rows.chunk_rows)
+            tail = self.n - (blocks - 1) * rows.chunk_rows * FILTER_BLOCK_CHUNKS if blocks else 0
+            if len(filt) != max(0, blocks - 1) * full + block_words(tail, rows.chunk_rows):
+                raise CorruptStoreError(
+                    f"{self.path}: its key filter has {len(filt)} words, not what its {self.n} rows make; "
+                    "the segment is damaged. Restore the store from a backup or open an earlier checkpoint."
+                )
             self._fences, self._filter = fences, filt
         return self._fences, self._filter
 
@@ -251,14 +283,15 @@ class Segment:
         if self.n == 0 or len(keys) == 0:
             return np.zeros(len(keys), bool), np.empty(0, np.int64)
         fences, filt = self._load()
-        maybe = keys >= fences[0]
-        span = np.searchsorted(fences, keys[[0, -1]], side="right")
-        if len(keys) < span[1] - span[0] + 1:
+        chunk = np.searchsorted(fences, keys, side="right") - 1
+        maybe = chunk >= 0
+        if len(keys) < chunk[-1] - max(int(chunk[0]), 0) + 1:
             # Fewer keys than chunks in their range: the filter saves reads. More: nearly every chunk
             # of the range is read anyway, and the reads are long sequential runs; skip it.
-            maybe &= bloom_may_contain(filt, keys)
-        chunk = np.searchsorted(fences, keys[maybe], side="right") - 1
-        return maybe, chunk.astype(np.int64)
+            at = np.flatnonzero(maybe)
+            full = block_words(self.rows_array.chunk_rows * FILTER_BLOCK_CHUNKS, self.rows_array.chunk_rows)
+            maybe[at] = bloom_may_contain(filt, keys[at], chunk[at] // FILTER_BLOCK_CHUNKS, full)
+        return maybe, chunk[maybe].astype(np.int64)
 
     def chunk_positions(self, chunks: np.ndarray) -> np.ndarray:
         """Sorted unique chunk indices (c,) -> every row position in them (sorted)."""

@@ -272,7 +272,7 @@ class SsdTier:
         try:
             with disk_full_as_error(self.root / name, f"segment {seg_id} of table {table!r}", needed):
                 writer = SegmentWriter(
-                    self._zstore, self.root, name, width, expected, block_point="ssd.segment_rows_block"
+                    self._zstore, self.root, name, width, block_point="ssd.segment_rows_block"
                 )
                 for keys, rows in parts:
                     writer.append(keys, rows)
