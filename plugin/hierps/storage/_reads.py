@@ -26,7 +26,7 @@ from hierps.errors import CorruptStoreError
 from hierps.storage._arrays import Array
 from hierps.storage._files import OpenFiles
 
-__all__ = ["read_array", "read_arrays"]
+__all__ = ["chunk_positions", "read_array", "read_arrays"]
 
 # Chunks to read that lie closer than this are fetched by one read through the gap: on an SSD a
 # read costs about as much as streaming ~50 KiB, so fewer, longer reads win below that.
@@ -114,7 +114,7 @@ class _Plan:
         arr, chunks, file_of = self.arr, self.chunks, self.file_of
         if len(chunks) == 0:
             return []
-        start = arr.offsets[chunks]
+        start = arr.chunk_offsets(chunks)
         cut = np.ones(len(chunks), bool)
         cut[1:] = (file_of[1:] != file_of[:-1]) | (start[1:] - start[:-1] - arr.chunk_bytes > _GAP_BYTES)
         cut[1:] |= start[1:] < start[:-1]
@@ -147,6 +147,17 @@ class _Plan:
         items = np.ndarray((len(buf) - arr.row_bytes + 1,), np.dtype((np.void, arr.row_bytes)), buf, 0, (1,))
         out = items[rows].view(arr.dtype).reshape(len(self.pos), *arr.shape[1:])
         return out.astype(arr.dtype.newbyteorder("="), copy=False)
+
+
+def chunk_positions(chunks: np.ndarray, chunk_rows: int, n: int) -> np.ndarray:
+    """Sorted unique chunk numbers (c,) of an array of ``n`` rows in chunks of ``chunk_rows`` -> every
+    row position in them (sorted)."""
+    starts = np.asarray(chunks, np.int64) * chunk_rows
+    counts = np.minimum(starts + chunk_rows, n) - starts
+    if len(counts) == 0:
+        return np.empty(0, np.int64)
+    offsets = np.repeat(starts - np.concatenate([[0], np.cumsum(counts)[:-1]]), counts)
+    return np.arange(int(counts.sum()), dtype=np.int64) + offsets
 
 
 def _plan(arr: Array, positions: np.ndarray | None) -> _Plan:

@@ -27,17 +27,15 @@ from zarr.storage import LocalStore
 
 from hierps._faults import fault_point
 from hierps.errors import CorruptStoreError
-from hierps.rows._initializers import splitmix64
 from hierps.storage._arrays import Array, ArrayWriter, make_dir, open_array
 from hierps.storage._files import OpenFiles
-from hierps.storage._reads import read_array
+from hierps.storage._filter import bloom_add, bloom_may_contain, filter_words
+from hierps.storage._reads import chunk_positions, read_array
 
 __all__ = [
     "KEY_COLUMNS",
     "Segment",
     "SegmentWriter",
-    "bloom_build",
-    "bloom_may_contain",
     "chunk_rows_for",
     "segment_name",
 ]
@@ -45,9 +43,6 @@ __all__ = [
 KEY_COLUMNS = 2  # float32 columns holding a row's int64 key
 _PAGE = 4 << 10  # inner chunks of at most a page (with their checksum), page-aligned: a lookup reads one page
 _MIN_CHUNK_ROWS = 16  # wide rows: chunks of 16 rows, so fences stay under 0.5 B per key
-_FILTER_BITS = 12  # Bloom filter bits per key: ~1% false positives (fewer for wide rows, see below)
-_RAM_PER_KEY = 1.9  # bytes of fences and filter per key a segment may hold in RAM
-_FILTER_PROBES = 6  # bits set per key, all in one 64-bit word (one cache line per probe)
 
 
 def segment_name(table: str, seg: int) -> str:
@@ -57,46 +52,6 @@ def segment_name(table: str, seg: int) -> str:
 def chunk_rows_for(width: int) -> int:
     """Rows per inner chunk of a segment of rows of ``width`` floats (plus the key columns)."""
     return max(_MIN_CHUNK_ROWS, (_PAGE - 4) // (4 * (width + KEY_COLUMNS)))
-
-
-# -- the filter -------------------------------------------------------------------------------------
-def _filter_words(n: int, chunk_rows: int = 1 << 30) -> int:
-    """Filter words for ``n`` keys: 12 bits each, or fewer where wide rows (few rows per chunk, so
-    more fences per key) would take a segment over ``_RAM_PER_KEY``."""
-    bits = min(_FILTER_BITS, int((_RAM_PER_KEY - 8 / chunk_rows) * 8))
-    return max(1, (n * bits + 63) // 64)
-
-
-def _probes(keys: np.ndarray, n_words: int) -> tuple[np.ndarray, np.ndarray]:
-    """keys (n,) int64 -> (word of each key (n,) int64, the bits it sets there (n,) uint64)."""
-    with np.errstate(over="ignore"):
-        h = splitmix64(np.ascontiguousarray(keys, np.int64).view(np.uint64))
-        word = ((h >> np.uint64(32)) * np.uint64(n_words)) >> np.uint64(32)
-        h2 = splitmix64(h)
-    mask = np.zeros(len(keys), np.uint64)
-    for i in range(_FILTER_PROBES):
-        mask |= np.uint64(1) << ((h2 >> np.uint64(6 * i)) & np.uint64(63))
-    return word.astype(np.int64), mask
-
-
-def bloom_build(keys: np.ndarray, n_words: int | None = None) -> np.ndarray:
-    """A filter of ``keys`` (n,) int64: (w,) uint64 words."""
-    words = np.zeros(n_words if n_words is not None else _filter_words(len(keys)), np.uint64)
-    bloom_add(words, keys)
-    return words
-
-
-def bloom_add(words: np.ndarray, keys: np.ndarray) -> None:
-    """Set the bits of ``keys`` in the filter ``words``."""
-    if len(keys):
-        word, mask = _probes(keys, len(words))
-        np.bitwise_or.at(words, word, mask)
-
-
-def bloom_may_contain(words: np.ndarray, keys: np.ndarray) -> np.ndarray:
-    """keys (n,) int64 -> (n,) bool: False where the filter ``words`` proves a key absent."""
-    word, mask = _probes(keys, len(words))
-    return (words[word] & mask) == mask
 
 
 # -- writing ----------------------------------------------------------------------------------------
@@ -130,7 +85,7 @@ class SegmentWriter:
             block_point,
             align=_PAGE,
         )
-        self._filter = np.zeros(_filter_words(max(expected, 1), self.chunk_rows), np.uint64)
+        self._filter = np.zeros(filter_words(max(expected, 1), self.chunk_rows), np.uint64)
         self._fences: list[np.ndarray] = []
         self._last: int | None = None
         self.n = 0
@@ -262,14 +217,7 @@ class Segment:
 
     def chunk_positions(self, chunks: np.ndarray) -> np.ndarray:
         """Sorted unique chunk indices (c,) -> every row position in them (sorted)."""
-        rows = self.rows_array.chunk_rows
-        starts = chunks * rows
-        ends = np.minimum(starts + rows, self.n)
-        counts = ends - starts
-        if len(counts) == 0:
-            return np.empty(0, np.int64)
-        offsets = np.repeat(starts - np.concatenate([[0], np.cumsum(counts)[:-1]]), counts)
-        return np.arange(int(counts.sum()), dtype=np.int64) + offsets
+        return chunk_positions(chunks, self.rows_array.chunk_rows, self.n)
 
     def scan(self, batch_rows: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
         """Yield ``(keys (b,) int64, rows (b, width) float32)`` of every row, in key order."""
