@@ -53,14 +53,16 @@ class ServedTable:
         requests = [req for layer, probe in zip(self.layers, probes) for req in layer.requests(probe)]
         blocks = list(read_arrays(requests, files))
         out = np.empty((len(ids), self.dim), np.float32)
-        done = np.zeros(len(ids), bool)
+        found = np.zeros(len(ids), bool)  # a row, or a deletion, in a newer layer
+        has_row = np.zeros(len(ids), bool)
         for i in reversed(range(len(self.layers))):
             keys, values, deleted = blocks[3 * i : 3 * i + 3]
             held, rows, gone = self.layers[i].resolve(probes[i], keys, values, deleted)
-            take = held & ~done
+            take = held & ~found
             out[take] = rows[take[held]]
-            done |= held | gone
-        unknown = np.flatnonzero(~done)
+            has_row |= take
+            found |= held | gone
+        unknown = np.flatnonzero(~has_row)
         if len(unknown):
             out[unknown] = self.unknown_rows(ids[unknown])
         return out
