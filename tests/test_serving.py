@@ -650,9 +650,10 @@ def test_a_foreign_zarr_json_is_refused_without_decoding(history, tmp_path, kind
 
 # -- memory ---------------------------------------------------------------------------------------------
 def test_serving_three_million_rows_holds_only_its_cache_and_index(tmp_path):
-    """A 3,000,000-row export (about 200 MB of rows) served in a fresh process, every row looked up once
-    in random batches of 1024 after a warm-up: its peak RSS stays under a bare ``import hierps, torch``
-    + the cache + 150 MiB."""
+    """A 3,000,000-row export (about 200 MB of rows) served in a fresh process by the serving bench's
+    ``serve`` phase (random lookups of 1 and 1024 ids, a hot set of half the cache's capacity, then
+    as many lookups as a second allows): its peak RSS stays under a bare ``import hierps, torch`` +
+    the 64 MiB cache + 150 MiB, and its key index under 2 bytes per key."""
     from hierps.bench import scale
     from hierps.bench import serving as serving_bench
 

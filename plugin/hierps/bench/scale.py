@@ -9,7 +9,8 @@ fresh process (the ``--worker`` of :mod:`hierps.bench.run`), so that each phase'
    files dropped from the page cache before each pass), each pass followed by a checkpoint;
 3. ``reopen``: ``hierps.Store(path)`` and ``num_rows``, cold;
 4. ``export``: ``hierps export``'s :func:`~hierps.lifecycle._export.export_store`, cold;
-5. ``serving``: :func:`hierps.serving.open` of the export, cold, and a lookup of 16384 random ids.
+5. ``serving``: :func:`hierps.serving.open` of the export, cold, and a lookup of 16384 random ids
+   (read from disk on demand: ``hierps bench --serving`` measures serving in detail).
 
 Each phase reports its seconds, peak RSS (``VmHWM``), the ``/proc/self/io`` deltas over the phase,
 the SSD tier's key-index RAM, the files and bytes under the store directory, and whether its peak
@@ -45,6 +46,7 @@ from hierps.bench._worker import spawn
 __all__ = [
     "FULL_SIZE",
     "PHASES",
+    "RUNNERS",
     "ScaleConfig",
     "bare_import_rss",
     "check_goals",
@@ -416,14 +418,6 @@ def _export_phase(spec: dict[str, Any]) -> dict[str, Any]:
 def _serving_phase(spec: dict[str, Any]) -> dict[str, Any]:
     import hierps.serving
 
-    # hierps.serving.open holds the whole export in RAM, about 3x its bytes at its peak (measured).
-    need, free = 3 * _tree(spec["export"])["bytes"], _available_memory()
-    if free is not None and need > free // 2:
-        return {
-            "seconds": 0.0,
-            "skipped": f"hierps.serving.open reads the whole export into RAM (~{need / 2**30:.1f} GiB at its "
-            f"peak), more than half the memory available here ({free / 2**30:.1f} GiB)",
-        }
     ids = np.random.default_rng(spec["config"]["seed"] + 2).integers(
         0, spec["rows"], spec["config"]["lookups"]
     )
@@ -432,22 +426,18 @@ def _serving_phase(spec: dict[str, Any]) -> dict[str, Any]:
     t1 = time.perf_counter()
     tables.lookup("t", ids)
     t2 = time.perf_counter()
-    return {"seconds": t2 - t0, "open_seconds": t1 - t0, "lookup_seconds": t2 - t1, "lookups": len(ids)}
+    return {
+        "seconds": t2 - t0,
+        "open_seconds": t1 - t0,
+        "lookup_seconds": t2 - t1,
+        "lookups": len(ids),
+        "index_ram_bytes": tables.index_bytes,
+    }
 
 
-def _available_memory() -> int | None:
-    """``MemAvailable`` of /proc/meminfo in bytes (None where it cannot be read)."""
-    try:
-        for line in Path("/proc/meminfo").read_text(encoding="ascii").splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
-
-
+Runner = tuple[Callable[[dict[str, Any]], dict[str, Any]], str | None]
 # phase -> (what it runs, the directory dropped from the page cache before it: "store" / "export")
-_RUNNERS: dict[str, tuple[Callable[[dict[str, Any]], dict[str, Any]], str | None]] = {
+RUNNERS: dict[str, Runner] = {
     "disk": (_disk_phase, None),
     "write": (_write_phase, None),
     "train": (_train_phase, None),
@@ -458,11 +448,12 @@ _RUNNERS: dict[str, tuple[Callable[[dict[str, Any]], dict[str, Any]], str | None
 }
 
 
-def run_phase(spec: dict[str, Any]) -> dict[str, Any]:
-    """Run one phase in this process (the worker's ``"scale"`` task): its record with what it cost."""
+def run_phase(spec: dict[str, Any], runners: dict[str, Runner] | None = None) -> dict[str, Any]:
+    """Run one phase of ``runners`` (default :data:`RUNNERS`) in this process (the worker's ``"scale"``
+    task): its record with what it cost."""
     from hierps.bench.machine import drop_from_page_cache
 
-    body, cold = _RUNNERS[spec["phase"]]
+    body, cold = (RUNNERS if runners is None else runners)[spec["phase"]]
     if cold is not None:
         drop_from_page_cache(Path(spec[cold]))
     io0 = io_counters()
@@ -474,10 +465,12 @@ def run_phase(spec: dict[str, Any]) -> dict[str, Any]:
 
 
 # -- the run --------------------------------------------------------------------------------------
-def spawn_phase(phase: str, conf: dict[str, Any], workdir: Path, **paths: Any) -> dict[str, Any]:
-    """Run ``phase`` in a fresh worker process (``rows``, ``store``, ``export`` in ``paths``); its record,
-    or ``{"error": ...}``."""
-    spec = {"task": "scale", "phase": phase, "config": conf, "tmp": str(workdir), **paths}
+def spawn_phase(
+    phase: str, conf: dict[str, Any], workdir: Path, task: str = "scale", **paths: Any
+) -> dict[str, Any]:
+    """Run ``phase`` of ``task`` (``"scale"`` or ``"serving"``) in a fresh worker process (``rows``,
+    ``store``, ``export`` in ``paths``); its record, or ``{"error": ...}``."""
+    spec = {"task": task, "phase": phase, "config": conf, "tmp": str(workdir), **paths}
     return spawn(spec, conf["timeout"])
 
 
@@ -490,7 +483,7 @@ def _judge(record: dict[str, Any], limit: int) -> dict[str, Any]:
 
 def _run_size(conf: dict[str, Any], rows: int, root: Path, out: Callable[[str], Any]) -> dict[str, Any]:
     """Every phase on a table of ``rows`` rows under ``root``, in order; stops at the first that fails."""
-    paths = {"rows": rows, "store": str(root / "store"), "export": str(root / "export")}
+    paths: dict[str, Any] = {"rows": rows, "store": str(root / "store"), "export": str(root / "export")}
     limit = rss_limit(conf, rows)
     phases: dict[str, dict[str, Any]] = {}
     try:
@@ -541,10 +534,10 @@ def run_scale(cfg: ScaleConfig, out: Callable[[str], Any] = print) -> dict[str, 
 
 # -- the report -----------------------------------------------------------------------------------
 def _finished(results: dict[str, Any], phase: str) -> Iterator[tuple[int, dict[str, Any]]]:
-    """(rows, record) of every size whose ``phase`` finished (not skipped)."""
+    """(rows, record) of every size whose ``phase`` finished."""
     for size in results.get("sizes", []):
         record = size["phases"].get(phase, {})
-        if "seconds" in record and "skipped" not in record:
+        if "seconds" in record:
             yield size["rows"], record
 
 
@@ -560,10 +553,7 @@ def _checkpoint_ratio(p: dict[str, Any]) -> float:
 def check_goals(results: dict[str, Any]) -> list[dict[str, Any]]:
     """One entry per goal: ``{"key", "goal", "value", "met", "note"}`` (value None: not measured)."""
     records = [
-        (s["rows"], ph, r)
-        for s in results.get("sizes", [])
-        for ph, r in s["phases"].items()
-        if "rss_ok" in r and "skipped" not in r
+        (s["rows"], ph, r) for s in results.get("sizes", []) for ph, r in s["phases"].items() if "rss_ok" in r
     ]
     trained = list(_finished(results, "train"))
     rate = _random_rate(results)
@@ -617,8 +607,6 @@ def _mib(x: float | None) -> str:
 def _phase_row(rows: int, phase: str, r: dict[str, Any]) -> str:
     if "error" in r:
         return f"{rows:>11,} {phase:8s} failed: {(r['error'].strip().splitlines() or ['?'])[-1]}"
-    if "skipped" in r:
-        return f"{rows:>11,} {phase:8s} skipped: {r['skipped']}"
     index = r.get("index_ram_bytes")
     io = r["io"]
     return (
