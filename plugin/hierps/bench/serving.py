@@ -7,9 +7,11 @@ process (so that its peak RSS is its own), the export's files dropped from the p
 1. ``open``: :func:`hierps.serving.open`: seconds, and the bytes of RAM its key index takes;
 2. ``serve``: lookups through :func:`hierps.serving.open` with a ``cache_bytes`` row cache:
    latency (p50 / p99 over ``samples`` lookups) of batches of 1 and 1,024 ids, *cold* (ids drawn
-   uniformly from all N keys, the files not in the page cache, the row cache empty) and *warm*
-   (ids from a hot set of half the cache's capacity, looked up once before); then lookups per second
-   of batches of 1,024 ids, cold and warm, for ``throughput_seconds`` each;
+   uniformly from all N keys, the export's files dropped from the page cache before each lookup,
+   so its reads reach the device) and *warm* (ids from a hot set of half the cache's capacity,
+   looked up once before: served from the row cache); then lookups per second of batches of
+   1,024 ids for ``throughput_seconds``, cold (uniform ids, the page cache dropped at the start)
+   and warm (the hot set);
 3. ``numpy``: the baseline: the export's keys and values loaded into RAM (numpy arrays), looked up
    with ``np.searchsorted`` with the same batches: its load seconds, latency, lookups per second.
 
@@ -98,10 +100,14 @@ def spawn_phase(phase: str, conf: dict[str, Any], workdir: Path, **paths: Any) -
 
 
 # -- measuring lookups ------------------------------------------------------------------------------
-def _latencies(lookup: Callable[[np.ndarray], object], batches: np.ndarray) -> dict[str, float]:
-    """p50 / p99 seconds of ``lookup`` over each row of ``batches`` (s, b)."""
+def _latencies(
+    lookup: Callable[[np.ndarray], object], batches: np.ndarray, before: Callable[[], None] | None = None
+) -> dict[str, float]:
+    """p50 / p99 seconds of ``lookup`` over each row of ``batches`` (s, b), ``before()`` (untimed) before each."""
     seconds = []
     for ids in batches:
+        if before is not None:
+            before()
         t0 = time.perf_counter()
         lookup(ids)
         seconds.append(time.perf_counter() - t0)
@@ -125,13 +131,12 @@ def _measure(
     hot: np.ndarray,
     cold: Callable[[], None],
 ) -> dict[str, Any]:
-    """Cold and warm latency of each batch size, then cold and warm lookups/s; ``cold()`` drops the
-    files from the page cache before each cold measurement."""
+    """Cold and warm latency of each batch size, then cold and warm lookups/s. ``cold()`` drops the
+    files from the page cache: before each cold lookup timed, and before the cold rate."""
     rng = np.random.default_rng(conf["seed"] + 3)
     out: dict[str, Any] = {"cold": {}, "warm": {}}
     for b in BATCHES:
-        cold()
-        out["cold"][str(b)] = _latencies(lookup, rng.integers(0, rows, (conf["samples"], b)))
+        out["cold"][str(b)] = _latencies(lookup, rng.integers(0, rows, (conf["samples"], b)), cold)
     for start in range(0, len(hot), 1024):
         lookup(hot[start : start + 1024])
     for b in BATCHES:
