@@ -661,7 +661,7 @@ def test_serving_three_million_rows_holds_only_its_cache_and_index(tmp_path):
     cfg = serving_bench.ServingConfig(
         sizes=(rows,), cache_bytes=str(cache), samples=50, throughput_seconds=2.0
     )
-    conf = serving_bench.phase_config(cfg)
+    conf = scale.phase_config(cfg)
     paths = {"rows": rows, "store": str(tmp_path / "store"), "export": str(tmp_path / "export")}
     for phase in ("write", "export"):
         record = serving_bench.spawn_phase(phase, conf, tmp_path / phase, **paths)

@@ -47,7 +47,9 @@ __all__ = [
     "FULL_SIZE",
     "PHASES",
     "RUNNERS",
+    "BenchKind",
     "ScaleConfig",
+    "StoreBenchConfig",
     "bare_import_rss",
     "check_goals",
     "config_from_args",
@@ -58,8 +60,10 @@ __all__ = [
     "plot",
     "random_read",
     "rss_limit",
+    "run_cli",
     "run_phase",
     "run_scale",
+    "run_sizes",
     "spawn_phase",
 ]
 
@@ -78,25 +82,21 @@ GOALS = [
 
 
 @dataclass
-class ScaleConfig:
-    """Settings of one ``hierps bench --scale`` run."""
+class StoreBenchConfig:
+    """Settings every bench of a large table shares: the table, the store it is written to, the disk
+    probes, where and how each phase runs."""
 
     sizes: tuple[int, ...] = (1_000_000, 10_000_000)
     dim: int = 16
-    passes: int = 8
-    batches: int = 4  # mini-batches per pass
-    batch_keys: int = 4096  # distinct keys per mini-batch
     memory_budget: str = "256MiB"
     device_budget: str = "64MiB"
     write_chunk: int = 1 << 20  # rows per write_rows call
-    lookups: int = 16_384  # random ids looked up in the serving phase
     disk_bytes: int = 1 << 30  # size of each disk probe file
     probe_threads: int = 16  # random reads in flight
     seed: int = 0
     threads: int = 1  # torch intra-op threads of each phase
     tmp: str | None = None  # directory for stores and probe files (default: the system temp dir)
     keep: bool = False  # keep each size's store and export
-    phases: tuple[str, ...] = PHASES  # which phases run (write first: the others read its store)
     timeout: float = 4 * 3600.0  # per phase
 
     def __post_init__(self) -> None:
@@ -104,6 +104,20 @@ class ScaleConfig:
 
         parse_size(self.memory_budget, "memory_budget")  # a ConfigError (a ValueError) when malformed
         parse_size(self.device_budget, "device_budget")
+
+
+@dataclass
+class ScaleConfig(StoreBenchConfig):
+    """Settings of one ``hierps bench --scale`` run."""
+
+    passes: int = 8
+    batches: int = 4  # mini-batches per pass
+    batch_keys: int = 4096  # distinct keys per mini-batch
+    lookups: int = 16_384  # random ids looked up in the serving phase
+    phases: tuple[str, ...] = PHASES  # which phases run (write first: the others read its store)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
         fresh = self.passes * self.batches * self.batch_keys
         small = [n for n in self.sizes if n < fresh]
         if small:
@@ -113,7 +127,7 @@ class ScaleConfig:
             )
 
 
-def phase_config(cfg: ScaleConfig) -> dict[str, Any]:
+def phase_config(cfg: StoreBenchConfig) -> dict[str, Any]:
     """The JSON-ready settings a phase process gets (``threads`` also sets its OMP_NUM_THREADS)."""
     conf = asdict(cfg)
     conf["sizes"] = list(cfg.sizes)
@@ -500,16 +514,26 @@ def _run_size(conf: dict[str, Any], rows: int, root: Path, out: Callable[[str], 
     return {"rows": rows, "rss_limit_bytes": limit, "phases": phases}
 
 
-def run_scale(cfg: ScaleConfig, out: Callable[[str], Any] = print) -> dict[str, Any]:
-    """Probe the disk, then run every phase per size of ``cfg``; print the report; the JSON-ready results."""
-    conf = phase_config(cfg)
+SizeRunner = Callable[[dict[str, Any], int, Path, Callable[[str], Any]], dict[str, Any]]
+
+
+@dataclass(frozen=True)
+class BenchKind:
+    """What a bench of a large table runs per size, and how it judges and reports the results."""
+
+    task: str  # the worker task of its phases ("scale", "serving")
+    run_size: SizeRunner  # (conf, rows, directory, out) -> that size's record
+    check_goals: Callable[[dict[str, Any]], list[dict[str, Any]]]
+    format_report: Callable[[dict[str, Any], Callable[[str], Any]], None]
+
+
+def run_sizes(conf: dict[str, Any], kind: BenchKind, out: Callable[[str], Any]) -> dict[str, Any]:
+    """In a fresh work directory (under ``conf["tmp"]``, removed unless ``conf["keep"]``): the peak RSS
+    of a bare import, the disk probes (a ``"disk"`` phase of ``kind.task``), then ``kind.run_size``
+    for each of ``conf["sizes"]``; then the goals and the report. The JSON-ready results."""
     started = time.perf_counter()
-    root = Path(tempfile.mkdtemp(prefix="hierps-scale-", dir=cfg.tmp))
-    out(
-        f"hierps bench --scale: table 't', dim {cfg.dim}, adagrad; RAM budget {cfg.memory_budget}, device budget "
-        f"{cfg.device_budget}; {cfg.passes} passes of {cfg.batches} x {cfg.batch_keys} fresh keys; sizes "
-        f"{', '.join(f'{n:,}' for n in cfg.sizes)}; under {root}"
-    )
+    root = Path(tempfile.mkdtemp(prefix=f"hierps-{kind.task}-", dir=conf["tmp"]))
+    out(f"  working under {root}")
     results: dict[str, Any] = {
         "config": conf,
         "cpu_count": os.cpu_count(),
@@ -517,19 +541,29 @@ def run_scale(cfg: ScaleConfig, out: Callable[[str], Any] = print) -> dict[str, 
     }
     try:
         results["bare_import_rss_bytes"] = bare_import_rss()
-        results["disk"] = spawn_phase("disk", conf, root / "disk")
+        results["disk"] = spawn_phase("disk", conf, root / "disk", task=kind.task)
         out("  disk probes: " + ("failed" if "error" in results["disk"] else "done"))
-        results["sizes"] = [_run_size(conf, n, root / f"rows-{n}", out) for n in cfg.sizes]
+        results["sizes"] = [kind.run_size(conf, n, root / f"rows-{n}", out) for n in conf["sizes"]]
     finally:
-        if cfg.keep:
+        if conf["keep"]:
             out(f"stores and exports kept under {root}")
         else:
             shutil.rmtree(root, ignore_errors=True)
-    results["goals"] = check_goals(results)
+    results["goals"] = kind.check_goals(results)
     results["seconds"] = time.perf_counter() - started
-    format_report(results, out)
-    out(f"bench --scale took {results['seconds']:.0f} s")
+    kind.format_report(results, out)
+    out(f"bench --{kind.task} took {results['seconds']:.0f} s")
     return results
+
+
+def run_scale(cfg: ScaleConfig, out: Callable[[str], Any] = print) -> dict[str, Any]:
+    """Probe the disk, then run every phase per size of ``cfg``; print the report; the JSON-ready results."""
+    out(
+        f"hierps bench --scale: table 't', dim {cfg.dim}, adagrad; RAM budget {cfg.memory_budget}, device budget "
+        f"{cfg.device_budget}; {cfg.passes} passes of {cfg.batches} x {cfg.batch_keys} fresh keys; sizes "
+        f"{', '.join(f'{n:,}' for n in cfg.sizes)}"
+    )
+    return run_sizes(phase_config(cfg), BenchKind("scale", _run_size, check_goals, format_report), out)
 
 
 # -- the report -----------------------------------------------------------------------------------
@@ -772,17 +806,31 @@ def _phases(text: str) -> tuple[str, ...]:
     return chosen
 
 
-def run_from_args(args: argparse.Namespace) -> int:
-    """``hierps bench --scale``: run, print the report, write ``--json`` / ``--plot``."""
+def run_cli(
+    args: argparse.Namespace,
+    name: str,
+    make_config: Callable[[argparse.Namespace], Any],
+    run: Callable[[Any], dict[str, Any]],
+) -> dict[str, Any] | None:
+    """``hierps bench --<name>``: the config from ``args`` (None, with the reason on stderr, when its
+    options clash), the run, its results written to ``--json``."""
     try:
-        cfg = config_from_args(args)
+        cfg = make_config(args)
     except ValueError as e:
-        print(f"hierps bench --scale: {e}", file=sys.stderr)
-        return 2
-    results = run_scale(cfg)
+        print(f"hierps bench --{name}: {e}", file=sys.stderr)
+        return None
+    results = run(cfg)
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(results, indent=1), encoding="utf-8")
+    return results
+
+
+def run_from_args(args: argparse.Namespace) -> int:
+    """``hierps bench --scale``: run, print the report, write ``--json`` / ``--plot``."""
+    results = run_cli(args, "scale", config_from_args, run_scale)
+    if results is None:
+        return 2
     if args.plot:
         plot(results, args.plot)
     return 0

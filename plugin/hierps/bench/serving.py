@@ -24,14 +24,10 @@ the export writing at ≥ 40% of the sequential write bandwidth.
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import shutil
-import sys
-import tempfile
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -44,7 +40,6 @@ __all__ = [
     "PHASES",
     "ServingConfig",
     "check_goals",
-    "phase_config",
     "run_phase",
     "run_serving",
     "spawn_phase",
@@ -63,35 +58,18 @@ GOALS = [
 
 
 @dataclass
-class ServingConfig:
-    """Settings of one ``hierps bench --serving`` run."""
+class ServingConfig(scale.StoreBenchConfig):
+    """Settings of one ``hierps bench --serving`` run (the store's: those of ``hierps bench --scale``)."""
 
-    sizes: tuple[int, ...] = (1_000_000, 10_000_000)
-    dim: int = 16
     cache_bytes: str = "64MiB"
     samples: int = 200  # lookups timed per batch size, cold and warm
     throughput_seconds: float = 3.0
-    seed: int = 0
-    threads: int = 1
-    memory_budget: str = "256MiB"  # of the store the export is taken from (the scale bench's)
-    device_budget: str = "64MiB"
-    write_chunk: int = 1 << 20
-    disk_bytes: int = 1 << 30
-    probe_threads: int = 16
-    tmp: str | None = None
-    keep: bool = False
-    timeout: float = 4 * 3600.0
 
     def __post_init__(self) -> None:
         from hierps.config import parse_size
 
+        super().__post_init__()
         parse_size(self.cache_bytes, "cache_bytes")
-
-
-def phase_config(cfg: ServingConfig) -> dict[str, Any]:
-    conf = asdict(cfg)
-    conf["sizes"] = list(cfg.sizes)
-    return conf
 
 
 def spawn_phase(phase: str, conf: dict[str, Any], workdir: Path, **paths: Any) -> dict[str, Any]:
@@ -278,35 +256,12 @@ def _run_size(conf: dict[str, Any], rows: int, root: Path, out: Callable[[str], 
 
 def run_serving(cfg: ServingConfig, out: Callable[[str], Any] = print) -> dict[str, Any]:
     """Probe the disk, then every phase per size; print the report; the JSON-ready results."""
-    conf = phase_config(cfg)
-    started = time.perf_counter()
-    root = Path(tempfile.mkdtemp(prefix="hierps-serving-", dir=cfg.tmp))
     out(
         f"hierps bench --serving: table 't', dim {cfg.dim}; cache {cfg.cache_bytes}; {cfg.samples} lookups per "
-        f"latency; sizes {', '.join(f'{n:,}' for n in cfg.sizes)}; under {root}"
+        f"latency; sizes {', '.join(f'{n:,}' for n in cfg.sizes)}"
     )
-    results: dict[str, Any] = {
-        "config": conf,
-        "cpu_count": os.cpu_count(),
-        "load_average_start": os.getloadavg(),
-    }
-    try:
-        results["bare_import_rss_bytes"] = scale.bare_import_rss()
-        results["disk"] = spawn_phase("disk", conf, root / "disk")
-        out("  disk probes: " + ("failed" if "error" in results["disk"] else "done"))
-        results["sizes"] = [_run_size(conf, n, root / f"rows-{n}", out) for n in cfg.sizes]
-    finally:
-        if cfg.keep:
-            out(f"stores and exports kept under {root}")
-        else:
-            shutil.rmtree(root, ignore_errors=True)
-    for size in results["sizes"]:
-        size["rss_limit_bytes"] = rss_limit(conf, size["rows"], results["bare_import_rss_bytes"])
-    results["goals"] = check_goals(results)
-    results["seconds"] = time.perf_counter() - started
-    format_report(results, out)
-    out(f"bench --serving took {results['seconds']:.0f} s")
-    return results
+    kind = scale.BenchKind("serving", _run_size, check_goals, format_report)
+    return scale.run_sizes(scale.phase_config(cfg), kind, out)
 
 
 # -- the report -----------------------------------------------------------------------------------
@@ -326,7 +281,10 @@ def _export_rate(record: dict[str, Any]) -> float:
 
 
 def check_goals(results: dict[str, Any]) -> list[dict[str, Any]]:
-    """One entry per goal: ``{"key", "goal", "value", "met", "note"}`` (value None: not measured)."""
+    """One entry per goal: ``{"key", "goal", "value", "met", "note"}`` (value None: not measured).
+    Each size gets its RSS limit (``rss_limit_bytes``) first."""
+    for size in results.get("sizes", []):
+        size["rss_limit_bytes"] = rss_limit(results["config"], size["rows"], results["bare_import_rss_bytes"])
     opens = [(s["rows"], r["seconds"]) for s, r in _finished(results, "open")]
     serves = [(s["rows"], r["peak_rss_bytes"] / s["rss_limit_bytes"]) for s, r in _finished(results, "serve")]
     index = [(s["rows"], r["index_bytes"] / s["rows"]) for s, r in _finished(results, "open")]
@@ -425,13 +383,4 @@ def config_from_args(args: argparse.Namespace) -> ServingConfig:
 
 def run_from_args(args: argparse.Namespace) -> int:
     """``hierps bench --serving``: run, print the report, write ``--json``."""
-    try:
-        cfg = config_from_args(args)
-    except ValueError as e:
-        print(f"hierps bench --serving: {e}", file=sys.stderr)
-        return 2
-    results = run_serving(cfg)
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(results, indent=1), encoding="utf-8")
-    return 0
+    return 2 if scale.run_cli(args, "serving", config_from_args, run_serving) is None else 0

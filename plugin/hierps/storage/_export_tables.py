@@ -110,9 +110,8 @@ class TableWriter:
         words = np.zeros(filter_words(self.rows + len(deleted), self.chunk_rows), np.uint64)
         root = Path(self._zstore.root)
         keys = open_array(self._zstore, root, f"{self.name}/keys", "int64", 1)
-        for start in range(0, self.rows, _SCAN_ROWS):
-            positions = np.arange(start, min(start + _SCAN_ROWS, self.rows), dtype=np.int64)
-            bloom_add(words, read_array(keys, root, f"{self.name}/keys", positions))
+        for block in _blocks(keys, root, f"{self.name}/keys"):
+            bloom_add(words, block)
         bloom_add(words, deleted)
         return words
 
@@ -205,9 +204,15 @@ class ExportTable:
             )
 
     def _read_checked(self, arr: Array, name: str) -> np.ndarray:
-        """All of the small array ``name``, its content checked against the manifest."""
-        data = read_array(arr, self.path, f"{self.name}/{name}", open_files=self.files)
-        if _crc(data) != self.entry.checks[name]:
+        """All of the array ``name`` (fences or filter), its content checked against the manifest; read
+        a block at a time into its place (no second copy of it in RAM)."""
+        data = np.empty(arr.shape, arr.dtype.newbyteorder("="))
+        crc = at = 0
+        for block in _blocks(arr, self.path, f"{self.name}/{name}", self.files):
+            data[at : at + len(block)] = block
+            crc = _crc(block, crc)
+            at += len(block)
+        if crc != self.entry.checks[name]:
             raise self._damaged(f"the content of {name} does not match its checksum in the manifest")
         return data
 
@@ -284,11 +289,7 @@ class ExportTable:
     def scan(self, name: str) -> Iterator[np.ndarray]:
         """Every row of array ``name`` (keys, values or deleted), in blocks of whole chunks, in order."""
         arr = {"keys": self.keys, "values": self.values, "deleted": self.deleted}[name]
-        n = arr.shape[0]
-        step = max(arr.chunk_rows, _SCAN_ROWS - _SCAN_ROWS % arr.chunk_rows)
-        for start in range(0, n, step):
-            positions = np.arange(start, min(start + step, n), dtype=np.int64)
-            yield read_array(arr, self.path, f"{self.name}/{name}", positions, self.files)
+        yield from _blocks(arr, self.path, f"{self.name}/{name}", self.files)
 
     def sorted_keys(self, name: str) -> Iterator[np.ndarray]:
         """The blocks of ``keys`` or ``deleted``, each checked as a lookup checks it (so the whole array
@@ -311,6 +312,15 @@ class ExportTable:
                 crc = _crc(block, crc)
             if crc != self.entry.checks[name]:
                 raise self._damaged(f"the content of {name} does not match its checksum in the manifest")
+
+
+def _blocks(arr: Array, root: Path, name: str, files: OpenFiles | None = None) -> Iterator[np.ndarray]:
+    """Every row of ``arr`` in order, in blocks of whole chunks of about ``_SCAN_ROWS`` rows."""
+    n = arr.shape[0]
+    step = max(arr.chunk_rows, _SCAN_ROWS - _SCAN_ROWS % arr.chunk_rows)
+    for start in range(0, n, step):
+        positions = np.arange(start, min(start + step, n), dtype=np.int64)
+        yield read_array(arr, root, name, positions, files)
 
 
 def _crc(data: np.ndarray, crc: int = 0) -> int:

@@ -98,6 +98,7 @@ class _Plan:
     pos: np.ndarray  # (k,) int64 rows wanted
     chunks: np.ndarray  # (c,) sorted chunk numbers holding them
     slot: np.ndarray  # (k,) index into ``chunks`` of each row's chunk
+    span: bool = False  # ``pos`` is a range of consecutive rows: copied chunk by chunk, not row by row
     buf: np.ndarray = field(default_factory=lambda: np.empty(0, np.uint8))
     at: np.ndarray = field(default_factory=lambda: np.empty(0, np.int64))  # (c,) offsets in buf
 
@@ -142,11 +143,23 @@ class _Plan:
         if len(self.pos) == 0:
             return np.empty((0, *arr.shape[1:]), dtype=arr.dtype.newbyteorder("="))
         _check_crcs(arr, buf, self.at, self.file_of)
+        if self.span:
+            return self._decode_span()
         rows = self.at[self.slot] + (self.pos - self.chunks[self.slot] * arr.chunk_rows) * arr.row_bytes
         # Every row as one opaque item starting at any byte of buf: a gather copies whole rows.
         items = np.ndarray((len(buf) - arr.row_bytes + 1,), np.dtype((np.void, arr.row_bytes)), buf, 0, (1,))
         out = items[rows].view(arr.dtype).reshape(len(self.pos), *arr.shape[1:])
         return out.astype(arr.dtype.newbyteorder("="), copy=False)
+
+    def _decode_span(self) -> np.ndarray:
+        """The rows of a range of consecutive rows: each chunk's payload (every chunk is written whole,
+        the last one padded) copied as one item, then the range cut out of them."""
+        arr, buf = self.arr, self.buf
+        payload = arr.chunk_rows * arr.row_bytes
+        items = np.ndarray((len(buf) - payload + 1,), np.dtype((np.void, payload)), buf, 0, (1,))
+        rows = items[self.at].view(arr.dtype).reshape(-1, *arr.shape[1:])
+        skip = int(self.pos[0] - self.chunks[0] * arr.chunk_rows)
+        return rows[skip : skip + len(self.pos)].astype(arr.dtype.newbyteorder("="), copy=False)
 
 
 def chunk_positions(chunks: np.ndarray, chunk_rows: int, n: int) -> np.ndarray:
@@ -171,6 +184,9 @@ def _plan(arr: Array, positions: np.ndarray | None) -> _Plan:
             f"{arr.path}: rows {int(pos.min())}..{int(pos.max())} asked of an array of {n} rows; the key "
             "index does not match the segment. Open an earlier checkpoint or restore from a backup."
         )
+    if pos[-1] - pos[0] == len(pos) - 1 and (len(pos) == 1 or np.all(pos[1:] > pos[:-1])):
+        first, last = int(pos[0]) // arr.chunk_rows, int(pos[-1]) // arr.chunk_rows
+        return _Plan(arr, pos, np.arange(first, last + 1, dtype=np.int64), np.empty(0, np.int64), span=True)
     chunk_of = pos // arr.chunk_rows
     if np.all(chunk_of[1:] >= chunk_of[:-1]):  # sorted: no sort needed
         new = np.flatnonzero(chunk_of[1:] != chunk_of[:-1]) + 1
