@@ -70,7 +70,7 @@ class ServingTables:
         """What the last refresh by ``follow`` raised (None once one succeeds): the previous generation
         kept serving."""
         try:
-            self._open_new(chain, first=True)
+            self._opened.update(self._open_new(chain, first=True))
             self._generation = _Generation(1, tuple(chain), served_tables(chain, self._opened, unknown))
         except BaseException:
             self._files.close()
@@ -173,8 +173,9 @@ class ServingTables:
             if _same(chain, old.chain):
                 return False
             kept = _common_prefix(chain, old.chain)
-            self._open_new(chain[kept:], first=kept == 0)
-            tables = served_tables(chain, self._opened, self._unknown)
+            opened = {**self._opened, **self._open_new(chain[kept:], first=kept == 0)}
+            tables = served_tables(chain, opened, self._unknown)
+            self._opened = opened
             gen = _Generation(old.number + 1, tuple(chain), tables)
             incremental = kept == len(old.chain) and set(tables) == set(old.tables)
             self._install(gen, chain[kept:] if incremental else None)
@@ -194,16 +195,21 @@ class ServingTables:
         check_chain(chain)
         return chain
 
-    def _open_new(self, manifests: list[ExportManifest], first: bool) -> None:
-        """Open (and check as ``verify`` says) the tables of exports not served yet."""
+    def _open_new(self, manifests: list[ExportManifest], first: bool) -> dict[Path, dict[str, ExportTable]]:
+        """The tables of exports not served yet, opened and checked as ``verify`` says."""
+        out = {}
         for i, m in enumerate(manifests):
-            self._files.forget_under(m.path)  # a path may now hold another export than before
+            # The path may hold another export than when it was last opened (exports are meant to be
+            # immutable, but one can be deleted and written again under the same name): its files
+            # are opened afresh.
+            self._files.forget_under(m.path)
             opened = {name: ExportTable.open(m.path, entry, self._files) for name, entry in m.tables.items()}
             is_base = first and i == 0
             if self._verify == "all" or (self._verify == "deltas" and not is_base):
                 for table in opened.values():
                     table.verify()
-            self._opened[m.path] = opened
+            out[m.path] = opened
+        return out
 
     def _install(self, gen: _Generation, new: list[ExportManifest] | None) -> None:
         """Serve ``gen``: move the caches to it (dropping the rows the ``new`` deltas touch, or
