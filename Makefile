@@ -10,7 +10,7 @@ HVD_CACHE   ?= $(HOME)/.cache/hierps/wheels
 HVD_ENV     := HOROVOD_WITH_PYTORCH=1 HOROVOD_WITHOUT_TENSORFLOW=1 HOROVOD_WITHOUT_MXNET=1 \
                HOROVOD_WITH_GLOO=1 HOROVOD_WITHOUT_MPI=1 HOROVOD_CPU_OPERATIONS=gloo
 
-.PHONY: setup horovod demo test test-all lint bench bench-scale clean
+.PHONY: setup horovod demo test test-all lint bench bench-scale bench-serving clean
 
 setup: $(STAMP)
 
@@ -69,6 +69,11 @@ bench: $(STAMP)
 #   $(BIN)/hierps bench --scale --full --json runs/scale-full.json --plot docs/scale-full.png
 bench-scale: $(STAMP)
 	$(BIN)/hierps bench --scale --json runs/scale.json --plot docs/scale.png
+
+# Serving an export at 10^6 and 10^7 rows: open time, lookup latency (batches of 1 and 1,024 ids, cold
+# and warm) and lookups/s against a numpy table in RAM, peak RSS; --full adds 10^8 rows.
+bench-serving: $(STAMP)
+	$(BIN)/hierps bench --serving --json runs/serving.json
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -106,6 +106,10 @@ def _worker(spec: dict[str, Any]) -> dict[str, Any]:
         from hierps.bench.scale import run_phase
 
         return run_phase(spec)
+    if spec["task"] == "serving":  # one phase of hierps bench --serving
+        from hierps.bench.serving import run_phase as run_serving_phase
+
+        return run_serving_phase(spec)
     from hierps.bench import machine as bench_machine
     from hierps.bench import variants as bench_variants
     from hierps.bench.variants import peak_rss_bytes, run_variant
@@ -297,10 +301,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="instead: the store at 10^6 and 10^7 rows (--full: also 10^8), write / train / reopen / export / "
         "serving each in a fresh process: seconds, peak RSS against its limit, I/O, files (hierps.bench.scale)",
     )
-    a("--sizes", type=_counts, help="with --scale: comma-separated table sizes (default 1000000,10000000)")
+    a(
+        "--serving",
+        action="store_true",
+        help="instead: serving an export at 10^6 and 10^7 rows (--full: also 10^8): open time, lookup latency "
+        "and rate, cold and warm, against numpy in RAM; peak RSS (hierps.bench.serving)",
+    )
+    a("--cache-bytes", help="with --serving: the row cache of hierps.serving.open (default 64MiB)")
+    a(
+        "--sizes",
+        type=_counts,
+        help="with --scale / --serving: comma-separated table sizes (default 1000000,10000000)",
+    )
     a("--passes", type=_count, help="with --scale: passes of 4 x 4096 fresh keys per size (default 8)")
     a("--memory-budget", help="with --scale: the store's RAM budget (default 256MiB)")
-    a("--keep", action="store_true", help="with --scale: keep the stores and exports (under --tmp)")
+    a(
+        "--keep",
+        action="store_true",
+        help="with --scale / --serving: keep the stores and exports (under --tmp)",
+    )
     a("--phases", help="with --scale: comma-separated phases to run (default all; write is required)")
     a("--json", metavar="PATH", help="write the results as JSON here")
     a("--plot", metavar="PATH", help="write a PNG chart here")
@@ -341,6 +360,10 @@ def run_from_args(args: argparse.Namespace) -> int:
         from hierps.bench.scale import run_from_args as run_scale
 
         return run_scale(args)
+    if args.serving:
+        from hierps.bench.serving import run_from_args as run_serving
+
+        return run_serving(args)
     cfg = config_from_args(args)
     unknown = sorted(set(cfg.variants) - set(ALL_VARIANTS))
     if unknown:

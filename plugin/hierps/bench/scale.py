@@ -9,7 +9,8 @@ fresh process (the ``--worker`` of :mod:`hierps.bench.run`), so that each phase'
    files dropped from the page cache before each pass), each pass followed by a checkpoint;
 3. ``reopen``: ``hierps.Store(path)`` and ``num_rows``, cold;
 4. ``export``: ``hierps export``'s :func:`~hierps.lifecycle._export.export_store`, cold;
-5. ``serving``: :func:`hierps.serving.open` of the export, cold, and a lookup of 16384 random ids.
+5. ``serving``: :func:`hierps.serving.open` of the export, cold, and a lookup of 16384 random ids
+   (read from disk on demand: ``hierps bench --serving`` measures serving in detail).
 
 Each phase reports its seconds, peak RSS (``VmHWM``), the ``/proc/self/io`` deltas over the phase,
 the SSD tier's key-index RAM, the files and bytes under the store directory, and whether its peak
@@ -45,7 +46,10 @@ from hierps.bench._worker import spawn
 __all__ = [
     "FULL_SIZE",
     "PHASES",
+    "RUNNERS",
+    "BenchKind",
     "ScaleConfig",
+    "StoreBenchConfig",
     "bare_import_rss",
     "check_goals",
     "config_from_args",
@@ -56,8 +60,10 @@ __all__ = [
     "plot",
     "random_read",
     "rss_limit",
+    "run_cli",
     "run_phase",
     "run_scale",
+    "run_sizes",
     "spawn_phase",
 ]
 
@@ -76,25 +82,21 @@ GOALS = [
 
 
 @dataclass
-class ScaleConfig:
-    """Settings of one ``hierps bench --scale`` run."""
+class StoreBenchConfig:
+    """Settings every bench of a large table shares: the table, the store it is written to, the disk
+    probes, where and how each phase runs."""
 
     sizes: tuple[int, ...] = (1_000_000, 10_000_000)
     dim: int = 16
-    passes: int = 8
-    batches: int = 4  # mini-batches per pass
-    batch_keys: int = 4096  # distinct keys per mini-batch
     memory_budget: str = "256MiB"
     device_budget: str = "64MiB"
     write_chunk: int = 1 << 20  # rows per write_rows call
-    lookups: int = 16_384  # random ids looked up in the serving phase
     disk_bytes: int = 1 << 30  # size of each disk probe file
     probe_threads: int = 16  # random reads in flight
     seed: int = 0
     threads: int = 1  # torch intra-op threads of each phase
     tmp: str | None = None  # directory for stores and probe files (default: the system temp dir)
     keep: bool = False  # keep each size's store and export
-    phases: tuple[str, ...] = PHASES  # which phases run (write first: the others read its store)
     timeout: float = 4 * 3600.0  # per phase
 
     def __post_init__(self) -> None:
@@ -102,6 +104,20 @@ class ScaleConfig:
 
         parse_size(self.memory_budget, "memory_budget")  # a ConfigError (a ValueError) when malformed
         parse_size(self.device_budget, "device_budget")
+
+
+@dataclass
+class ScaleConfig(StoreBenchConfig):
+    """Settings of one ``hierps bench --scale`` run."""
+
+    passes: int = 8
+    batches: int = 4  # mini-batches per pass
+    batch_keys: int = 4096  # distinct keys per mini-batch
+    lookups: int = 16_384  # random ids looked up in the serving phase
+    phases: tuple[str, ...] = PHASES  # which phases run (write first: the others read its store)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
         fresh = self.passes * self.batches * self.batch_keys
         small = [n for n in self.sizes if n < fresh]
         if small:
@@ -111,7 +127,7 @@ class ScaleConfig:
             )
 
 
-def phase_config(cfg: ScaleConfig) -> dict[str, Any]:
+def phase_config(cfg: StoreBenchConfig) -> dict[str, Any]:
     """The JSON-ready settings a phase process gets (``threads`` also sets its OMP_NUM_THREADS)."""
     conf = asdict(cfg)
     conf["sizes"] = list(cfg.sizes)
@@ -416,14 +432,6 @@ def _export_phase(spec: dict[str, Any]) -> dict[str, Any]:
 def _serving_phase(spec: dict[str, Any]) -> dict[str, Any]:
     import hierps.serving
 
-    # hierps.serving.open holds the whole export in RAM, about 3x its bytes at its peak (measured).
-    need, free = 3 * _tree(spec["export"])["bytes"], _available_memory()
-    if free is not None and need > free // 2:
-        return {
-            "seconds": 0.0,
-            "skipped": f"hierps.serving.open reads the whole export into RAM (~{need / 2**30:.1f} GiB at its "
-            f"peak), more than half the memory available here ({free / 2**30:.1f} GiB)",
-        }
     ids = np.random.default_rng(spec["config"]["seed"] + 2).integers(
         0, spec["rows"], spec["config"]["lookups"]
     )
@@ -432,22 +440,18 @@ def _serving_phase(spec: dict[str, Any]) -> dict[str, Any]:
     t1 = time.perf_counter()
     tables.lookup("t", ids)
     t2 = time.perf_counter()
-    return {"seconds": t2 - t0, "open_seconds": t1 - t0, "lookup_seconds": t2 - t1, "lookups": len(ids)}
+    return {
+        "seconds": t2 - t0,
+        "open_seconds": t1 - t0,
+        "lookup_seconds": t2 - t1,
+        "lookups": len(ids),
+        "index_ram_bytes": tables.index_bytes,
+    }
 
 
-def _available_memory() -> int | None:
-    """``MemAvailable`` of /proc/meminfo in bytes (None where it cannot be read)."""
-    try:
-        for line in Path("/proc/meminfo").read_text(encoding="ascii").splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
-
-
+Runner = tuple[Callable[[dict[str, Any]], dict[str, Any]], str | None]
 # phase -> (what it runs, the directory dropped from the page cache before it: "store" / "export")
-_RUNNERS: dict[str, tuple[Callable[[dict[str, Any]], dict[str, Any]], str | None]] = {
+RUNNERS: dict[str, Runner] = {
     "disk": (_disk_phase, None),
     "write": (_write_phase, None),
     "train": (_train_phase, None),
@@ -458,11 +462,12 @@ _RUNNERS: dict[str, tuple[Callable[[dict[str, Any]], dict[str, Any]], str | None
 }
 
 
-def run_phase(spec: dict[str, Any]) -> dict[str, Any]:
-    """Run one phase in this process (the worker's ``"scale"`` task): its record with what it cost."""
+def run_phase(spec: dict[str, Any], runners: dict[str, Runner] | None = None) -> dict[str, Any]:
+    """Run one phase of ``runners`` (default :data:`RUNNERS`) in this process (the worker's ``"scale"``
+    task): its record with what it cost."""
     from hierps.bench.machine import drop_from_page_cache
 
-    body, cold = _RUNNERS[spec["phase"]]
+    body, cold = (RUNNERS if runners is None else runners)[spec["phase"]]
     if cold is not None:
         drop_from_page_cache(Path(spec[cold]))
     io0 = io_counters()
@@ -474,10 +479,12 @@ def run_phase(spec: dict[str, Any]) -> dict[str, Any]:
 
 
 # -- the run --------------------------------------------------------------------------------------
-def spawn_phase(phase: str, conf: dict[str, Any], workdir: Path, **paths: Any) -> dict[str, Any]:
-    """Run ``phase`` in a fresh worker process (``rows``, ``store``, ``export`` in ``paths``); its record,
-    or ``{"error": ...}``."""
-    spec = {"task": "scale", "phase": phase, "config": conf, "tmp": str(workdir), **paths}
+def spawn_phase(
+    phase: str, conf: dict[str, Any], workdir: Path, task: str = "scale", **paths: Any
+) -> dict[str, Any]:
+    """Run ``phase`` of ``task`` (``"scale"`` or ``"serving"``) in a fresh worker process (``rows``,
+    ``store``, ``export`` in ``paths``); its record, or ``{"error": ...}``."""
+    spec = {"task": task, "phase": phase, "config": conf, "tmp": str(workdir), **paths}
     return spawn(spec, conf["timeout"])
 
 
@@ -490,7 +497,7 @@ def _judge(record: dict[str, Any], limit: int) -> dict[str, Any]:
 
 def _run_size(conf: dict[str, Any], rows: int, root: Path, out: Callable[[str], Any]) -> dict[str, Any]:
     """Every phase on a table of ``rows`` rows under ``root``, in order; stops at the first that fails."""
-    paths = {"rows": rows, "store": str(root / "store"), "export": str(root / "export")}
+    paths: dict[str, Any] = {"rows": rows, "store": str(root / "store"), "export": str(root / "export")}
     limit = rss_limit(conf, rows)
     phases: dict[str, dict[str, Any]] = {}
     try:
@@ -507,16 +514,26 @@ def _run_size(conf: dict[str, Any], rows: int, root: Path, out: Callable[[str], 
     return {"rows": rows, "rss_limit_bytes": limit, "phases": phases}
 
 
-def run_scale(cfg: ScaleConfig, out: Callable[[str], Any] = print) -> dict[str, Any]:
-    """Probe the disk, then run every phase per size of ``cfg``; print the report; the JSON-ready results."""
-    conf = phase_config(cfg)
+SizeRunner = Callable[[dict[str, Any], int, Path, Callable[[str], Any]], dict[str, Any]]
+
+
+@dataclass(frozen=True)
+class BenchKind:
+    """What a bench of a large table runs per size, and how it judges and reports the results."""
+
+    task: str  # the worker task of its phases ("scale", "serving")
+    run_size: SizeRunner  # (conf, rows, directory, out) -> that size's record
+    check_goals: Callable[[dict[str, Any]], list[dict[str, Any]]]
+    format_report: Callable[[dict[str, Any], Callable[[str], Any]], None]
+
+
+def run_sizes(conf: dict[str, Any], kind: BenchKind, out: Callable[[str], Any]) -> dict[str, Any]:
+    """In a fresh work directory (under ``conf["tmp"]``, removed unless ``conf["keep"]``): the peak RSS
+    of a bare import, the disk probes (a ``"disk"`` phase of ``kind.task``), then ``kind.run_size``
+    for each of ``conf["sizes"]``; then the goals and the report. The JSON-ready results."""
     started = time.perf_counter()
-    root = Path(tempfile.mkdtemp(prefix="hierps-scale-", dir=cfg.tmp))
-    out(
-        f"hierps bench --scale: table 't', dim {cfg.dim}, adagrad; RAM budget {cfg.memory_budget}, device budget "
-        f"{cfg.device_budget}; {cfg.passes} passes of {cfg.batches} x {cfg.batch_keys} fresh keys; sizes "
-        f"{', '.join(f'{n:,}' for n in cfg.sizes)}; under {root}"
-    )
+    root = Path(tempfile.mkdtemp(prefix=f"hierps-{kind.task}-", dir=conf["tmp"]))
+    out(f"  working under {root}")
     results: dict[str, Any] = {
         "config": conf,
         "cpu_count": os.cpu_count(),
@@ -524,27 +541,37 @@ def run_scale(cfg: ScaleConfig, out: Callable[[str], Any] = print) -> dict[str, 
     }
     try:
         results["bare_import_rss_bytes"] = bare_import_rss()
-        results["disk"] = spawn_phase("disk", conf, root / "disk")
+        results["disk"] = spawn_phase("disk", conf, root / "disk", task=kind.task)
         out("  disk probes: " + ("failed" if "error" in results["disk"] else "done"))
-        results["sizes"] = [_run_size(conf, n, root / f"rows-{n}", out) for n in cfg.sizes]
+        results["sizes"] = [kind.run_size(conf, n, root / f"rows-{n}", out) for n in conf["sizes"]]
     finally:
-        if cfg.keep:
+        if conf["keep"]:
             out(f"stores and exports kept under {root}")
         else:
             shutil.rmtree(root, ignore_errors=True)
-    results["goals"] = check_goals(results)
+    results["goals"] = kind.check_goals(results)
     results["seconds"] = time.perf_counter() - started
-    format_report(results, out)
-    out(f"bench --scale took {results['seconds']:.0f} s")
+    kind.format_report(results, out)
+    out(f"bench --{kind.task} took {results['seconds']:.0f} s")
     return results
+
+
+def run_scale(cfg: ScaleConfig, out: Callable[[str], Any] = print) -> dict[str, Any]:
+    """Probe the disk, then run every phase per size of ``cfg``; print the report; the JSON-ready results."""
+    out(
+        f"hierps bench --scale: table 't', dim {cfg.dim}, adagrad; RAM budget {cfg.memory_budget}, device budget "
+        f"{cfg.device_budget}; {cfg.passes} passes of {cfg.batches} x {cfg.batch_keys} fresh keys; sizes "
+        f"{', '.join(f'{n:,}' for n in cfg.sizes)}"
+    )
+    return run_sizes(phase_config(cfg), BenchKind("scale", _run_size, check_goals, format_report), out)
 
 
 # -- the report -----------------------------------------------------------------------------------
 def _finished(results: dict[str, Any], phase: str) -> Iterator[tuple[int, dict[str, Any]]]:
-    """(rows, record) of every size whose ``phase`` finished (not skipped)."""
+    """(rows, record) of every size whose ``phase`` finished."""
     for size in results.get("sizes", []):
         record = size["phases"].get(phase, {})
-        if "seconds" in record and "skipped" not in record:
+        if "seconds" in record:
             yield size["rows"], record
 
 
@@ -560,10 +587,7 @@ def _checkpoint_ratio(p: dict[str, Any]) -> float:
 def check_goals(results: dict[str, Any]) -> list[dict[str, Any]]:
     """One entry per goal: ``{"key", "goal", "value", "met", "note"}`` (value None: not measured)."""
     records = [
-        (s["rows"], ph, r)
-        for s in results.get("sizes", [])
-        for ph, r in s["phases"].items()
-        if "rss_ok" in r and "skipped" not in r
+        (s["rows"], ph, r) for s in results.get("sizes", []) for ph, r in s["phases"].items() if "rss_ok" in r
     ]
     trained = list(_finished(results, "train"))
     rate = _random_rate(results)
@@ -617,8 +641,6 @@ def _mib(x: float | None) -> str:
 def _phase_row(rows: int, phase: str, r: dict[str, Any]) -> str:
     if "error" in r:
         return f"{rows:>11,} {phase:8s} failed: {(r['error'].strip().splitlines() or ['?'])[-1]}"
-    if "skipped" in r:
-        return f"{rows:>11,} {phase:8s} skipped: {r['skipped']}"
     index = r.get("index_ram_bytes")
     io = r["io"]
     return (
@@ -784,17 +806,31 @@ def _phases(text: str) -> tuple[str, ...]:
     return chosen
 
 
-def run_from_args(args: argparse.Namespace) -> int:
-    """``hierps bench --scale``: run, print the report, write ``--json`` / ``--plot``."""
+def run_cli(
+    args: argparse.Namespace,
+    name: str,
+    make_config: Callable[[argparse.Namespace], Any],
+    run: Callable[[Any], dict[str, Any]],
+) -> dict[str, Any] | None:
+    """``hierps bench --<name>``: the config from ``args`` (None, with the reason on stderr, when its
+    options clash), the run, its results written to ``--json``."""
     try:
-        cfg = config_from_args(args)
+        cfg = make_config(args)
     except ValueError as e:
-        print(f"hierps bench --scale: {e}", file=sys.stderr)
-        return 2
-    results = run_scale(cfg)
+        print(f"hierps bench --{name}: {e}", file=sys.stderr)
+        return None
+    results = run(cfg)
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(results, indent=1), encoding="utf-8")
+    return results
+
+
+def run_from_args(args: argparse.Namespace) -> int:
+    """``hierps bench --scale``: run, print the report, write ``--json`` / ``--plot``."""
+    results = run_cli(args, "scale", config_from_args, run_scale)
+    if results is None:
+        return 2
     if args.plot:
         plot(results, args.plot)
     return 0

@@ -1,16 +1,10 @@
 """Exports for serving: the weights of a checkpoint, or what changed since an earlier one, as plain Zarr v3.
 
-Layout of an export directory (any Zarr v3 reader opens it; hierps is not needed)::
-
-    manifest.json     {"format": "hierps-export", "format_version": 1, "checkpoint": 7, "since": null,
-                       "seed": 0, "ranks": 1, "source": "/ssd/store", "created": 1700000000.0,
-                       "tables": {"user": {"dim": 16, "rows": 1000, "deleted": 0,
-                                           "initializer": {"type": "normal", "params": {...}},
-                                           "unknown": "initializer"}}}
-    zarr.json         the root group
-    user/keys         (n,) int64, sorted, unique
-    user/values       (n, dim) float32: the weights (no optimizer state, no counters)
-    user/deleted      (m,) int64, sorted: keys deleted since ``since`` (deltas only)
+The layout of an export directory (any Zarr v3 reader opens it; hierps is not needed) is
+:mod:`hierps.storage._export_format`: per table, ``keys`` (n,) int64 sorted unique, ``values``
+(n, dim) float32 (the weights: no optimizer state, no counters), ``deleted`` (m,) int64 (keys
+deleted since ``since``; deltas only), and what finds a key from RAM (``fences``, ``filter``); a
+``manifest.json`` with the counts, the initializer and the checksums of every array.
 
 A full export (``since`` null) holds every row of checkpoint ``checkpoint``. A delta holds the
 rows whose weights differ from checkpoint ``since`` (new rows included) and the keys deleted since
@@ -21,8 +15,11 @@ name and the key) or ``"zeros"``.
 
 Which rows changed comes from one merge of the two checkpoints' rows, by key (both are sorted
 runs): rows are compared by weights, so a delta holds only rows whose served value changed. Both
-checkpoints must still be kept by the store. Every export streams: its memory is a few buffers,
-whatever the table's size.
+checkpoints must still be kept by the store. Every export streams: its memory is a few buffers
+and the fences (8 bytes per 63 rows at dim 16), whatever the table's size; a delta also holds its
+deleted keys. It is written into ``.<name>.tmp-<pid>`` beside ``out`` and renamed into place
+when complete, so a reader never sees half of one; what a killed export left there is removed by
+the next export into that directory (or :func:`hierps.serving.open` of it).
 
 A directory of per-rank stores (``rank-00000/``, ``rank-00001/``... as the DeepSpeed integration
 writes them) exports as one: the same table names, the ranks' disjoint keys merged, taken at the
@@ -31,7 +28,6 @@ latest checkpoint id that every rank holds.
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import time
@@ -41,23 +37,26 @@ from typing import Any
 
 import numpy as np
 import zarr
-import zarr.codecs
 from zarr.storage import LocalStore
 
 from hierps.config import AdmissionConfig
 from hierps.errors import ConfigError, StoreFormatError
 from hierps.storage._checkpoint import CheckpointCatalog
-from hierps.storage._files import fsync_dir, fsync_tree
+from hierps.storage._export_format import EXPORT_FORMAT, EXPORT_VERSION, MANIFEST, manifest_text
+from hierps.storage._export_tables import TableWriter
+from hierps.storage._files import (
+    disk_full_as_error,
+    fsync_dir,
+    fsync_tree,
+    remove_stale_temp_dirs,
+    temp_dir_for,
+)
 from hierps.storage._merge import first_of_each, merged_sources
 from hierps.tiers._reader import CheckpointReader
 
-__all__ = ["EXPORT_FORMAT", "export_store", "resolve_checkpoint", "store_dirs"]
+__all__ = ["export_store", "resolve_checkpoint", "store_dirs"]
 
-EXPORT_FORMAT = "hierps-export"
-EXPORT_VERSION = 1
 _MARKER = "hierps.json"
-_CHUNK_BYTES = 1 << 20
-_BATCH_CHUNKS = 32  # rows read and written per step: this many chunks
 
 
 def store_dirs(path: str | os.PathLike[str]) -> list[Path]:
@@ -121,6 +120,7 @@ def export_store(
 
     ``checkpoint``: id or tag to export (default: the latest); ``since``: id or tag of an earlier
     checkpoint, for a delta. ``out`` must not exist (or be empty); it appears whole or not at all.
+    A full disk raises :class:`~hierps.errors.StoreFullError` naming the path (nothing is left).
     """
     stores = store_dirs(path)
     out = Path(out)
@@ -138,48 +138,30 @@ def export_store(
         )
     now = [CheckpointReader(s, ckpt) for s in stores]
     old = [CheckpointReader(s, base) for s in stores] if base is not None else None
-    tables = _tables(now)
-    seed = _one({int(r.manifest["seed"]) for r in now}, "seed", stores)
-    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    manifest = {
+        "format": EXPORT_FORMAT,
+        "format_version": EXPORT_VERSION,
+        "checkpoint": ckpt,
+        "since": base,
+        "seed": _one({int(r.manifest["seed"]) for r in now}, "seed", stores),
+        "ranks": len(stores),
+        "source": str(Path(path).resolve()),
+        "created": time.time(),
+        "tables": {},
+    }
+    out.parent.mkdir(parents=True, exist_ok=True)
+    remove_stale_temp_dirs(out.parent)
+    tmp = temp_dir_for(out)
     shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
     try:
-        zstore = LocalStore(str(tmp))
-        zarr.open_group(zstore, mode="w", attributes={"format": EXPORT_FORMAT})
-        described = {}
-        for name, meta in tables.items():
-            dim = int(meta["dim"])
-            deleted: np.ndarray | None = None
-            if old is None:
-                sources = [_weights(r, name, dim) for r in now]
-            else:
-                gone: list[np.ndarray] = []
-                sources = [_changed(o, r, name, dim, gone) for o, r in zip(old, now)]
-            rows = _write_table(zstore, name, dim, now, sources)
-            if old is not None:
-                deleted = _deleted(now, name, gone)
-                _write_array(zstore, f"{name}/deleted", deleted)
-            admission = AdmissionConfig.parse(meta.get("admission"))
-            described[name] = {
-                "dim": dim,
-                "rows": rows,
-                "deleted": 0 if deleted is None else int(len(deleted)),
-                "initializer": meta["initializer"],
-                "unknown": admission.unknown_rows,
-            }
-        manifest = {
-            "format": EXPORT_FORMAT,
-            "format_version": EXPORT_VERSION,
-            "checkpoint": ckpt,
-            "since": base,
-            "seed": seed,
-            "ranks": len(stores),
-            "source": str(Path(path).resolve()),
-            "created": time.time(),
-            "tables": described,
-        }
-        (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1, sort_keys=True), encoding="utf-8")
-        fsync_tree(tmp)
+        with disk_full_as_error(tmp, f"the export of checkpoint {ckpt}", _bytes(now), then=_AFTER_FULL):
+            tmp.mkdir(parents=True)
+            zstore = LocalStore(str(tmp))
+            zarr.open_group(zstore, mode="w", attributes={"format": EXPORT_FORMAT})
+            for name, meta in _tables(now).items():
+                manifest["tables"][name] = _export_table(zstore, name, meta, now, old)
+            (tmp / MANIFEST).write_text(manifest_text(manifest), encoding="utf-8")
+            fsync_tree(tmp)
         if out.exists():
             out.rmdir()
         os.replace(tmp, out)
@@ -188,6 +170,47 @@ def export_store(
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return manifest
+
+
+_AFTER_FULL = "export again; nothing of this export was left behind."
+
+
+def _bytes(readers: list[CheckpointReader]) -> int:
+    """About the bytes a full export of ``readers``' tables takes: keys and weights of every row."""
+    return sum(
+        int(meta["rows"]) * (8 + 4 * int(meta["dim"]))
+        for r in readers
+        for meta in r.manifest["tables"].values()
+    )
+
+
+def _export_table(
+    zstore: LocalStore,
+    name: str,
+    meta: dict[str, Any],
+    now: list[CheckpointReader],
+    old: list[CheckpointReader] | None,
+) -> dict[str, Any]:
+    """Write table ``name`` (of ``now``, or what changed since ``old``); its manifest entry."""
+    dim = int(meta["dim"])
+    gone: list[np.ndarray] = []
+    if old is None:
+        sources = [_weights(r, name, dim) for r in now]
+    else:
+        sources = [_changed(o, r, name, dim, gone) for o, r in zip(old, now)]
+    writer = TableWriter(zstore, name, dim)
+    _write_rows(writer, now, sources)
+    deleted = _deleted(now, name, gone) if old is not None else np.empty(0, np.int64)
+    checks = writer.close(deleted)
+    return {
+        "dim": dim,
+        "rows": writer.rows,
+        "deleted": int(len(deleted)),
+        "total_rows": sum(int(r.manifest["tables"][name]["rows"]) for r in now if name in r.tables),
+        "initializer": meta["initializer"],
+        "unknown": AdmissionConfig.parse(meta.get("admission")).unknown_rows,
+        "checks": checks,
+    }
 
 
 def _one(values: set[Any], what: str, stores: list[Path]) -> Any:
@@ -257,70 +280,14 @@ def _deleted(now: list[CheckpointReader], table: str, gone: list[np.ndarray]) ->
     return keys
 
 
-def _write_array(zstore: LocalStore, name: str, data: np.ndarray) -> None:
-    arr = zarr.create_array(
-        zstore,
-        name=name,
-        shape=data.shape,
-        chunks=(max(1, min(len(data), 1 << 17)),),
-        dtype=data.dtype,
-        compressors=[zarr.codecs.Crc32cCodec()],
-        fill_value=0,
-    )
-    if len(data):
-        arr[:] = data
-
-
-def _write_table(
-    zstore: LocalStore, table: str, dim: int, readers: list[CheckpointReader], sources: list[Rows]
-) -> int:
-    """Write ``keys`` and ``values`` of the rows of ``sources[r]`` (reader r's, by key), merged by
-    key, appending in steps of whole chunks; returns the rows written."""
-    chunk_rows = max(1, _CHUNK_BYTES // (4 * dim))
-    keys_arr = _empty_array(zstore, f"{table}/keys", (0,), (1 << 17,), "int64")
-    values = _empty_array(zstore, f"{table}/values", (0, dim), (chunk_rows, dim), "float32")
-    step = chunk_rows * _BATCH_CHUNKS
-    pending: list[tuple[np.ndarray, np.ndarray]] = []
-    held = written = 0
-    for keys, rows, src in merged_sources(sources, dim):
+def _write_rows(writer: TableWriter, readers: list[CheckpointReader], sources: list[Rows]) -> None:
+    """Write the rows of ``sources[r]`` (reader r's, by key), merged by key, as they come."""
+    for keys, rows, src in merged_sources(sources, writer.dim):
         twice = np.flatnonzero(keys[1:] == keys[:-1])
         if len(twice):
             holders = sorted(readers[int(r)].path.name for r in src[twice[0] : twice[0] + 2])
             raise StoreFormatError(
-                f"table {table!r}: key {int(keys[twice[0]])} is stored in both {holders[0]} and "
+                f"table {writer.name!r}: key {int(keys[twice[0]])} is stored in both {holders[0]} and "
                 f"{holders[1]}; rank stores of one model hold disjoint keys. Export them one by one."
             )
-        pending.append((keys, rows))
-        held += len(keys)
-        if held >= step:
-            written += _flush(keys_arr, values, pending, whole=step)
-            held = sum(len(k) for k, _ in pending)
-    return written + _flush(keys_arr, values, pending, whole=1)
-
-
-def _flush(
-    keys_arr: zarr.Array, values: zarr.Array, pending: list[tuple[np.ndarray, np.ndarray]], whole: int
-) -> int:
-    """Append the pending rows, a multiple of ``whole`` of them (the rest stays pending)."""
-    keys = np.concatenate([k for k, _ in pending]) if pending else np.empty(0, np.int64)
-    rows = np.concatenate([r for _, r in pending]) if pending else np.empty((0, values.shape[1]), np.float32)
-    n = len(keys) - len(keys) % whole
-    if n:
-        keys_arr.append(keys[:n])
-        values.append(rows[:n])
-    pending[:] = [(keys[n:], rows[n:])] if n < len(keys) else []
-    return n
-
-
-def _empty_array(
-    zstore: LocalStore, name: str, shape: tuple[int, ...], chunks: tuple[int, ...], dtype: str
-) -> zarr.Array:
-    return zarr.create_array(
-        zstore,
-        name=name,
-        shape=shape,
-        chunks=chunks,
-        dtype=dtype,
-        compressors=[zarr.codecs.Crc32cCodec()],
-        fill_value=0,
-    )
+        writer.append(keys, rows)

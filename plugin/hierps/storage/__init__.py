@@ -4,7 +4,8 @@
   written and read with plain file I/O;
 - :mod:`._files`: atomic JSON, fsync, full-disk errors;
 - :class:`Segment` / :class:`SegmentWriter`: a sorted run of rows with its fences and key filter
-  (what finds a key: under 2 bytes of RAM per key), and :mod:`._merge`: merging runs in bounded memory;
+  (:mod:`._filter`; what finds a key: under 2 bytes of RAM per key), and :mod:`._merge`: merging runs
+  in bounded memory;
 - :class:`CheckpointCatalog`: the checkpoints of a store directory, committed by manifest.
 """
 

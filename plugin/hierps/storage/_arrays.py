@@ -21,6 +21,7 @@ reported with its file name. Writing and opening are here; reading is in :mod:`h
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -68,7 +69,9 @@ class Array:
 
     ``files`` holds one file per shard (or, in the layout before sharding, per chunk); chunk ``i``
     lies in ``files[i // chunks_per_file]`` at byte ``offsets[i]``, ``chunk_rows`` rows of
-    ``row_bytes`` each followed by their crc32c.
+    ``row_bytes`` each followed by their crc32c. A shard whose chunks lie at equal steps (as
+    :class:`ArrayWriter` writes them) keeps only the step, ``stride``, and an empty ``offsets``:
+    no RAM per chunk.
     """
 
     path: Path
@@ -77,7 +80,18 @@ class Array:
     chunk_rows: int
     chunks_per_file: int
     files: tuple[Path, ...]
-    offsets: np.ndarray  # (n_chunks,) int64
+    offsets: np.ndarray  # (n_chunks,) int64, or empty when ``stride`` gives them
+    stride: int = 0
+
+    @property
+    def n_chunks(self) -> int:
+        return math.ceil(self.shape[0] / self.chunk_rows)
+
+    def chunk_offsets(self, chunks: np.ndarray) -> np.ndarray:
+        """Byte offsets in their files of ``chunks`` (c,) int64 chunk numbers."""
+        if self.stride:
+            return np.asarray(chunks, np.int64) * self.stride
+        return self.offsets[chunks]
 
     @property
     def row_bytes(self) -> int:
@@ -128,6 +142,7 @@ class ArrayWriter:
         chunk_rows: int,
         block_point: str | None = None,
         align: int = 1,
+        checksum: bool = False,
     ) -> None:
         self.path = Path(zstore.root) / name
         self._dtype = np.dtype(dtype).newbyteorder("<")
@@ -142,7 +157,10 @@ class ArrayWriter:
         self._partial = np.empty((0, self._row_bytes), np.uint8)
         self._fd: int | None = None
         self._chunks = 0
+        self._checksum = checksum
         self.n = 0
+        self.crc = 0
+        """With ``checksum``: crc32c of the bytes of every row appended so far (little endian, no padding)."""
         make_dir(self.path)
 
     def append(self, data: np.ndarray) -> None:
@@ -150,6 +168,8 @@ class ArrayWriter:
         if len(data) == 0:
             return
         raw = np.ascontiguousarray(data, dtype=self._dtype).reshape(len(data), -1).view(np.uint8)
+        if self._checksum:
+            self.crc = crc32c.crc32c(raw.data, self.crc)
         if len(self._partial):
             raw = np.concatenate([self._partial, raw])
         full = len(raw) // self._chunk_rows
@@ -350,7 +370,20 @@ def open_array(
             arr.offsets[first : first + arr.chunks_per_file] = _shard_offsets(
                 arr, file, n_chunks - first, open_files
             )
+        stride = _regular_stride(arr.offsets) if n_files == 1 else 0
+        if stride:
+            return dataclasses.replace(arr, offsets=np.empty(0, np.int64), stride=stride)
     return arr
+
+
+def _regular_stride(offsets: np.ndarray) -> int:
+    """The step ``s`` when ``offsets`` are exactly ``0, s, 2s, ...`` (s > 0), else 0."""
+    if len(offsets) == 0 or offsets[0] != 0:
+        return 0
+    step = int(offsets[1]) if len(offsets) > 1 else 1
+    if step <= 0 or not np.array_equal(offsets, np.arange(len(offsets), dtype=np.int64) * step):
+        return 0
+    return step
 
 
 def _shard_offsets(arr: Array, file: Path, chunks_left: int, open_files: OpenFiles | None) -> np.ndarray:

@@ -17,7 +17,15 @@ from typing import Any
 from hierps._faults import fault_point
 from hierps.errors import CorruptStoreError, StoreFullError
 
-__all__ = ["disk_full_as_error", "fsync_dir", "fsync_tree", "read_json_checked", "write_json_atomic"]
+__all__ = [
+    "disk_full_as_error",
+    "fsync_dir",
+    "fsync_tree",
+    "read_json_checked",
+    "remove_stale_temp_dirs",
+    "temp_dir_for",
+    "write_json_atomic",
+]
 
 _RESTORE = (
     "Restore it from a backup; for a checkpoint manifest, moving it out of the store directory "
@@ -47,6 +55,38 @@ def fsync_tree(path: Path) -> None:
         fsync_dir(Path(dirpath))
 
 
+def temp_dir_for(path: Path) -> Path:
+    """Where ``path`` is written before it is renamed into place: ``.<name>.tmp-<pid>`` beside it."""
+    return path.with_name(f".{path.name}.tmp-{os.getpid()}")
+
+
+def remove_stale_temp_dirs(parent: Path) -> list[Path]:
+    """Remove the directories :func:`temp_dir_for` names under ``parent`` whose process is gone (a
+    writer that was killed); those of live processes stay. Returns what was removed."""
+    removed = []
+    for p in parent.iterdir() if parent.is_dir() else []:
+        pid = _temp_pid(p.name)
+        if pid is not None and pid != os.getpid() and not _alive(pid) and p.is_dir():
+            shutil.rmtree(p, ignore_errors=True)
+            removed.append(p)
+    return removed
+
+
+def _temp_pid(name: str) -> int | None:
+    head, sep, pid = name.rpartition(".tmp-")
+    return int(pid) if sep and head.startswith(".") and len(head) > 1 and pid.isdigit() else None
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's process
+    return True
+
+
 def _free_bytes(path: Path) -> int | None:
     for p in (path, *path.parents):
         try:
@@ -56,12 +96,18 @@ def _free_bytes(path: Path) -> int | None:
     return None
 
 
+_AFTER_FULL = (
+    "call checkpoint() again; the last checkpoint is intact and rows not yet written are still held in RAM."
+)
+
+
 @contextmanager
-def disk_full_as_error(path: Path, what: str, needed: int) -> Iterator[None]:
+def disk_full_as_error(path: Path, what: str, needed: int, then: str = _AFTER_FULL) -> Iterator[None]:
     """Turn an ``ENOSPC`` / ``EDQUOT`` raised inside the block into :class:`StoreFullError`.
 
     ``what`` says what was being written (``"segment 12 of table 'user'"``), ``needed`` about how
-    many bytes it takes; the message names ``path``, both numbers and what to do.
+    many bytes it takes; the message names ``path``, both numbers and what to do: free space, then
+    ``then``.
     """
     try:
         yield
@@ -74,8 +120,7 @@ def disk_full_as_error(path: Path, what: str, needed: int) -> Iterator[None]:
         raise StoreFullError(
             f"{path}: no space left on the device while writing {what}: it needs about {needed} bytes, "
             f"{'an unknown number of' if free is None else free} bytes are free. Free space on that disk "
-            "(or copy the store to a bigger one) and call checkpoint() again; the last checkpoint is "
-            "intact and rows not yet written are still held in RAM.",
+            f"(or copy the store to a bigger one) and {then}",
             str(path),
             needed,
         ) from exc

@@ -66,6 +66,11 @@ def merged_sources(
 
     Memory: one batch of each source, plus the batch yielded.
     """
+    if len(sources) == 1:  # nothing to merge: the source's batches as they come
+        for keys, rows in sources[0]:
+            if len(keys):
+                yield keys, rows, np.zeros(len(keys), np.int64)
+        return
     inputs = [i for i in (_Input(src, r, width) for r, src in enumerate(sources)) if not i.done]
     while inputs:
         bound = min(i.last for i in inputs)  # every input's keys up to here are buffered

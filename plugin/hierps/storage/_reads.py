@@ -26,7 +26,7 @@ from hierps.errors import CorruptStoreError
 from hierps.storage._arrays import Array
 from hierps.storage._files import OpenFiles
 
-__all__ = ["read_array", "read_arrays"]
+__all__ = ["chunk_positions", "read_array", "read_arrays"]
 
 # Chunks to read that lie closer than this are fetched by one read through the gap: on an SSD a
 # read costs about as much as streaming ~50 KiB, so fewer, longer reads win below that.
@@ -98,6 +98,7 @@ class _Plan:
     pos: np.ndarray  # (k,) int64 rows wanted
     chunks: np.ndarray  # (c,) sorted chunk numbers holding them
     slot: np.ndarray  # (k,) index into ``chunks`` of each row's chunk
+    span: bool = False  # ``pos`` is a range of consecutive rows: copied chunk by chunk, not row by row
     buf: np.ndarray = field(default_factory=lambda: np.empty(0, np.uint8))
     at: np.ndarray = field(default_factory=lambda: np.empty(0, np.int64))  # (c,) offsets in buf
 
@@ -114,7 +115,7 @@ class _Plan:
         arr, chunks, file_of = self.arr, self.chunks, self.file_of
         if len(chunks) == 0:
             return []
-        start = arr.offsets[chunks]
+        start = arr.chunk_offsets(chunks)
         cut = np.ones(len(chunks), bool)
         cut[1:] = (file_of[1:] != file_of[:-1]) | (start[1:] - start[:-1] - arr.chunk_bytes > _GAP_BYTES)
         cut[1:] |= start[1:] < start[:-1]
@@ -142,11 +143,34 @@ class _Plan:
         if len(self.pos) == 0:
             return np.empty((0, *arr.shape[1:]), dtype=arr.dtype.newbyteorder("="))
         _check_crcs(arr, buf, self.at, self.file_of)
+        if self.span:
+            return self._decode_span()
         rows = self.at[self.slot] + (self.pos - self.chunks[self.slot] * arr.chunk_rows) * arr.row_bytes
         # Every row as one opaque item starting at any byte of buf: a gather copies whole rows.
         items = np.ndarray((len(buf) - arr.row_bytes + 1,), np.dtype((np.void, arr.row_bytes)), buf, 0, (1,))
         out = items[rows].view(arr.dtype).reshape(len(self.pos), *arr.shape[1:])
         return out.astype(arr.dtype.newbyteorder("="), copy=False)
+
+    def _decode_span(self) -> np.ndarray:
+        """The rows of a range of consecutive rows: each chunk's payload (every chunk is written whole,
+        the last one padded) copied as one item, then the range cut out of them."""
+        arr, buf = self.arr, self.buf
+        payload = arr.chunk_rows * arr.row_bytes
+        items = np.ndarray((len(buf) - payload + 1,), np.dtype((np.void, payload)), buf, 0, (1,))
+        rows = items[self.at].view(arr.dtype).reshape(-1, *arr.shape[1:])
+        skip = int(self.pos[0] - self.chunks[0] * arr.chunk_rows)
+        return rows[skip : skip + len(self.pos)].astype(arr.dtype.newbyteorder("="), copy=False)
+
+
+def chunk_positions(chunks: np.ndarray, chunk_rows: int, n: int) -> np.ndarray:
+    """Sorted unique chunk numbers (c,) of an array of ``n`` rows in chunks of ``chunk_rows`` -> every
+    row position in them (sorted)."""
+    starts = np.asarray(chunks, np.int64) * chunk_rows
+    counts = np.minimum(starts + chunk_rows, n) - starts
+    if len(counts) == 0:
+        return np.empty(0, np.int64)
+    offsets = np.repeat(starts - np.concatenate([[0], np.cumsum(counts)[:-1]]), counts)
+    return np.arange(int(counts.sum()), dtype=np.int64) + offsets
 
 
 def _plan(arr: Array, positions: np.ndarray | None) -> _Plan:
@@ -160,6 +184,9 @@ def _plan(arr: Array, positions: np.ndarray | None) -> _Plan:
             f"{arr.path}: rows {int(pos.min())}..{int(pos.max())} asked of an array of {n} rows; the key "
             "index does not match the segment. Open an earlier checkpoint or restore from a backup."
         )
+    if pos[-1] - pos[0] == len(pos) - 1 and (len(pos) == 1 or np.all(pos[1:] > pos[:-1])):
+        first, last = int(pos[0]) // arr.chunk_rows, int(pos[-1]) // arr.chunk_rows
+        return _Plan(arr, pos, np.arange(first, last + 1, dtype=np.int64), np.empty(0, np.int64), span=True)
     chunk_of = pos // arr.chunk_rows
     if np.all(chunk_of[1:] >= chunk_of[:-1]):  # sorted: no sort needed
         new = np.flatnonzero(chunk_of[1:] != chunk_of[:-1]) + 1

@@ -27,18 +27,15 @@ from zarr.storage import LocalStore
 
 from hierps._faults import fault_point
 from hierps.errors import CorruptStoreError
-from hierps.rows._initializers import splitmix64
 from hierps.storage._arrays import Array, ArrayWriter, make_dir, open_array
 from hierps.storage._files import OpenFiles
-from hierps.storage._reads import read_array
+from hierps.storage._filter import FILTER_BLOCK_CHUNKS, block_words, blocks_may_contain, bloom_build
+from hierps.storage._reads import chunk_positions, read_array
 
 __all__ = [
     "KEY_COLUMNS",
     "Segment",
     "SegmentWriter",
-    "FILTER_BLOCK_CHUNKS",
-    "bloom_build",
-    "bloom_may_contain",
     "chunk_rows_for",
     "segment_name",
 ]
@@ -46,9 +43,6 @@ __all__ = [
 KEY_COLUMNS = 2  # float32 columns holding a row's int64 key
 _PAGE = 4 << 10  # inner chunks of at most a page (with their checksum), page-aligned: a lookup reads one page
 _MIN_CHUNK_ROWS = 16  # wide rows: chunks of 16 rows, so fences stay under 0.5 B per key
-_FILTER_BITS = 12  # Bloom filter bits per key: ~1% false positives (fewer for wide rows, see below)
-_RAM_PER_KEY = 1.9  # bytes of fences and filter per key a segment may hold in RAM
-_FILTER_PROBES = 6  # bits set per key, all in one 64-bit word (one cache line per probe)
 
 
 def segment_name(table: str, seg: int) -> str:
@@ -58,57 +52,6 @@ def segment_name(table: str, seg: int) -> str:
 def chunk_rows_for(width: int) -> int:
     """Rows per inner chunk of a segment of rows of ``width`` floats (plus the key columns)."""
     return max(_MIN_CHUNK_ROWS, (_PAGE - 4) // (4 * (width + KEY_COLUMNS)))
-
-
-# -- the filter -------------------------------------------------------------------------------------
-# The filter is cut in blocks, one per FILTER_BLOCK_CHUNKS chunks of rows: a key's block follows from
-# its chunk (which the fences give), and a block is built and written as soon as its rows are, so a
-# segment of any size is written in bounded memory.
-FILTER_BLOCK_CHUNKS = 2048
-
-
-def filter_bits(chunk_rows: int) -> int:
-    """Filter bits per key: 12, or fewer where wide rows (few rows per chunk, so more fences per key)
-    would take a segment over ``_RAM_PER_KEY``."""
-    return min(_FILTER_BITS, int((_RAM_PER_KEY - 8 / chunk_rows) * 8))
-
-
-def block_words(keys: int, chunk_rows: int) -> int:
-    """Filter words of a block of ``keys`` keys."""
-    return max(1, (keys * filter_bits(chunk_rows) + 63) // 64)
-
-
-def _probes(keys: np.ndarray, first_word: np.ndarray, words: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """keys (n,) int64 and their blocks' (first word, word count) -> (word of each key (n,) int64,
-    the bits it sets there (n,) uint64)."""
-    with np.errstate(over="ignore"):
-        h = splitmix64(np.ascontiguousarray(keys, np.int64).view(np.uint64))
-        word = ((h >> np.uint64(32)) * words.astype(np.uint64)) >> np.uint64(32)
-        h2 = splitmix64(h)
-    mask = np.zeros(len(keys), np.uint64)
-    for i in range(_FILTER_PROBES):
-        mask |= np.uint64(1) << ((h2 >> np.uint64(6 * i)) & np.uint64(63))
-    return first_word + word.astype(np.int64), mask
-
-
-def bloom_build(keys: np.ndarray, n_words: int) -> np.ndarray:
-    """A one-block filter of ``keys`` (n,) int64: (n_words,) uint64."""
-    words = np.zeros(n_words, np.uint64)
-    if len(keys):
-        one = np.ones(len(keys), np.int64)
-        word, mask = _probes(keys, 0 * one, n_words * one)
-        np.bitwise_or.at(words, word, mask)
-    return words
-
-
-def bloom_may_contain(filt: np.ndarray, keys: np.ndarray, block: np.ndarray, full_words: int) -> np.ndarray:
-    """keys (n,) int64 in blocks ``block`` (n,) of ``full_words`` words each (the last block: what is
-    left of ``filt``) -> (n,) bool: False where the filter proves a key absent."""
-    first = block * full_words
-    last_first = (len(filt) - 1) // full_words * full_words
-    words = np.where(first >= last_first, len(filt) - first, full_words)
-    word, mask = _probes(keys, first, words)
-    return (filt[word] & mask) == mask
 
 
 # -- writing ----------------------------------------------------------------------------------------
@@ -290,19 +233,12 @@ class Segment:
             # of the range is read anyway, and the reads are long sequential runs; skip it.
             at = np.flatnonzero(maybe)
             full = block_words(self.rows_array.chunk_rows * FILTER_BLOCK_CHUNKS, self.rows_array.chunk_rows)
-            maybe[at] = bloom_may_contain(filt, keys[at], chunk[at] // FILTER_BLOCK_CHUNKS, full)
+            maybe[at] = blocks_may_contain(filt, keys[at], chunk[at] // FILTER_BLOCK_CHUNKS, full)
         return maybe, chunk[maybe].astype(np.int64)
 
     def chunk_positions(self, chunks: np.ndarray) -> np.ndarray:
         """Sorted unique chunk indices (c,) -> every row position in them (sorted)."""
-        rows = self.rows_array.chunk_rows
-        starts = chunks * rows
-        ends = np.minimum(starts + rows, self.n)
-        counts = ends - starts
-        if len(counts) == 0:
-            return np.empty(0, np.int64)
-        offsets = np.repeat(starts - np.concatenate([[0], np.cumsum(counts)[:-1]]), counts)
-        return np.arange(int(counts.sum()), dtype=np.int64) + offsets
+        return chunk_positions(chunks, self.rows_array.chunk_rows, self.n)
 
     def scan(self, batch_rows: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
         """Yield ``(keys (b,) int64, rows (b, width) float32)`` of every row, in key order."""

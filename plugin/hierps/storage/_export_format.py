@@ -1,0 +1,244 @@
+"""The export format (version 2): a directory any Zarr v3 reader opens, that hierps serves from disk.
+
+Layout of an export directory::
+
+    manifest.json          written last (the export is then renamed into place): see below
+    zarr.json              the root group
+    <table>/keys           (n,) int64, sorted, unique; inner chunks of R keys
+    <table>/values         (n, dim) float32: the weights; inner chunks of R rows, page-aligned, so that
+                           chunk i of ``keys`` and chunk i of ``values`` hold the same rows
+    <table>/fences         (ceil(n / R),) int64: the first key of each chunk (``keys[::R]``)
+    <table>/deleted        (m,) int64, sorted, unique: keys deleted since ``since`` (empty in a full export)
+    <table>/deleted_fences the first key of each chunk of ``deleted``
+    <table>/filter         (w,) uint64: a blocked Bloom filter of ``keys`` and ``deleted``
+
+Every array is one shard of small inner chunks, each with its crc32c (:mod:`hierps.storage._arrays`).
+``R`` is the most rows of ``dim`` floats that fit a 4 KiB page with their checksum (63 at dim 16;
+at least 16), so that finding a row reads one page of values and about one of keys, and the fences
+and filter, the only part kept in RAM, take under 2 bytes per key.
+
+``manifest.json``::
+
+    {"format": "hierps-export", "format_version": 2, "checkpoint": 7, "since": null, "seed": 0,
+     "ranks": 1, "source": "/ssd/store", "created": 1700000000.0,
+     "tables": {"user": {"dim": 16, "rows": 1000, "deleted": 0, "total_rows": 1000,
+                         "initializer": {"type": "normal", "params": {...}}, "unknown": "initializer",
+                         "checks": {"keys": 123, "values": 456, ...}}},
+     "crc32": 789}
+
+``rows`` and ``deleted`` count the arrays; ``total_rows`` is the table's rows as of ``checkpoint``
+(what a server holding this export and everything before it serves). ``checks`` holds the crc32c
+of the content of each array (its rows' bytes, little endian, in order), ``crc32`` the CRC-32 of
+the manifest's other fields (``json.dumps(..., sort_keys=True, indent=1)``). Every field is
+checked for type and range on open (:func:`read_manifest`).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from hierps.config import UNADMITTED_VALUES, InitializerConfig
+from hierps.errors import ConfigError, CorruptStoreError, StoreFormatError
+from hierps.storage._checkpoint import valid_table_name
+
+__all__ = [
+    "ARRAYS",
+    "BULK_CHUNK_ROWS",
+    "DELETED_CHUNK_ROWS",
+    "EXPORT_FORMAT",
+    "EXPORT_VERSION",
+    "MANIFEST",
+    "PAGE",
+    "ExportManifest",
+    "TableEntry",
+    "chunk_rows_for",
+    "key_align",
+    "manifest_text",
+    "read_manifest",
+]
+
+EXPORT_FORMAT = "hierps-export"
+EXPORT_VERSION = 2
+MANIFEST = "manifest.json"
+PAGE = 4096
+_MIN_CHUNK_ROWS = 16  # wide rows: chunks of 16 rows (a few pages), so fences stay at 0.5 B per key
+DELETED_CHUNK_ROWS = (PAGE - 4) // 8  # a page of deleted keys
+BULK_CHUNK_ROWS = 8192  # fences and filter: read whole at open, in 64 KiB chunks
+# The arrays of a table, with their data type and number of dimensions.
+ARRAYS = {
+    "keys": ("int64", 1),
+    "values": ("float32", 2),
+    "fences": ("int64", 1),
+    "deleted": ("int64", 1),
+    "deleted_fences": ("int64", 1),
+    "filter": ("uint64", 1),
+}
+# Bounds of manifest fields: far above any real table, low enough that no shape built from them
+# asks for absurd memory before the arrays' own metadata is compared with them.
+MAX_DIM = 1 << 16
+MAX_ROWS = 1 << 40
+_MAX_RANKS = 1 << 20
+_MAX_U32 = (1 << 32) - 1
+_INT64 = (-(1 << 63), (1 << 63) - 1)
+
+_V1 = (
+    "Version 1 (an earlier hierps) has no key index, so serving it means reading every row into "
+    "RAM. Export the checkpoint again with this hierps (hierps export STORE OUT, or "
+    "store.export(out)); the store keeps its checkpoints."
+)
+
+
+def chunk_rows_for(dim: int) -> int:
+    """Rows per inner chunk of ``values`` (and ``keys``) for rows of ``dim`` float32: as many as fit
+    a page with the chunk's checksum, or, for rows so wide that fewer than 16 fit, the most that fit
+    the fewest whole pages holding 16."""
+    row = 4 * dim
+    pages = 1 if _MIN_CHUNK_ROWS * row + 4 <= PAGE else math.ceil((_MIN_CHUNK_ROWS * row + 4) / PAGE)
+    return (pages * PAGE - 4) // row
+
+
+def key_align(chunk_rows: int) -> int:
+    """Where chunks of ``keys`` start: at multiples of the power of two that holds one (at most a
+    page), so that no chunk of keys straddles two pages."""
+    return min(PAGE, 1 << (8 * chunk_rows + 4 - 1).bit_length())
+
+
+@dataclass(frozen=True)
+class TableEntry:
+    """One table of an export's manifest, checked."""
+
+    name: str
+    dim: int
+    rows: int
+    deleted: int
+    total_rows: int
+    initializer: InitializerConfig
+    unknown: str
+    checks: dict[str, int]  # array name -> crc32c of its content
+
+
+@dataclass(frozen=True)
+class ExportManifest:
+    """An export's ``manifest.json``, checked: where it is, what it holds."""
+
+    path: Path  # the export directory
+    checkpoint: int
+    since: int | None
+    seed: int
+    tables: dict[str, TableEntry]
+
+
+def manifest_text(body: dict[str, Any]) -> str:
+    """``manifest.json`` for ``body`` (the fields above but ``crc32``), with its CRC-32 added."""
+    crc = zlib.crc32(json.dumps(body, sort_keys=True, indent=1).encode("utf-8"))
+    return json.dumps({**body, "crc32": crc}, sort_keys=True, indent=1)
+
+
+def read_manifest(export: Path) -> ExportManifest:
+    """The checked manifest of the export directory ``export``.
+
+    ``StoreFormatError`` when there is none, or it is not a hierps export of version 2;
+    ``CorruptStoreError`` naming the file and the field when it is damaged or out of bounds.
+    """
+    path = export / MANIFEST
+    try:
+        text = path.read_bytes()
+    except OSError as exc:
+        raise StoreFormatError(
+            f"{export}: no readable {MANIFEST} ({exc}); it is not a hierps export."
+        ) from None
+    try:
+        doc = json.loads(text)
+    except ValueError as exc:
+        raise CorruptStoreError(
+            f"{path}: cannot be read as JSON ({exc}); the export is damaged or incomplete. Export it again."
+        ) from None
+    _check_format(path, doc)
+    body = {k: v for k, v in doc.items() if k != "crc32"}
+    crc = zlib.crc32(json.dumps(body, sort_keys=True, indent=1).encode("utf-8"))
+    if doc.get("crc32") != crc:
+        raise CorruptStoreError(
+            f"{path}: checksum mismatch (crc32 {doc.get('crc32')!r}, the content gives {crc}); the manifest "
+            "was modified or damaged. Export it again."
+        )
+    return _parse(export, path, body)
+
+
+def _check_format(path: Path, doc: Any) -> None:
+    if not isinstance(doc, dict) or doc.get("format") != EXPORT_FORMAT:
+        found = doc.get("format") if isinstance(doc, dict) else type(doc).__name__
+        raise StoreFormatError(f"{path}: not a hierps export manifest (format {found!r}).")
+    version = doc.get("format_version")
+    if version != EXPORT_VERSION:
+        advice = _V1 if version == 1 else "Read it with the hierps release that wrote it."
+        raise StoreFormatError(
+            f"{path}: an export of format version {version!r}; this hierps serves version {EXPORT_VERSION}. {advice}"
+        )
+
+
+class _Fields:
+    """Reads fields of one manifest, raising ``CorruptStoreError`` naming the file and the field."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def bad(self, field: str, expected: str, value: Any) -> CorruptStoreError:
+        return CorruptStoreError(
+            f"{self.path}: field {field}: expected {expected}. Got {value!r} instead. The manifest is damaged "
+            "or was not written by hierps; export it again."
+        )
+
+    def int(self, obj: dict[str, Any], key: str, field: str, low: int, high: int) -> int:
+        value = obj.get(key)
+        if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
+            raise self.bad(field, f"an int in [{low}, {high}]", value)
+        return value
+
+    def obj(self, obj: dict[str, Any], key: str, field: str) -> dict[str, Any]:
+        value = obj.get(key)
+        if not isinstance(value, dict):
+            raise self.bad(field, "an object", value)
+        return value
+
+
+def _parse(export: Path, path: Path, body: dict[str, Any]) -> ExportManifest:
+    f = _Fields(path)
+    checkpoint = f.int(body, "checkpoint", "checkpoint", 0, _INT64[1])
+    since = None if body.get("since") is None else f.int(body, "since", "since", 0, checkpoint)
+    seed = f.int(body, "seed", "seed", *_INT64)
+    f.int(body, "ranks", "ranks", 1, _MAX_RANKS)
+    if not isinstance(body.get("source"), str):
+        raise f.bad("source", "a path", body.get("source"))
+    if not isinstance(body.get("created"), (int, float)) or isinstance(body.get("created"), bool):
+        raise f.bad("created", "a time in seconds", body.get("created"))
+    tables = {}
+    for name in f.obj(body, "tables", "tables"):
+        if not valid_table_name(name):
+            raise f.bad("tables", "table names that are plain directory names", name)
+        tables[name] = _table(f, name, f.obj(body["tables"], name, f"tables.{name}"), since)
+    return ExportManifest(export, checkpoint, since, seed, tables)
+
+
+def _table(f: _Fields, name: str, meta: dict[str, Any], since: int | None) -> TableEntry:
+    field = f"tables.{name}"
+    dim = f.int(meta, "dim", f"{field}.dim", 1, MAX_DIM)
+    rows = f.int(meta, "rows", f"{field}.rows", 0, MAX_ROWS)
+    deleted = f.int(meta, "deleted", f"{field}.deleted", 0, MAX_ROWS if since is not None else 0)
+    total = f.int(meta, "total_rows", f"{field}.total_rows", rows, MAX_ROWS if since is not None else rows)
+    if meta.get("unknown") not in UNADMITTED_VALUES:
+        raise f.bad(f"{field}.unknown", f"one of {UNADMITTED_VALUES}", meta.get("unknown"))
+    try:
+        initializer = InitializerConfig.parse(meta.get("initializer"))
+    except ConfigError as exc:
+        raise f.bad(f"{field}.initializer", f"an initializer ({exc})", meta.get("initializer")) from None
+    checks = f.obj(meta, "checks", f"{field}.checks")
+    if set(checks) != set(ARRAYS):
+        raise f.bad(f"{field}.checks", f"a check of each of {sorted(ARRAYS)}", sorted(checks))
+    for array in ARRAYS:
+        f.int(checks, array, f"{field}.checks.{array}", 0, _MAX_U32)
+    return TableEntry(name, dim, rows, deleted, total, initializer, meta["unknown"], dict(checks))
