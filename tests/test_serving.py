@@ -5,6 +5,7 @@ the file it concerns, never served as rows.
 
 from __future__ import annotations
 
+import argparse
 import errno
 import json
 import os
@@ -673,3 +674,34 @@ def test_serving_three_million_rows_holds_only_its_cache_and_index(tmp_path):
     assert record["peak_rss_bytes"] <= bound, (
         f"serving {rows:,} rows: peak RSS {record['peak_rss_bytes'] >> 20} MiB > {bound >> 20} MiB"
     )
+
+
+def test_serving_bench_smoke(tmp_path, capsys):
+    from hierps.bench import serving as serving_bench
+    from hierps.bench.run import add_arguments
+
+    work = tmp_path / "work"
+    work.mkdir()
+    cfg = serving_bench.ServingConfig(
+        sizes=(20_000,), samples=5, throughput_seconds=0.2, disk_bytes=32 << 20, tmp=str(work)
+    )
+    results = serving_bench.run_serving(cfg)
+    [size] = results["sizes"]
+    assert list(size["phases"]) == list(serving_bench.PHASES)
+    for phase, record in size["phases"].items():
+        assert "error" not in record, (phase, record["error"])
+        assert record["peak_rss_bytes"] > 0
+    serve = size["phases"]["serve"]
+    assert serve["cold"]["1"]["p50"] > 0 and serve["warm"]["1024"]["p99"] > 0 and serve["warm_per_s"] > 0
+    assert size["phases"]["numpy"]["cold_per_s"] > 0
+    assert [g["key"] for g in results["goals"]] == [key for key, _, _ in serving_bench.GOALS]
+    assert {g["key"] for g in results["goals"] if g["met"] is None} == set()
+    assert "hierps   cold b=1" in capsys.readouterr().out
+    assert not any(work.iterdir())
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["--serving", "--full", "--cache-bytes", "1GiB", "--sizes", "5"])
+    parsed = serving_bench.config_from_args(args)
+    assert parsed.sizes == (5, 100_000_000) and parsed.cache_bytes == "1GiB"
+    with pytest.raises(ValueError, match="cache_bytes"):
+        serving_bench.config_from_args(parser.parse_args(["--serving", "--cache-bytes", "lots"]))

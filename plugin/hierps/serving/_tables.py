@@ -33,6 +33,9 @@ __all__ = ["DEFAULT_CACHE_BYTES", "VERIFY", "ServingTables", "open"]
 log = logging.getLogger("hierps.serving")
 
 DEFAULT_CACHE_BYTES = 64 << 20
+# Ids read from disk at a time: each costs a few chunks read and decoded (about 10 KiB at dim 16),
+# so a lookup of many ids holds about this many ids' worth, however many it asks for.
+READ_BATCH = 4096
 VERIFY = ("none", "deltas", "all")
 
 
@@ -138,12 +141,12 @@ class ServingTables:
         if cache is not None:
             hit, cached = cache.get(unique, gen.number)
             rows[hit] = cached
-        missed = unique[~hit]
-        if len(missed):
-            read = t.read(missed, self._files)
-            rows[~hit] = read
+        at = np.flatnonzero(~hit)
+        for start in range(0, len(at), READ_BATCH):
+            part = at[start : start + READ_BATCH]
+            rows[part] = read = t.read(unique[part], self._files)
             if cache is not None:
-                cache.put(missed, read, gen.number)
+                cache.put(unique[part], read, gen.number)
         out = rows[inverse].reshape(*shape, t.dim)
         if isinstance(ids, torch.Tensor):
             return torch.from_numpy(out).to(ids.device)
