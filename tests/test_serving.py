@@ -28,6 +28,7 @@ from zarr.storage import LocalStore
 import hierps
 from hierps import serving
 from hierps.errors import ConfigError, CorruptStoreError, StoreClosedError, StoreFormatError, StoreFullError
+from hierps.serving._cache import WAYS, RowCache
 from hierps.storage import _arrays
 from hierps.storage._arrays import ArrayWriter
 from hierps.storage._export_format import PAGE, chunk_rows_for, key_align
@@ -206,6 +207,31 @@ def test_bad_arguments(history, tmp_path):
         serving.open(tmp_path)
     with pytest.raises(ConfigError, match="is a delta .since checkpoint"):
         serving.open(out / "delta1")
+
+
+def test_row_cache_keeps_the_recent_rows_of_one_generation():
+    cache = RowCache(2 * WAYS * (4 * 2 + 16), dim=2, generation=1)  # two sets of 8 rows of dim 2
+    assert cache.capacity == 16 and cache.nbytes == 2 * WAYS * (4 * 2 + 16)
+    ids = np.arange(1000, dtype=np.int64)
+    same = ids[cache._set_of(ids) == 0][: WAYS + 1]  # nine keys of one set
+    rows = np.stack([same, -same], axis=1).astype(np.float32)
+    cache.put(same[:WAYS], rows[:WAYS], generation=1)
+    hit, got = cache.get(same[1:WAYS], generation=1)  # all but the first used again
+    assert hit.all()
+    np.testing.assert_array_equal(got, rows[1:WAYS])
+    cache.put(same[WAYS:], rows[WAYS:], generation=1)  # a ninth: the least recently used goes
+    hit, got = cache.get(same, generation=1)
+    np.testing.assert_array_equal(hit, [False] + [True] * WAYS)
+    np.testing.assert_array_equal(got, rows[1:])
+    assert not cache.get(same, generation=2)[0].any()  # rows of generation 1 only
+    cache.put(same[:1], rows[:1], generation=2)  # ignored: not the cache's generation
+    cache.advance(2, touched=same[1:3])
+    np.testing.assert_array_equal(
+        cache.get(same, generation=2)[0], [False, False, False] + [True] * (WAYS - 2)
+    )
+    cache.advance(3, touched=None)
+    assert not cache.get(same, generation=3)[0].any()
+    assert RowCache(0, dim=4).capacity == 0 and not RowCache(0, dim=4).get(same, 0)[0].any()
 
 
 # -- exports: written streaming, atomically ---------------------------------------------------------

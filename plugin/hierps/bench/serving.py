@@ -144,9 +144,9 @@ def _dropper(path: str) -> Callable[[], None]:
 def _cache_rows(conf: dict[str, Any]) -> int:
     """Rows the serve phase's cache holds (the baseline takes the same hot set)."""
     from hierps.config import parse_size
-    from hierps.serving._cache import WAYS
+    from hierps.serving._cache import RowCache
 
-    return parse_size(conf["cache_bytes"], "cache_bytes") // (WAYS * (4 * conf["dim"] + 16)) * WAYS
+    return RowCache.rows_for(parse_size(conf["cache_bytes"], "cache_bytes"), conf["dim"])
 
 
 # -- the phases (each in its own process) ---------------------------------------------------------

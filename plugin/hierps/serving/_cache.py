@@ -30,7 +30,7 @@ class RowCache:
 
     def __init__(self, capacity_bytes: int, dim: int, generation: int = 0) -> None:
         self.dim = dim
-        self.sets = max(0, capacity_bytes // (WAYS * (4 * dim + 16)))
+        self.sets = self.rows_for(capacity_bytes, dim) // WAYS
         self.generation = generation
         self.hits = 0
         self.misses = 0
@@ -39,6 +39,11 @@ class RowCache:
         self._keys = np.zeros((self.sets, WAYS), np.int64)
         self._used = np.zeros((self.sets, WAYS), np.int64)  # last use (a tick); 0: empty
         self._rows = np.zeros((self.sets, WAYS, dim), np.float32)
+
+    @staticmethod
+    def rows_for(capacity_bytes: int, dim: int) -> int:
+        """Rows a cache of ``capacity_bytes`` holds: whole sets of ``WAYS`` slots of ``4 * dim + 16`` bytes."""
+        return max(0, capacity_bytes // (WAYS * (4 * dim + 16))) * WAYS
 
     @property
     def capacity(self) -> int:
