@@ -440,8 +440,7 @@ class Store:
             )
         self._pipe.drain()
         self._core.device_tier.discard(table)
-        sorted_keys = len(keys) < 2 or bool(np.all(keys[1:] > keys[:-1]))
-        order = None if sorted_keys else np.argsort(keys, kind="stable")
+        order = None if _ids.strictly_increasing(keys) else np.argsort(keys, kind="stable")
         step = 1 << 18  # rows gathered (sorted) per step: the caller's array is never copied whole
         for start in range(0, len(keys), step):
             part = slice(start, start + step) if order is None else order[start : start + step]

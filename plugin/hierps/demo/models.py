@@ -60,12 +60,13 @@ class ClickModel(nn.Module):
     n_dense: int
 
     def sparse_parameters(self) -> Iterator[nn.Parameter]:
-        """Embedding-table weights: they receive sparse gradients."""
-        raise NotImplementedError
+        """Embedding-table weights: they receive sparse gradients (use Adagrad / SparseAdam)."""
+        return self.tables.parameters()
 
     def dense_parameters(self) -> Iterator[nn.Parameter]:
-        """Every other weight: dense gradients."""
-        raise NotImplementedError
+        """Every other weight: dense gradients (use Adam or SGD)."""
+        sparse = {id(p) for p in self.sparse_parameters()}
+        return (p for p in self.parameters() if id(p) not in sparse)
 
 
 def _add_tables(
@@ -153,12 +154,8 @@ class DLRM(ClickModel):
                 layer.weight.normal_(0.0, math.sqrt(2.0 / (fan_in + fan_out)))
                 layer.bias.normal_(0.0, math.sqrt(1.0 / fan_out))
 
-    def sparse_parameters(self) -> Iterator[nn.Parameter]:
-        """Embedding-table weights: they receive sparse gradients (use Adagrad / SparseAdam)."""
-        return self.tables.parameters()
-
     def dense_parameters(self) -> Iterator[nn.Parameter]:
-        """All MLP weights and biases: dense gradients (use Adam or SGD)."""
+        """All MLP weights and biases, bottom then top: dense gradients (use Adam or SGD)."""
         yield from self.bottom.parameters()
         yield from self.top.parameters()
 
@@ -202,12 +199,6 @@ class Wide(ClickModel):
                 table = cast(nn.EmbeddingBag, table)  # just built by _add_tables
                 bound = 1.0 / math.sqrt(table.num_embeddings)
                 table.weight.uniform_(-bound, bound)
-
-    def sparse_parameters(self) -> Iterator[nn.Parameter]:
-        return self.tables.parameters()
-
-    def dense_parameters(self) -> Iterator[nn.Parameter]:
-        return self.linear.parameters()
 
     def forward(self, dense: torch.Tensor, sparse: torch.Tensor) -> torch.Tensor:
         """``dense (B, n_dense) float32``, ``sparse (B, F) int64`` ids in range -> ``(B,)`` logits."""

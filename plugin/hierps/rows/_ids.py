@@ -9,7 +9,7 @@ import torch
 
 from hierps.errors import InvalidIdsError
 
-__all__ = ["as_int64_array", "check_ids_tensor", "same_device"]
+__all__ = ["as_int64_array", "check_ids_tensor", "same_device", "strictly_increasing"]
 
 _INT_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
 _INT64_MAX = np.iinfo(np.int64).max
@@ -62,3 +62,8 @@ def as_int64_array(ids: Any, what: str = "ids") -> np.ndarray:
             "ids. Reinterpret them with .view(np.int64) if they are hashes."
         )
     return arr.reshape(-1).astype(np.int64, copy=False)
+
+
+def strictly_increasing(keys: np.ndarray) -> bool:
+    """keys (n,) int64 sorted and unique (as a segment and the RAM tier's index need them)."""
+    return len(keys) < 2 or bool(np.all(keys[1:] > keys[:-1]))

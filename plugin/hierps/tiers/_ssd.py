@@ -37,6 +37,7 @@ from zarr.storage import LocalStore
 
 from hierps._faults import fault_point
 from hierps.errors import StoreFullError
+from hierps.rows import _ids
 from hierps.storage._arrays import encoded_bytes
 from hierps.storage._files import OpenFiles, disk_full_as_error, fsync_dir, fsync_tree
 from hierps.storage._merge import merged
@@ -223,7 +224,7 @@ class SsdTier:
         """
         if len(keys) == 0:
             return
-        order = None if _is_sorted(keys) else np.argsort(keys, kind="stable")
+        order = None if _ids.strictly_increasing(keys) else np.argsort(keys, kind="stable")
         if order is not None:
             keys = keys[order]
         where = at if order is None else (order if at is None else at[order])
@@ -531,8 +532,3 @@ class SsdTier:
     def close(self) -> None:
         """Close the segment files kept open for reads (they reopen on the next read)."""
         self._files.close()
-
-
-def _is_sorted(keys: np.ndarray) -> bool:
-    """Strictly increasing (what a segment needs)."""
-    return len(keys) < 2 or bool(np.all(keys[1:] > keys[:-1]))
