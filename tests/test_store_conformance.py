@@ -454,6 +454,26 @@ class StoreInterfaceTests:
         for a, b in zip(ref.head.parameters(), twin.head.parameters()):
             torch.testing.assert_close(a.detach(), b.detach(), **TOL)
 
+    # -- admission --------------------------------------------------------------------------------
+    def test_admission_gives_a_key_its_row_at_its_min_count_th_sighting(self, tmp_path):
+        store = self.open(tmp_path / "s")
+        store.table("t", DIM, optimizer={"type": "sgd", "params": {"lr": 0.5}}, admission={"min_count": 3})
+        keys = _keys(store, [-7, 3, 2**40])
+        init = store.lookup("t", keys)  # the initializer's rows
+        rows = store.gather("t", keys, requires_grad=True, counts=torch.tensor([1, 2, 3]))
+        assert torch.equal(rows.detach(), init)
+        _loss(rows, torch.ones(3, DIM)).backward()
+        store.step()
+        got = store.lookup("t", keys)
+        assert torch.equal(got[:2], init[:2])  # seen once and twice: pending, no row, no step
+        torch.testing.assert_close(got[2], init[2] - 0.5 * (1 + init[2]), **TOL)  # admitted, stepped
+        # The key seen twice earns its row at its third sighting, and steps from then on.
+        _loss(store.gather("t", keys[1:2], requires_grad=True), torch.ones(1, DIM)).backward()
+        store.step()
+        got = store.lookup("t", keys)
+        assert torch.equal(got[0], init[0])
+        torch.testing.assert_close(got[1], init[1] - 0.5 * (1 + init[1]), **TOL)
+
     # -- counters ---------------------------------------------------------------------------------
     def test_observe_counts_shows_and_clicks(self, tmp_path):
         store = self.open(tmp_path / "s")
@@ -489,12 +509,4 @@ class TestShardedStore(StoreInterfaceTests):
         return hierps.ShardedStore(path, LoopbackTransport(), **settings)
 
     def read_counters(self, store, table, keys):
-        return store.local.counters(table, keys)  # one rank owns every key
-
-    @pytest.mark.xfail(
-        raises=hierps.NotSupportedError,
-        strict=True,
-        reason="observe on a sharded store: not implemented yet",
-    )
-    def test_observe_counts_shows_and_clicks(self, tmp_path):
-        super().test_observe_counts_shows_and_clicks(tmp_path)
+        return store.counters(table, keys)  # asked of the keys' owners

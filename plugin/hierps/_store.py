@@ -239,20 +239,8 @@ class Store:
         return self._core.info(table)
 
     def serve_rows(self, table: str, keys: torch.Tensor, counts: torch.Tensor | None) -> torch.Tensor:
-        """Weights of keys other ranks asked for (the owner's side of a sharded gather).
-
-        keys: (n,) int64 on the device, repeats allowed -> (n, dim) float32, no gradient, the rows
-        made resident. With ``counts`` (n,) (training), the sightings go into the rows' counters.
-        """
-        info = self._core.info(table)
-        if keys.numel() == 0:
-            return torch.empty((0, info.dim), dtype=torch.float32, device=self.device)
-        uniq, inverse = torch.unique(keys, return_inverse=True)
-        slots = self._passes.resident_slots(table, uniq)
-        if counts is not None:
-            seen = torch.zeros(uniq.numel(), dtype=torch.float32, device=self.device)
-            self._features.count_seen(info, slots, seen.index_add_(0, inverse, counts.to(torch.float32)))
-        return self._core.device_tier.rows(table)[slots, : info.dim][inverse]
+        """keys (n,) int64, repeats allowed -> (n, dim) float32: see :meth:`SparseTrainer.serve`."""
+        return self._trainer.serve(table, keys, counts)
 
     # -- the feature life cycle (hierps.lifecycle._lifecycle) ---------------------------------
     def counters(self, table: str, keys: Any) -> dict[str, np.ndarray]:
@@ -266,6 +254,10 @@ class Store:
     def observe(self, table: str, ids: Any, clicks: Any = None) -> None:
         """Count impressions (and clicks) of ids: see :meth:`FeatureLifeCycle.observe`."""
         self._life.observe(table, ids, clicks)
+
+    def observe_counts(self, table: str, keys: np.ndarray, shows: np.ndarray, clicks: np.ndarray) -> None:
+        """Add shows and clicks (n,) to the counters of ``keys`` (n,): see :meth:`FeatureLifeCycle.observe_counts`."""
+        self._life.observe_counts(table, keys, shows, clicks)
 
     def shrink(
         self,

@@ -29,7 +29,7 @@ from hierps.lifecycle._features import Features
 from hierps.rows import _ids
 from hierps.rows._counters import CLICK, COUNT, DECAYED, LAST_PASS, SHOW
 
-__all__ = ["FeatureLifeCycle", "SlotSource"]
+__all__ = ["FeatureLifeCycle", "SlotSource", "observation"]
 
 
 class SlotSource(Protocol):
@@ -75,35 +75,33 @@ class FeatureLifeCycle:
         the ids of the batch and each example's label repeated over its ids.
         """
         self._core.check_open()
+        self._core.info(table)
+        self.observe_counts(table, *observation(table, ids, clicks))
+
+    def observe_counts(self, table: str, keys: np.ndarray, shows: np.ndarray, clicks: np.ndarray) -> None:
+        """Add ``shows`` and ``clicks`` (n,) to the counters of int64 ``keys`` (n,), repeats summed first.
+
+        What :meth:`observe` does once it has counted its ids; the owner's side of a sharded
+        observe, whose keys come from several ranks. Keys without a row are not counted.
+        """
+        self._core.check_open()
         info = self._core.info(table)
-        keys = _ids.as_int64_array(ids, what=f"ids for table {table!r}")
-        labels = None
-        if clicks is not None:
-            labels = clicks.detach().cpu().numpy() if isinstance(clicks, torch.Tensor) else np.asarray(clicks)
-            labels = labels.reshape(-1).astype(np.float64)
-            if labels.shape != keys.shape:
-                raise ConfigError(
-                    f"observe on {table!r}: {labels.size} clicks for {keys.size} ids; pass one "
-                    "click label per id (repeat each example's label over its ids)."
-                )
+        if len(keys) == 0:
+            return
         uniq, inverse = np.unique(keys, return_inverse=True)
-        shows = np.bincount(inverse, minlength=len(uniq)).astype(np.float32)
-        clicked = (
-            np.bincount(inverse, weights=labels, minlength=len(uniq)).astype(np.float32)
-            if labels is not None
-            else np.zeros(len(uniq), np.float32)
-        )
-        has = np.flatnonzero(self._core.has_row(table, uniq)) if len(uniq) else np.empty(0, np.int64)
+        summed = [
+            np.bincount(inverse, weights=np.asarray(v, np.float64), minlength=len(uniq)).astype(np.float32)
+            for v in (shows, clicks)
+        ]
+        has = np.flatnonzero(self._core.has_row(table, uniq))
         if len(has) == 0:
             return
         slots = self._slots.resident_slots(table, torch.from_numpy(uniq[has]).to(self._core.device))
         resident = self._core.device_tier.rows(table)
-        resident[:, info.state_end + SHOW].index_add_(
-            0, slots, torch.from_numpy(shows[has]).to(self._core.device)
-        )
-        resident[:, info.state_end + CLICK].index_add_(
-            0, slots, torch.from_numpy(clicked[has]).to(self._core.device)
-        )
+        for column, values in zip((SHOW, CLICK), summed):
+            resident[:, info.state_end + column].index_add_(
+                0, slots, torch.from_numpy(values[has]).to(self._core.device)
+            )
         self._core.device_tier.mark_dirty(table, slots)
 
     def shrink(
@@ -153,6 +151,22 @@ class FeatureLifeCycle:
 
         self._core.check_open()
         return export_store(self._core.path, path, since=since)
+
+
+def observation(table: str, ids: Any, clicks: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The arguments of :meth:`FeatureLifeCycle.observe` -> (keys (N,) int64, shows (N,) float32 ones,
+    clicks (N,) float64), checked: one click label per id, or None for impressions only."""
+    keys = _ids.as_int64_array(ids, what=f"ids for table {table!r}")
+    labels = np.zeros(len(keys))
+    if clicks is not None:
+        labels = clicks.detach().cpu().numpy() if isinstance(clicks, torch.Tensor) else np.asarray(clicks)
+        labels = labels.reshape(-1).astype(np.float64)
+        if labels.shape != keys.shape:
+            raise ConfigError(
+                f"observe on {table!r}: {labels.size} clicks for {keys.size} ids; pass one "
+                "click label per id (repeat each example's label over its ids)."
+            )
+    return keys, np.ones(len(keys), np.float32), labels
 
 
 def _overridden(

@@ -13,7 +13,9 @@ forward does that naturally).
 
 from __future__ import annotations
 
+import json
 import os
+from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,11 +25,14 @@ import numpy as np
 import torch
 
 from hierps._store import Store
-from hierps.errors import ConfigError, NonFiniteGradientError, NotSupportedError
+from hierps.errors import ConfigError, HierpsError, NonFiniteGradientError
 from hierps.interface import Batches, run_pass
+from hierps.lifecycle._lifecycle import observation
 from hierps.rows import _ids
+from hierps.rows._counters import COUNTERS
 from hierps.rows._initializers import splitmix64
 from hierps.rows._table import TableInfo
+from hierps.storage._export_format import MANIFEST as EXPORT_MANIFEST
 from hierps.tiers._reader import CheckpointReader
 from hierps.training._trainer import summed_grads
 
@@ -123,15 +128,9 @@ class ShardedStore:
         eviction: Any = None,
     ) -> TableInfo:
         """Create or reopen table ``name`` on every rank (see :meth:`hierps.Store.table`)."""
-        info = self.local.table(
+        return self.local.table(
             name, dim, optimizer=optimizer, initializer=initializer, admission=admission, eviction=eviction
         )
-        if info.admission.filters:
-            raise ConfigError(
-                f"table {name!r}: admission filtering (min_count / admit_probability) runs in one process; "
-                "a sharded store does not filter yet. Drop the admission setting for multi-rank training."
-            )
-        return info
 
     def write(self, table: str, keys: Any, weights: Any) -> None:
         """Set weights of ``keys``; every rank passes the same keys and keeps those it owns."""
@@ -162,13 +161,6 @@ class ShardedStore:
         weights = torch.empty_like(got)
         weights[route.order] = got
         return weights
-
-    def observe(self, table: str, ids: Any, clicks: Any = None) -> None:
-        """Not implemented on a sharded store yet: raises :class:`~hierps.errors.NotSupportedError`."""
-        raise NotSupportedError(
-            f"observe on {table!r}: show / click counters are not kept by a sharded store yet (its keys "
-            "live on their owner ranks). Train with one rank to count them, or leave observe out."
-        )
 
     def gather_planned(self, table: str, ids: torch.Tensor) -> None:
         """Never a plan: every mini-batch's ids go to their owners (see :meth:`gather`)."""
@@ -256,6 +248,10 @@ class ShardedStore:
             owned_grads = self.transport.all_to_all_known(
                 grad[route.order] * scale, route.send_counts, route.recv_counts
             ).to(self.device)
+            if self.local.tables[name].admission.filters and owned.numel():
+                # Keys still pending admission have no row: their gradient is dropped, as in one process.
+                has = torch.from_numpy(self.local.has_rows(name, owned.cpu().numpy())).to(self.device)
+                owned, owned_grads = owned[has], owned_grads[has]
             self.local.apply_gradients(name, owned, owned_grads)
 
     def zero_grad(self) -> None:
@@ -297,6 +293,111 @@ class ShardedStore:
     def run_pass(self, batches: Batches) -> AbstractContextManager[None]:
         """``with sharded.run_pass(batches): ...`` = begin_pass(batches) ... end_pass() (collective)."""
         return run_pass(self, batches)
+
+    # -- the feature life cycle: each key's counters, admission and eviction live at its owner ----
+    def _answered(
+        self, table: str, keys: np.ndarray, answer: Callable[[np.ndarray], np.ndarray]
+    ) -> np.ndarray:
+        """Ask the owners of int64 ``keys`` (n,) for ``answer(their keys)`` ((m, c) float32 each)
+        -> (n, c) float32 in the order of ``keys`` (collective)."""
+        uniq, inverse = np.unique(keys, return_inverse=True)
+        route, asked = self._route(torch.from_numpy(uniq).to(self.device))
+        rows = torch.from_numpy(np.ascontiguousarray(answer(asked.cpu().numpy()), dtype=np.float32))
+        got = self._return_rows(rows.to(self.device), route).cpu().numpy()
+        return got[inverse.reshape(-1)]
+
+    def observe(self, table: str, ids: Any, clicks: Any = None) -> None:
+        """Count impressions (and clicks) of ``ids`` (N,) into their rows' counters at the owners
+        (collective; see :meth:`hierps.Store.observe`): every rank passes its own examples."""
+        self.local.info(table)
+        keys, shows, labels = observation(table, ids, clicks)
+        uniq, inverse = np.unique(keys, return_inverse=True)
+        counted = np.stack(
+            [
+                np.bincount(inverse, weights=shows, minlength=len(uniq)),
+                np.bincount(inverse, weights=labels, minlength=len(uniq)),
+            ],
+            axis=1,
+        ).astype(np.float32)
+        route, asked = self._route(torch.from_numpy(uniq).to(self.device))
+        got = self.transport.all_to_all_known(
+            torch.from_numpy(counted)[route.order.cpu()], route.send_counts, route.recv_counts
+        ).cpu()
+        self._sent(got, route.send_counts)
+        self.local.observe_counts(table, asked.cpu().numpy(), got[:, 0].numpy(), got[:, 1].numpy())
+
+    def counters(self, table: str, keys: Any) -> dict[str, np.ndarray]:
+        """The counters of int64 ``keys`` (n,) from their owners (collective; see :meth:`hierps.Store.counters`)."""
+        self.local.info(table)
+        flat = _ids.as_int64_array(keys, what="keys")
+
+        def answer(owned: np.ndarray) -> np.ndarray:
+            got = self.local.counters(table, owned)
+            return np.stack([got[name] for name in COUNTERS], axis=1)
+
+        block = self._answered(table, flat, answer)
+        return {name: block[:, i] for i, name in enumerate(COUNTERS)}
+
+    def has_rows(self, table: str, ids: Any) -> np.ndarray:
+        """ids: (n,) int64 -> (n,) bool, True for keys whose owner holds a row (collective)."""
+        self.local.info(table)
+        flat = _ids.as_int64_array(ids, what=f"ids for table {table!r}")
+        found = self._answered(table, flat, lambda owned: self.local.has_rows(table, owned)[:, None])
+        return found[:, 0] > 0
+
+    def num_pending(self, table: str) -> int:
+        """Keys of ``table`` waiting for admission, over all ranks (collective)."""
+        mine = torch.tensor([float(self.local.num_pending(table))], dtype=torch.float64)
+        return int(self.transport.all_reduce_sum(mine)[0])
+
+    def shrink(
+        self,
+        table: str | None = None,
+        *,
+        ttl_passes: int | None = None,
+        min_decayed_count: float | None = None,
+    ) -> dict[str, int]:
+        """Every rank deletes the rows of its shard that eviction condemns; ``{table: rows deleted}``
+        over all ranks (collective; see :meth:`hierps.Store.shrink`)."""
+        self._check_no_pending("shrink")
+        deleted = self.local.shrink(table, ttl_passes=ttl_passes, min_decayed_count=min_decayed_count)
+        names = sorted(deleted)
+        total = self.transport.all_reduce_sum(
+            torch.tensor([float(deleted[n]) for n in names], dtype=torch.float64)
+        )
+        return {name: int(n) for name, n in zip(names, total.tolist())}
+
+    def export(self, path: str | os.PathLike[str], since: int | str | None = None) -> dict[str, Any]:
+        """One export of every rank's latest checkpoint (or a delta ``since`` a checkpoint), merged,
+        for :mod:`hierps.serving`; returns its manifest (collective; see :meth:`hierps.Store.export`)."""
+        from hierps.lifecycle._export import export_store
+
+        self.transport.barrier()  # every rank's checkpoint is complete before rank 0 reads them
+        manifest: dict[str, Any] | None = None
+        failure: BaseException | None = None
+        if self.rank == 0:
+            try:
+                manifest = export_store(self.root, path, since=since)
+            except Exception as exc:  # raised below, once every rank knows
+                failure = exc
+        failed = self.transport.all_reduce_sum(torch.tensor([float(failure is not None)]))
+        if failure is not None:
+            raise failure
+        if failed[0] > 0:
+            raise HierpsError(
+                f"{path}: the export of {self.root}, run by rank 0, failed; see rank 0's error."
+            )
+        if manifest is None:
+            manifest = json.loads((Path(path) / EXPORT_MANIFEST).read_text(encoding="utf-8"))
+            manifest.pop("crc32", None)
+        return manifest
+
+    def _check_no_pending(self, what: str) -> None:
+        if self._pending:
+            raise ConfigError(
+                f"{what}: rows were gathered for an optimizer step that has not run; call "
+                f"store.step() or store.zero_grad() first, then {what}."
+            )
 
     # -- checkpoints ---------------------------------------------------------------------------
     def checkpoint(self, tag: str | None = None) -> int:

@@ -204,6 +204,21 @@ class SparseTrainer:
         self, info: TableInfo, keys: torch.Tensor, requires_grad: bool, counts: torch.Tensor | None
     ) -> torch.Tensor:
         """:meth:`gather` for a table with admission: rows only for keys that have or earn one."""
+        weights, at, slots = self._filtered_rows(info, keys, requires_grad, counts)
+        if requires_grad:
+            weights.requires_grad_(True)
+            # Recorded even without rows: the table's step count (Adam's bias correction) then
+            # advances as in an unfiltered run, so admitted rows train as unfiltered rows do.
+            self.pending.append(
+                _Pending(info.name, keys[at], slots, self._core.device_tier.generation, weights, rows=at)
+            )
+        return weights
+
+    def _filtered_rows(
+        self, info: TableInfo, keys: torch.Tensor, training: bool, counts: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Weights of sorted unique ``keys`` (U,) of a table with admission -> ((U, dim) weights, positions
+        of the keys that have a row (R,), their slots (R,)). ``training``: sightings count, keys may earn rows."""
         table = info.name
         keys_np = keys.cpu().numpy()
         n_seen = (
@@ -211,7 +226,7 @@ class SparseTrainer:
         )
         has = self._core.has_row(table, keys_np)
         prior = np.zeros(len(keys_np), np.int64)
-        if requires_grad:
+        if training:
             new, prior = self._features.admit(info, keys_np, n_seen, ~has)
             has |= new
         weights = torch.empty((len(keys_np), info.dim), dtype=torch.float32, device=self._core.device)
@@ -221,21 +236,38 @@ class SparseTrainer:
                 self._features.unadmitted_weights(info, keys_np[out])
             ).to(self._core.device)
         at = torch.from_numpy(np.flatnonzero(has)).to(self._core.device)
-        sub, slots = keys[at], at
+        slots = at
         if len(at):
-            slots = self._passes.resident_slots(table, sub)
-            if requires_grad:
+            slots = self._passes.resident_slots(table, keys[at])
+            if training:
                 seen = torch.from_numpy((n_seen + prior)[has].astype(np.float32)).to(self._core.device)
                 self._features.count_seen(info, slots, seen)
             weights[at] = self._core.device_tier.rows(table)[slots, : info.dim]
-        if requires_grad:
-            weights.requires_grad_(True)
-            # Recorded even without rows: the table's step count (Adam's bias correction) then
-            # advances as in an unfiltered run, so admitted rows train as unfiltered rows do.
-            self.pending.append(
-                _Pending(table, sub, slots, self._core.device_tier.generation, weights, rows=at)
-            )
-        return weights
+        return weights, at, slots
+
+    def serve(self, table: str, keys: torch.Tensor, counts: torch.Tensor | None) -> torch.Tensor:
+        """Weights of keys other ranks asked for (the owner's side of a sharded gather).
+
+        keys: (n,) int64 on the device, repeats allowed (one per asking rank) -> (n, dim) float32,
+        no gradient. With ``counts`` (n,) (training), each key's sightings are summed over the
+        asking ranks and counted once, as one gather of the whole batch counts them: into the
+        rows' counters and, for a table with admission, towards its admission.
+        """
+        self._core.check_open()
+        info = self._core.info(table)
+        if keys.numel() == 0:
+            return torch.empty((0, info.dim), dtype=torch.float32, device=self._core.device)
+        uniq, inverse = torch.unique(keys, return_inverse=True)
+        seen = None
+        if counts is not None:
+            seen = torch.zeros(uniq.numel(), dtype=torch.float32, device=self._core.device)
+            seen.index_add_(0, inverse, counts.to(torch.float32))
+        if info.admission.filters:
+            return self._filtered_rows(info, uniq, seen is not None, seen)[0][inverse]
+        slots = self._passes.resident_slots(table, uniq)
+        if seen is not None:
+            self._features.count_seen(info, slots, seen)
+        return self._core.device_tier.rows(table)[slots, : info.dim][inverse]
 
     def step(self) -> None:
         """One optimizer step for every row touched since the last step (gradients summed per row).
