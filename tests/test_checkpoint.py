@@ -18,7 +18,7 @@ HERE = Path(__file__).parent
 
 def _run_worker(store: Path, out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, "PYTHONPATH": str(HERE)}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])}
     env.pop("HIERPS_FAULT", None)
     proc = subprocess.run(
         [sys.executable, str(HERE / "crash_worker.py"), str(store), str(out)],

@@ -369,7 +369,11 @@ def test_pass_loader_loads_each_pass_before_it_runs_and_reads_the_next_ahead(mak
 
 
 def run_ranks(launcher: list[str], tmp_path: Path, *args: str) -> None:
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parent), "OMP_NUM_THREADS": "1"}
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")]),
+        "OMP_NUM_THREADS": "1",
+    }
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(k, None)
     cmd = [*launcher, __file__, str(tmp_path / "store"), str(tmp_path), *args]

@@ -16,6 +16,7 @@ from torch import nn
 from zarr.storage import LocalStore
 
 import hierps
+from hierps.storage._checkpoint import FORMAT_VERSION
 from hierps.storage._files import OpenFiles, write_json_atomic
 from hierps.storage._merge import merged, merged_sources
 from hierps.storage._segment import Segment, SegmentWriter, chunk_rows_for, segment_name
@@ -530,15 +531,16 @@ def test_store_trained_on_demand_keeps_its_disk_bounded_and_equals_torch(tmp_pat
 
 
 # -- format version -----------------------------------------------------------------------------------
-def test_a_store_of_format_version_2_is_refused_with_the_migration_recipe(tmp_path):
+@pytest.mark.parametrize("old", [2, 3])
+def test_a_store_of_an_older_format_version_is_refused_with_the_migration_recipe(tmp_path, old):
     path = tmp_path / "old"
     path.mkdir()
-    write_json_atomic(path / "hierps.json", {"format": "hierps-store", "format_version": 2})
+    write_json_atomic(path / "hierps.json", {"format": "hierps-store", "format_version": old})
     with pytest.raises(hierps.StoreFormatError) as err:
         hierps.Store(path, device="cpu")
     message = str(err.value)
-    assert re.search(r"version 2\b", message), message
-    assert re.search(r"version 3\b", message), message
+    assert re.search(rf"version {old}\b", message), message
+    assert re.search(rf"version {FORMAT_VERSION}\b", message), message
     assert "write_rows" in message, message
     # Refused without touching it: the marker is as written, no lock is left held.
     with pytest.raises(hierps.StoreFormatError):

@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import fcntl
 import os
+import uuid
+import weakref
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from pathlib import Path
@@ -30,16 +32,22 @@ import numpy as np
 import torch
 
 from hierps._faults import fault_point
-from hierps.config import StoreSettings
-from hierps.errors import ConfigError, StoreClosedError, StoreFormatError, StoreLockedError
+from hierps.config import DEFAULT_KEEP_CHECKPOINTS, StoreSettings
+from hierps.errors import (
+    ConfigError,
+    CorruptStoreError,
+    StoreClosedError,
+    StoreFormatError,
+    StoreFullError,
+    StoreLockedError,
+)
 from hierps.lifecycle._admission import PendingKeys
 from hierps.rows import _ids
 from hierps.rows._counters import initial_counters
 from hierps.rows._initializers import initial_rows
 from hierps.rows._optim import initial_state
 from hierps.rows._table import TableInfo
-from hierps.storage._checkpoint import FORMAT_VERSION, MARKER, CheckpointCatalog, check_marker
-from hierps.storage._files import write_json_atomic
+from hierps.storage._checkpoint import MARKER, CheckpointCatalog, StoreMarker, check_marker, write_marker
 from hierps.tiers import DeviceTier, MemoryTier, SsdTier
 from hierps.tiers._device import DrainedRows
 from hierps.training._stats import PassStats
@@ -77,6 +85,8 @@ class StoreCore:
         self.device = torch.device(settings.device) if settings.device is not None else _default_device()
         self.seed = settings.seed
         self._lock_fd: int | None = None
+        self._owner: int | None = None  # the process that took the lock
+        self.marker = StoreMarker("")
         self.pipe = background(self)
         self._open_dir()
         self.ssd = SsdTier(self.path / "segments", settings.max_segments)
@@ -88,10 +98,9 @@ class StoreCore:
         self.passes = 0
         self.stats = PassStats()
         self.checkpoint_id: int | None = None
-
-    @property
-    def keep_checkpoints(self) -> int:
-        return self.settings.keep_checkpoints
+        # Set explicitly, or kept from the store's latest checkpoint (3 for a new store): a tool
+        # opening the store with defaults retires no more than the trainer did.
+        self.keep_checkpoints = settings.keep_checkpoints or DEFAULT_KEEP_CHECKPOINTS
 
     @property
     def max_segments(self) -> int:
@@ -103,12 +112,30 @@ class StoreCore:
 
     # -- the directory ------------------------------------------------------------------------
     def _open_dir(self) -> None:
+        try:
+            self._open_or_create()
+        except OSError as exc:
+            if isinstance(exc, StoreFullError):
+                raise
+            raise ConfigError(
+                f"store path {str(self.path)!r}: cannot be opened or created ({exc.strerror or exc}). "
+                "Point the store at a directory on a writable local file system."
+            ) from exc
+        except ValueError as exc:  # a NUL byte in the path
+            raise ConfigError(f"store path {str(self.path)!r}: not a valid path ({exc}).") from exc
+
+    def _open_or_create(self) -> None:
         marker = self.path / MARKER
         if self.path.exists() and not self.path.is_dir():
             raise StoreFormatError(f"{self.path}: is a file, not a hierps store directory.")
-        # What a creation interrupted before its marker was committed leaves: a lock, a temp marker.
+        # What a creation interrupted before its marker was committed leaves: a lock, a temp marker,
+        # the empty directories of segments and checkpoints.
         leftovers = (
-            {"LOCK"} | {p.name for p in self.path.glob(f".{MARKER}.tmp-*")} if self.path.exists() else set()
+            {"LOCK"}
+            | {p.name for p in self.path.glob(f".{MARKER}.tmp-*")}
+            | {p.name for p in (self.path / "segments", self.path / "checkpoints") if _empty_dir(p)}
+            if self.path.exists()
+            else set()
         )
         if (
             self.path.exists()
@@ -123,14 +150,31 @@ class StoreCore:
         self._lock()
         try:
             if marker.exists():
-                check_marker(marker)
+                self.marker = check_marker(marker)
+                for sub in ("segments", "checkpoints"):
+                    if not (self.path / sub).is_dir():
+                        raise CorruptStoreError(
+                            f"{self.path / sub}: missing from the store (a partial copy, or deleted files); "
+                            "nothing was changed. Copy it back (or the whole store again) and reopen it."
+                        )
             else:
-                for name in leftovers - {"LOCK"}:
+                for name in leftovers - {"LOCK", "segments", "checkpoints"}:
                     (self.path / name).unlink(missing_ok=True)
-                write_json_atomic(marker, {"format": "hierps-store", "format_version": FORMAT_VERSION})
+                for sub in ("segments", "checkpoints"):
+                    (self.path / sub).mkdir(exist_ok=True)
+                # The marker's rename fsyncs the directory after both were made: created is complete.
+                self.marker = StoreMarker(uuid.uuid4().hex)
+                write_marker(marker, self.marker)
         except BaseException:
             self.unlock()
             raise
+
+    def mark_checkpointed(self) -> None:
+        """Record in the marker that a checkpoint was committed (once): from then on a store without
+        any checkpoint manifest is a damaged store, never an empty one."""
+        if not self.marker.checkpointed:
+            self.marker = StoreMarker(self.marker.uid, checkpointed=True)
+            write_marker(self.path / MARKER, self.marker)
 
     def _lock(self) -> None:
         fd = os.open(self.path / "LOCK", os.O_RDWR | os.O_CREAT, 0o644)
@@ -143,6 +187,8 @@ class StoreCore:
                 "open a read-only view with hierps.serving."
             ) from None
         self._lock_fd = fd
+        self._owner = os.getpid()
+        _LOCKED.add(self)
 
     @property
     def is_open(self) -> bool:
@@ -150,12 +196,28 @@ class StoreCore:
 
     def unlock(self) -> None:
         """Release the directory's lock (the store is closed from then on)."""
+        _LOCKED.discard(self)
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
+
+    def _drop_in_child(self) -> None:
+        """In a forked child: close the child's copy of the lock. A ``flock`` belongs to the open file
+        description, which the child shares; with the copy closed, the lock goes when the parent
+        closes the store or dies, whatever the child does. The child's store is closed."""
+        _LOCKED.discard(self)
         if self._lock_fd is not None:
             os.close(self._lock_fd)
             self._lock_fd = None
 
     def check_open(self) -> None:
         if self._lock_fd is None:
+            if self._owner is not None and self._owner != os.getpid():
+                raise StoreClosedError(
+                    f"{self.path}: this store was opened by process {self._owner}; a forked child cannot use "
+                    "it (the parent holds the writer lock). Read rows in the child with "
+                    "hierps.CheckpointReader or hierps.serving, or open the store after the parent closed it."
+                )
             raise StoreClosedError(
                 f"{self.path}: the store was closed; open it again with hierps.Store(path)."
             )
@@ -271,6 +333,22 @@ class StoreCore:
                 failed = failed or exc
         if failed is not None:
             raise failed
+
+
+def _empty_dir(path: Path) -> bool:
+    return path.is_dir() and not any(path.iterdir())
+
+
+# Stores this process holds the writer lock of: a forked child drops its copies of their locks.
+_LOCKED: weakref.WeakSet[StoreCore] = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    for core in list(_LOCKED):
+        core._drop_in_child()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def _default_device() -> torch.device:

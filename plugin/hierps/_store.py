@@ -25,6 +25,7 @@ The store itself holds what spans tables and parts: tables, reads and writes of 
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Mapping, Sequence
 from contextlib import AbstractContextManager
@@ -53,7 +54,7 @@ from hierps.rows._counters import initial_counters
 from hierps.rows._initializers import table_salt
 from hierps.rows._optim import initial_state
 from hierps.rows._table import TableInfo
-from hierps.storage._checkpoint import FORMAT_VERSION, CheckpointCatalog, valid_table_name
+from hierps.storage._checkpoint import FORMAT_VERSION, MAX_DIM, CheckpointCatalog, table_name_problem
 from hierps.tiers import DeviceTier, MemoryTier, SsdTier
 from hierps.tiers._device import DrainedRows
 from hierps.training._batchplan import BatchPlan
@@ -77,7 +78,9 @@ class Store:
         seed: seed of the initializer of new rows.
         optimizer: default sparse optimizer of new tables (``"adagrad"``, or a dict / config).
         initializer: default initializer of new tables (``"normal"`` like ``nn.Embedding``).
-        keep_checkpoints: how many checkpoints stay restorable (older ones are retired).
+        keep_checkpoints: how many checkpoints stay restorable (older ones are retired); None:
+            as many as the store kept at its latest checkpoint (3 for a new store). It is kept with
+            every checkpoint, so tools that open the store with defaults retire nothing more.
         max_segments: SSD segments per table before compaction merges them.
         pipeline: read the next pass ahead and write the last one back in the background
             (same parameters as without; see :mod:`hierps.training._pipeline`).
@@ -94,7 +97,7 @@ class Store:
         seed: int = 0,
         optimizer: Any = "adagrad",
         initializer: Any = "normal",
-        keep_checkpoints: int = 3,
+        keep_checkpoints: int | None = None,
         max_segments: int = 16,
         pipeline: bool = True,
     ) -> None:
@@ -282,10 +285,13 @@ class Store:
 
     def _recover(self) -> None:
         """Drop what an interrupted run left behind and load the latest checkpoint."""
+        self._core.catalog.check_present(self._core.marker.checkpointed)  # before anything is collected
         self._core.catalog.remove_incomplete()
         latest = self._core.catalog.latest()
         if latest is not None:
             self._load_checkpoint(latest)
+            if self._core.settings.keep_checkpoints is None:
+                self._core.keep_checkpoints = int(self._core.catalog.manifest(latest)["keep_checkpoints"])
         self._core.ssd.collect_garbage(self._core.catalog.referenced_segments())
         self._core.ssd.next_segment = max(
             self._core.ssd.next_segment, self._core.ssd.max_segment_on_disk() + 1
@@ -310,13 +316,15 @@ class Store:
         to keeping every key; given on reopening, they replace the stored settings.
         """
         self._core.check_open()
-        if not valid_table_name(name):
+        problem = table_name_problem(name)
+        if problem is not None:
             raise ConfigError(
-                f"table name: expected a non-empty name without '/' not starting with '_' "
-                f"or '.'. Got {name!r} instead."
+                f"table name: expected {problem} (it names directories on disk). Got {name!r} instead."
             )
-        if isinstance(dim, bool) or not isinstance(dim, int) or dim < 1:
-            raise ConfigError(f"dim of table {name!r}: expected an int >= 1. Got {dim!r} instead.")
+        if isinstance(dim, bool) or not isinstance(dim, int) or not 1 <= dim <= MAX_DIM:
+            raise ConfigError(
+                f"dim of table {name!r}: expected an int from 1 to {MAX_DIM}. Got {dim!r} instead."
+            )
         opt = OptimizerConfig.parse(optimizer) if optimizer is not None else self._core.settings.optimizer
         init = (
             InitializerConfig.parse(initializer)
@@ -384,7 +392,7 @@ class Store:
         self._core.check_open()
         info = self._core.info(table)
         keys = _ids.as_int64_array(keys, what="keys")
-        w = weights.detach().cpu().numpy() if isinstance(weights, torch.Tensor) else np.asarray(weights)
+        w = _real_array(weights, f"write to {table!r}: weights")
         if w.shape != (len(keys), info.dim):
             raise ConfigError(
                 f"write to {table!r}: weights of shape {w.shape} for {len(keys)} keys of "
@@ -426,6 +434,7 @@ class Store:
         self._core.check_open()
         info = self._core.info(table)
         keys = _ids.as_int64_array(keys, what="keys")
+        rows = _real_array(rows, f"write_rows to {table!r}: rows")
         if rows.shape != (len(keys), info.width):
             raise ConfigError(
                 f"write_rows to {table!r}: rows of shape {rows.shape}; expected {(len(keys), info.width)}."
@@ -452,14 +461,27 @@ class Store:
         info.step = 0
 
     # -- durability ---------------------------------------------------------------------------
-    def checkpoint(self, tag: str | None = None, extra: dict[str, Any] | None = None) -> int:
+    def checkpoint(
+        self, tag: str | None = None, extra: dict[str, Any] | None = None, *, retire: bool = True
+    ) -> int:
         """Make every row and optimizer state written so far durable; returns the checkpoint id.
 
         Atomic: a crash before it returns leaves the previous checkpoint as the latest. The
-        working set stays resident. Checkpoints beyond ``keep_checkpoints`` are retired.
-        ``extra`` (JSON-serialisable) is kept in the manifest, e.g. the world size of a sharded run.
+        working set stays resident. ``tag``: a str (or None) to find the checkpoint by. ``extra``
+        (a JSON object) is kept in the manifest, e.g. the world size of a sharded run. Checkpoints
+        beyond ``keep_checkpoints`` are retired, unless ``retire`` is False: then they stay until
+        :meth:`retire_checkpoints` (or the next checkpoint), e.g. until a caller has written what
+        belongs with this checkpoint elsewhere.
         """
         self._core.check_open()
+        if tag is not None and not isinstance(tag, str):
+            raise ConfigError(
+                f"checkpoint tag: expected a str or None. Got {tag!r} ({type(tag).__name__}); "
+                f"pass str({tag!r}) to tag it, and restore it by that string."
+            )
+        extra = _parse_extra(extra)
+        if not isinstance(retire, bool):
+            raise ConfigError(f"retire: expected True or False. Got {retire!r} instead.")
         self._pipe.drain()
         self._core.put_dirty(
             {
@@ -475,15 +497,17 @@ class Store:
         ckpt = (self._core.catalog.latest() or 0) + 1
         body = {
             "tag": tag,
-            "extra": extra or {},
+            "extra": extra,
             "format_version": FORMAT_VERSION,
             "seed": self._core.seed,
             "passes": self._core.passes,
             "next_segment": self._core.ssd.next_segment,
+            "keep_checkpoints": self._core.keep_checkpoints,
             "tables": {
                 name: {
                     **info.to_json(),
                     "rows": self._core.ssd.num_rows(name),
+                    "pending": len(self._core.pending_keys[name].keys),
                     **self._core.ssd.describe(name),
                 }
                 for name, info in self._core.tables.items()
@@ -494,15 +518,27 @@ class Store:
         )
         self._core.checkpoint_id = ckpt
         fault_point("checkpoint.after_manifest")
+        self._core.mark_checkpointed()
+        if retire:
+            self.retire_checkpoints()
+        return ckpt
+
+    def retire_checkpoints(self) -> None:
+        """Retire the checkpoints beyond the newest ``keep_checkpoints`` and collect their segments."""
+        self._core.check_open()
+        self._pipe.drain()
         for old in self._core.catalog.ids()[: -self._core.keep_checkpoints]:
             self._core.catalog.delete(old)
             fault_point("checkpoint.after_retire")
         self._core.ssd.collect_garbage(self._core.catalog.referenced_segments())
-        return ckpt
 
     def restore(self, ref: int | str | None = None) -> int:
         """Return every table to a checkpoint (id, tag, or the latest), discarding newer changes."""
         self._core.check_open()
+        if ref is not None and (isinstance(ref, bool) or not isinstance(ref, (int, str))):
+            raise ConfigError(
+                f"restore: expected a checkpoint id (int), a tag (str) or None. Got {ref!r} instead."
+            )
         ckpt = self._core.catalog.latest() if ref is None else self._core.catalog.find(ref)
         if ckpt is None:
             raise ConfigError(f"no checkpoint {ref!r} in {self.path}; it has {self.list_checkpoints()}.")
@@ -539,7 +575,8 @@ class Store:
                 )
             self._core.tables[name] = info
             pending = PendingKeys.from_arrays(
-                info.admission.max_pending, self._core.catalog.read_extra(ckpt, name, PENDING_ARRAYS)
+                info.admission.max_pending,
+                self._core.catalog.read_extra(ckpt, name, PENDING_ARRAYS, int(meta["pending"])),
             )
             self._core.register(info, pending)
             self._core.ssd.load_segments(name, info.width, self._core.catalog.segments(ckpt, name))
@@ -592,3 +629,40 @@ class Store:
             "memory": self._core.memory.num_rows(table),
             "ssd": self._core.ssd.num_rows(table),
         }
+
+
+def _parse_extra(extra: Any) -> dict[str, Any]:
+    """``checkpoint(extra=)``: None or a JSON object (str keys, JSON values) -> a dict."""
+    if extra is None:
+        return {}
+    try:
+        if not isinstance(extra, dict) or not all(isinstance(k, str) for k in extra):
+            raise TypeError("not an object with str keys")
+        json.dumps(extra, allow_nan=False)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(
+            f"checkpoint extra: expected a JSON object (a dict of str keys and JSON values: str, int, "
+            f"finite float, bool, None, lists and dicts of them). Got {extra!r} ({exc})."
+        ) from exc
+    return extra
+
+
+def _real_array(data: Any, what: str) -> np.ndarray:
+    """A tensor, array or nested list of real numbers -> a numpy array; ``ConfigError`` otherwise."""
+    if isinstance(data, torch.Tensor):
+        data = data.detach().cpu()
+        if data.is_sparse:
+            data = data.to_dense()
+        if data.dtype == torch.bfloat16:
+            data = data.float()
+    try:
+        arr = np.asarray(data.numpy() if isinstance(data, torch.Tensor) else data)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(
+            f"{what}: expected an array of real numbers. Got {type(data).__name__} ({exc})."
+        ) from exc
+    if arr.dtype.kind not in "iuf":
+        raise ConfigError(
+            f"{what}: expected an array of real numbers (float32). Got dtype {arr.dtype}; convert it first."
+        )
+    return arr

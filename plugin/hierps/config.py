@@ -17,6 +17,7 @@ from typing import Any
 from hierps.errors import ConfigError
 
 __all__ = [
+    "DEFAULT_KEEP_CHECKPOINTS",
     "EVICTION_POLICIES",
     "UNADMITTED_VALUES",
     "AdmissionConfig",
@@ -47,6 +48,8 @@ _UNITS = {
 _SIZE_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]*)?)\s*([A-Za-z]*)\s*$")
 
 EVICTION_POLICIES = ("lru", "lfu")
+# Three checkpoints let a job resume from one before a bad save.
+DEFAULT_KEEP_CHECKPOINTS = 3
 
 
 def parse_size(value: Any, name: str = "size") -> int:
@@ -413,11 +416,29 @@ def _parse_eviction(value: Any) -> str:
 
 
 def _parse_device(value: Any) -> str | None:
+    """None, or a ``cpu`` / ``cuda[:i]`` device that exists here, as a string."""
+    import torch  # here, not at the top: the settings import without torch
+
     if value is None:
         return None
-    if not isinstance(value, str) and type(value).__name__ != "device":
-        raise ConfigError(f"device: expected a device like 'cuda:0' or 'cpu'. Got {value!r} instead.")
-    return str(value)
+    hint = "expected a device like 'cuda:0' or 'cpu' (or None for cuda when available, else cpu)"
+    if not isinstance(value, (str, torch.device)):
+        raise ConfigError(f"device: {hint}. Got {value!r} instead.")
+    try:
+        device = torch.device(value)
+    except (RuntimeError, ValueError) as exc:
+        raise ConfigError(f"device: {hint}. Got {value!r} instead.") from exc
+    if device.type == "cpu" and device.index not in (None, 0):
+        raise ConfigError(f"device: {hint}; a cpu device has no index. Got {value!r} instead.")
+    if device.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            raise ConfigError(f"device: {value!r} asked for, but no CUDA GPU is available here. Use 'cpu'.")
+        if device.index is not None and device.index >= count:
+            raise ConfigError(f"device: {value!r} asked for, but this machine has {count} CUDA GPU(s).")
+    elif device.type != "cpu":
+        raise ConfigError(f"device: {hint}; hierps trains on cpu or cuda. Got {value!r} instead.")
+    return str(device)
 
 
 # Each setting's parser: the bounds of every store setting, in one place.
@@ -429,7 +450,7 @@ _SETTINGS: dict[str, Any] = {
     "seed": lambda v: _check_int("seed", v, 0),
     "optimizer": OptimizerConfig.parse,
     "initializer": InitializerConfig.parse,
-    "keep_checkpoints": lambda v: _check_int("keep_checkpoints", v, 1),
+    "keep_checkpoints": lambda v: _check_int("keep_checkpoints", v, 1, optional=True),
     "max_segments": lambda v: _check_int("max_segments", v, 2),
     "pipeline": _parse_bool("pipeline"),
 }
@@ -464,8 +485,10 @@ class StoreSettings:
     """Default sparse optimizer of new tables."""
     initializer: InitializerConfig = field(default_factory=lambda: InitializerConfig("normal"))
     """Default initializer of new tables (``normal``, like ``nn.Embedding``)."""
-    keep_checkpoints: int = 3
-    """Checkpoints kept restorable; older ones are retired."""
+    keep_checkpoints: int | None = None
+    """Checkpoints kept restorable; older ones are retired. None: as many as the store kept when it
+    last checkpointed (:data:`DEFAULT_KEEP_CHECKPOINTS` for a new store), so that a tool opening
+    the store with defaults never retires checkpoints its trainer kept."""
     max_segments: int = 16
     """SSD segments per table before compaction merges them."""
     pipeline: bool = True

@@ -322,6 +322,7 @@ class EmbeddingBag(_StoreEmbedding):
         ids = check_ids_tensor(input, self._store.device, what=f"ids of {self.table!r}")
         offsets = self._check_offsets(ids, offsets)
         if per_sample_weights is not None:
+            per_sample_weights = _check_weights(per_sample_weights, self._store.device)
             if per_sample_weights.shape != ids.shape:
                 raise OffsetsError(
                     f"per_sample_weights of shape {tuple(per_sample_weights.shape)} do not match "
@@ -425,3 +426,17 @@ class EmbeddingBag(_StoreEmbedding):
         # A model usually hands one offsets tensor to all its tables: check it once.
         _StoreEmbedding._offsets_checked = (weakref.ref(offsets), offsets._version, n)
         return offsets.long()
+
+
+def _check_weights(weights: Any, device: torch.device) -> torch.Tensor:
+    """``per_sample_weights``: a real floating tensor on ``device`` -> float32 (the rows' dtype)."""
+    if not isinstance(weights, torch.Tensor) or weights.layout != torch.strided:
+        raise OffsetsError(
+            f"per_sample_weights: expected a dense float tensor like the ids. Got {type(weights).__name__}"
+            f"{'' if not isinstance(weights, torch.Tensor) else f' of layout {weights.layout}'}."
+        )
+    if not weights.dtype.is_floating_point:
+        raise OffsetsError(f"per_sample_weights: expected a float tensor. Got dtype {weights.dtype}.")
+    if not same_device(weights.device, device):
+        raise OffsetsError(f"per_sample_weights: on {weights.device}, the store trains on {device}.")
+    return weights.to(torch.float32)

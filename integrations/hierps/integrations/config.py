@@ -124,8 +124,9 @@ class HierarchicalPSConfig(BaseModel):
     """RAM tier eviction policy: "lru" or "lfu"."""
     seed: Annotated[int, Setting] = _DEFAULTS.seed
     """Seed of the initializer of new rows."""
-    keep_checkpoints: Annotated[int, Setting] = _DEFAULTS.keep_checkpoints
-    """Store checkpoints kept restorable; older ones (and the tags that map to them) are retired."""
+    keep_checkpoints: Annotated[int | None, Setting] = _DEFAULTS.keep_checkpoints
+    """Store checkpoints kept restorable; older ones (and the tags that map to them) are retired.
+    null: as many as the store kept at its latest checkpoint (3 for a new store)."""
     pipeline: Annotated[bool, Setting] = _DEFAULTS.pipeline
     """Read the next pass ahead and write the last one back in the background (same parameters as false)."""
     max_segments: Annotated[int, Setting] = _DEFAULTS.max_segments

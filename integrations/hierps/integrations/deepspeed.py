@@ -481,7 +481,8 @@ class HierpsEngine:
                 f"{SECTION} section, or its save did not finish. Load a tag saved by a hierps engine."
             )
         record = read_json_checked(path)
-        store, keep = self.hierps_store, self.hierps_config.keep_checkpoints
+        store = self.hierps_store
+        keep = store.keep_checkpoints
         retired = (
             f"load_checkpoint: tag {tag!r} has no checkpoint in the store {store.path} (it was retired past "
             f"keep_checkpoints={keep}, or the store is another one than {record['store']}). Raise "

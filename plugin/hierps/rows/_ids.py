@@ -26,6 +26,10 @@ def check_ids_tensor(ids: Any, device: torch.device, what: str = "ids") -> torch
         raise InvalidIdsError(
             f"{what}: expected a torch integer tensor (LongTensor). Got {type(ids).__name__}."
         )
+    if ids.layout != torch.strided:
+        raise InvalidIdsError(
+            f"{what}: expected a dense tensor. Got layout {ids.layout}; call .to_dense() first."
+        )
     if ids.dtype not in _INT_DTYPES:
         raise InvalidIdsError(
             f"{what}: expected an integer tensor of feature ids (torch.int64). Got dtype {ids.dtype}; "
@@ -42,10 +46,19 @@ def check_ids_tensor(ids: Any, device: torch.device, what: str = "ids") -> torch
 def as_int64_array(ids: Any, what: str = "ids") -> np.ndarray:
     """Tensor, array or sequence of integer ids -> flat (n,) int64 numpy array."""
     if isinstance(ids, torch.Tensor):
+        if ids.layout != torch.strided:
+            raise InvalidIdsError(
+                f"{what}: expected a dense tensor. Got layout {ids.layout}; call .to_dense() first."
+            )
         if ids.dtype not in _INT_DTYPES:
             raise InvalidIdsError(f"{what}: expected integer ids (torch.int64). Got dtype {ids.dtype}.")
         return ids.detach().reshape(-1).to(torch.int64).cpu().numpy()
-    arr = np.asarray(ids)
+    try:
+        arr = np.asarray(ids)
+    except (TypeError, ValueError) as exc:  # ragged lists, objects numpy cannot hold
+        raise InvalidIdsError(
+            f"{what}: expected integer ids (int64). Got {type(ids).__name__} ({exc})."
+        ) from exc
     if arr.size == 0:
         return np.empty(0, np.int64)
     if arr.dtype.kind not in "iu":

@@ -15,8 +15,10 @@ costs the flush of the rows dirtied since the last one (new segments), and a man
 
 from __future__ import annotations
 
+import json
 import shutil
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -30,20 +32,77 @@ from hierps.storage._arrays import create_array, encoded_bytes, open_array
 from hierps.storage._files import disk_full_as_error, fsync_tree, read_json_checked, write_json_atomic
 from hierps.storage._reads import read_array
 
-__all__ = ["FORMAT_VERSION", "MARKER", "CheckpointCatalog", "check_marker", "valid_table_name"]
+__all__ = [
+    "FORMAT_VERSION",
+    "MARKER",
+    "MAX_DIM",
+    "CheckpointCatalog",
+    "StoreMarker",
+    "check_marker",
+    "table_name_problem",
+    "valid_table_name",
+    "write_marker",
+]
 
 # 2: rows carry counters (count, decayed count, shows, clicks, last pass).
 # 3: segments are sorted runs with their own fences and filter; checkpoints name segments, no key index.
-FORMAT_VERSION = 3
+# 4: each chunk's checksum is bound to what the chunk is (store, array, position); the marker holds the
+#    store's id and whether a checkpoint was ever committed; manifests hold keep_checkpoints and
+#    every table's count of keys pending admission.
+FORMAT_VERSION = 4
 MARKER = "hierps.json"
+MAX_DIM = 65536  # floats per row: a row must fit a segment chunk of a few pages
+_NAME_BYTES = 255  # the longest file name Linux file systems hold
+# Names a table cannot take: files beside the tables' directories (an export's root, a store's).
+_RESERVED = frozenset({"zarr.json", "manifest.json"})
+
+
+def table_name_problem(name: object) -> str | None:
+    """What keeps ``name`` from being a table name (it is a directory name in the store, its
+    checkpoints and exports), or None: a non-empty str, at most 255 bytes in UTF-8, without '/' or
+    NUL, not starting with '_' or '.', not a name a file beside the tables takes."""
+    if not isinstance(name, str):
+        return f"a str, not {type(name).__name__}"
+    if not name or "/" in name or "\0" in name or name.startswith(("_", ".")):
+        return "a non-empty name without '/' or NUL, not starting with '_' or '.'"
+    try:
+        size = len(name.encode("utf-8"))
+    except UnicodeEncodeError:
+        return "a name that is valid UTF-8 (it holds a lone surrogate)"
+    if size > _NAME_BYTES:
+        return f"at most {_NAME_BYTES} bytes in UTF-8 (a file name); it has {size}"
+    if name.casefold() in _RESERVED:
+        return f"a name other than {sorted(_RESERVED)} (files of the store and of its exports)"
+    return None
 
 
 def valid_table_name(name: object) -> bool:
-    """A table name is also a directory name: non-empty, no '/', not starting with '_' or '.'."""
-    return isinstance(name, str) and bool(name) and "/" not in name and not name.startswith(("_", "."))
+    """Whether ``name`` can be a table name: see :func:`table_name_problem`."""
+    return table_name_problem(name) is None
 
 
-def check_marker(marker: Path) -> None:
+@dataclass(frozen=True)
+class StoreMarker:
+    """What ``hierps.json`` says of a store: its id (checksums of its chunks are bound to it) and
+    whether a checkpoint was ever committed (a store that had one never opens empty)."""
+
+    uid: str
+    checkpointed: bool = False
+
+
+def write_marker(marker: Path, meta: StoreMarker) -> None:
+    write_json_atomic(
+        marker,
+        {
+            "format": "hierps-store",
+            "format_version": FORMAT_VERSION,
+            "uid": meta.uid,
+            "checkpointed": meta.checkpointed,
+        },
+    )
+
+
+def check_marker(marker: Path) -> StoreMarker:
     """Check the store marker file: a hierps store of this format version, else ``StoreFormatError``."""
     meta = read_json_checked(marker)
     if meta.get("format") != "hierps-store":
@@ -53,17 +112,25 @@ def check_marker(marker: Path) -> None:
             f"{marker.parent}: written by store format version {meta.get('format_version')!r}; this "
             f"hierps reads version {FORMAT_VERSION}. {_MIGRATE.get(meta.get('format_version'), _OTHER)}"
         )
+    uid, done = meta.get("uid"), meta.get("checkpointed")
+    if not isinstance(uid, str) or not uid or not isinstance(done, bool):
+        raise CorruptStoreError(
+            f"{marker}: fields uid / checkpointed: expected a non-empty str and a bool. Got {uid!r} and "
+            f"{done!r} instead. The marker is damaged or was not written by hierps."
+        )
+    return StoreMarker(uid, done)
 
 
 _OTHER = "Open it with a matching hierps release."
+_MOVE_ROWS = (
+    "To move its rows: with that release, read each table with CheckpointReader(path).iter_rows(table) "
+    "and save keys and rows (e.g. with numpy); with this release, create a new store and call "
+    "store.table(name, dim, optimizer=...) and store.write_rows(name, keys, rows) with them "
+    "(optimizer state and counters included), then store.checkpoint()."
+)
 _MIGRATE: dict[object, str] = {
-    2: (
-        "Version 2 (hierps 0.1) kept a whole key index in RAM and in every checkpoint. To move its "
-        "rows: with hierps 0.1, read each table with CheckpointReader(path).iter_rows(table) and "
-        "save keys and rows (e.g. with numpy); with this release, create a new store and call "
-        "store.table(name, dim, optimizer=...) and store.write_rows(name, keys, rows) with them "
-        "(optimizer state and counters included), then store.checkpoint()."
-    )
+    2: "Version 2 (hierps 0.1) kept a whole key index in RAM and in every checkpoint. " + _MOVE_ROWS,
+    3: "Version 3 checksummed chunks without binding them to their place in the store. " + _MOVE_ROWS,
 }
 
 
@@ -88,6 +155,8 @@ def _check_manifest(path: Path, ckpt: int, body: dict[str, Any]) -> None:
         raise bad("id", f"the checkpoint id {ckpt} of the file name")
     if body.get("tag") is not None and not isinstance(body.get("tag"), str):
         raise bad("tag", "a string or null")
+    if not isinstance(body.get("extra", {}), dict):
+        raise bad("extra", "an object")
     if not isinstance(body.get("created", 0.0), (int, float)):
         raise bad("created", "a time in seconds")
     for field, low in (("seed", None), ("passes", 0), ("next_segment", 1)):
@@ -96,14 +165,21 @@ def _check_manifest(path: Path, ckpt: int, body: dict[str, Any]) -> None:
     tables = body.get("tables")
     if not isinstance(tables, dict):
         raise bad("tables", "an object of tables")
+    if not _is_int(body.get("keep_checkpoints")) or body["keep_checkpoints"] < 1:
+        raise bad("keep_checkpoints", "an int >= 1")
     for name, meta in tables.items():
-        if not valid_table_name(name):
-            raise CorruptStoreError(f"{path}: table name {name!r} is not a valid table name.")
+        problem = table_name_problem(name)
+        if problem is not None:
+            raise CorruptStoreError(
+                f"{path}: table name {name!r} is not a valid table name: expected {problem}."
+            )
         if not isinstance(meta, dict):
             raise bad(f"tables.{name}", "an object")
-        for field, low in (("dim", 1), ("width", 1), ("step", 0), ("rows", 0)):
+        for field, low in (("dim", 1), ("width", 1), ("step", 0), ("rows", 0), ("pending", 0)):
             if not _is_int(meta.get(field)) or meta[field] < low:
                 raise bad(f"tables.{name}.{field}", f"an int >= {low}")
+        if meta["dim"] > MAX_DIM:
+            raise bad(f"tables.{name}.dim", f"an int <= {MAX_DIM}")
         segments, live = meta.get("segments"), meta.get("live")
         if not isinstance(segments, dict) or not all(
             isinstance(s, str) and s.isdigit() and _is_int(n) and n >= 0 for s, n in segments.items()
@@ -142,7 +218,11 @@ class CheckpointCatalog:
 
     def __init__(self, root: Path) -> None:
         self.root = Path(root)
-        self.root.mkdir(parents=True, exist_ok=True)
+        if not self.root.is_dir():
+            raise CorruptStoreError(
+                f"{self.root}: the store's checkpoints directory is missing (a partial copy, or deleted "
+                "files); nothing was changed. Copy it back (or the whole store again) and reopen it."
+            )
 
     def _manifest_path(self, ckpt: int) -> Path:
         return self.root / f"{ckpt:08d}.json"
@@ -173,6 +253,17 @@ class CheckpointCatalog:
         """Whether ``ckpt`` is still committed (not retired)."""
         return self._manifest_path(ckpt).exists()
 
+    def check_present(self, checkpointed: bool) -> None:
+        """``CorruptStoreError`` when a store that committed a checkpoint (``checkpointed``, from
+        its marker) holds none: a partial copy, or deleted manifests. Checked before anything is
+        collected, so nothing of what is left is deleted."""
+        if checkpointed and self.latest() is None:
+            raise CorruptStoreError(
+                f"{self.root}: this store committed checkpoints but no checkpoint manifest is there (a "
+                "partial copy, or deleted files); nothing was deleted. Copy its checkpoints directory "
+                "back (or the whole store again) and reopen it."
+            )
+
     def find(self, ref: int | str) -> int | None:
         """A checkpoint by id (int) or by tag (str; the newest checkpoint carrying it)."""
         if isinstance(ref, int):
@@ -192,10 +283,19 @@ class CheckpointCatalog:
         """Write the ``extra`` 1-D arrays of each table (e.g. its keys pending admission), make them
         durable, then commit the manifest ``body``.
 
-        On failure (e.g. :class:`StoreFullError`) what was written of ``ckpt`` is removed, so the
-        previous checkpoint stays the latest and a later attempt starts clean.
+        The manifest is checked as a reader will check it before anything is written: a body that
+        would not verify (a bad tag, values JSON cannot hold) raises ``ConfigError`` and commits
+        nothing. On failure (e.g. :class:`StoreFullError`) what was written of ``ckpt`` is removed,
+        so the previous checkpoint stays the latest and a later attempt starts clean.
         """
         path = self._index_path(ckpt)
+        full = {**body, "id": ckpt, "created": time.time()}
+        try:
+            _check_manifest(self._manifest_path(ckpt), ckpt, json.loads(json.dumps(full, sort_keys=True)))
+        except (CorruptStoreError, TypeError, ValueError) as exc:
+            raise ConfigError(
+                f"checkpoint {ckpt} would not be readable, so it was not written: {exc}"
+            ) from exc
         if path.exists():
             shutil.rmtree(path)
         chunk = 1 << 20
@@ -209,7 +309,7 @@ class CheckpointCatalog:
                     fault_point("checkpoint.table_arrays")
                 fsync_tree(path)
             fault_point("checkpoint.before_manifest")
-            write_json_atomic(self._manifest_path(ckpt), {**body, "id": ckpt, "created": time.time()})
+            write_json_atomic(self._manifest_path(ckpt), full)
         except BaseException:
             if not self._manifest_path(ckpt).exists():
                 shutil.rmtree(path, ignore_errors=True)
@@ -222,17 +322,21 @@ class CheckpointCatalog:
             int(s): (int(n), int(meta["live"][s]), int(meta["check"][s])) for s, n in meta["segments"].items()
         }
 
-    def read_extra(self, ckpt: int, table: str, names: dict[str, str]) -> dict[str, np.ndarray] | None:
-        """The ``extra`` arrays (``{name: dtype}``) written with a table; None when absent."""
+    def read_extra(self, ckpt: int, table: str, names: dict[str, str], rows: int) -> dict[str, np.ndarray]:
+        """The ``extra`` arrays (``{name: dtype}``) written with a table, each of ``rows`` rows (as its
+        manifest says); ``CorruptStoreError`` naming the array when one is missing or of another length."""
         path = self._index_path(ckpt)
-        first = next(iter(names))
-        if not (path / table / first).exists():
-            return None
         zstore = LocalStore(str(path), read_only=True)
-        return {
-            name: read_array(open_array(zstore, path, f"{table}/{name}", dtype, 1), path, f"{table}/{name}")
-            for name, dtype in names.items()
-        }
+        out = {}
+        for name, dtype in names.items():
+            arr = open_array(zstore, path, f"{table}/{name}", dtype, 1)
+            if arr.shape != (rows,):
+                raise CorruptStoreError(
+                    f"{path / table / name}: {arr.shape[0]} rows where the manifest of checkpoint {ckpt} "
+                    f"names {rows}; the checkpoint is damaged. Restore it from a backup or open an earlier one."
+                )
+            out[name] = read_array(arr, path, f"{table}/{name}")
+        return out
 
     def delete(self, ckpt: int) -> None:
         """Retire a checkpoint: the manifest first (so it stops counting), then its index."""

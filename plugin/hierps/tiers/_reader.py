@@ -41,8 +41,10 @@ class CheckpointReader:
         marker = self.path / MARKER
         if not marker.exists():
             raise StoreFormatError(f"{self.path}: is not a hierps store (no {MARKER}).")
-        check_marker(marker)
+        self.marker = check_marker(marker)
         self.catalog = CheckpointCatalog(self.path / "checkpoints")
+        self.catalog.check_present(self.marker.checkpointed)
+        self._ssd: SsdTier | None = None
         for _ in range(_OPEN_ATTEMPTS):
             ckpt = self.catalog.latest() if ref is None else self.catalog.find(ref)
             if ckpt is None:
@@ -70,9 +72,27 @@ class CheckpointReader:
                 f"{self.path}: checkpoint {ckpt} has format version {self.manifest.get('format_version')!r}; this "
                 f"hierps reads {FORMAT_VERSION}. Read it with a matching hierps release."
             )
+        self.close()
         self._ssd = SsdTier(self.path / "segments")
         for name, meta in self.manifest["tables"].items():
             self._ssd.load_segments(name, int(meta["width"]), self.catalog.segments(ckpt, name))
+
+    def close(self) -> None:
+        """Close the segment files this reader keeps open (also done by ``with``)."""
+        if self._ssd is not None:
+            self._ssd.close()
+
+    def __enter__(self) -> CheckpointReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @property
+    def ssd(self) -> SsdTier:
+        if self._ssd is None:
+            raise ConfigError(f"{self.path}: the reader holds no checkpoint.")
+        return self._ssd
 
     def _check_alive(self) -> None:
         if not self.catalog.exists(self.checkpoint_id):
@@ -105,8 +125,9 @@ class CheckpointReader:
 
     def pending_keys(self, table: str) -> np.ndarray:
         """(p,) int64 keys of ``table`` that were pending admission (counted, without a row)."""
-        arrays = self.catalog.read_extra(self.checkpoint_id, self._check(table), PENDING_ARRAYS)
-        return np.empty(0, np.int64) if arrays is None else np.asarray(arrays["pending_keys"], np.int64)
+        rows = int(self.tables[self._check(table)]["pending"])
+        arrays = self.catalog.read_extra(self.checkpoint_id, table, PENDING_ARRAYS, rows)
+        return np.asarray(arrays["pending_keys"], np.int64)
 
     def read(self, table: str, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """keys (n,) int64 sorted unique -> (found (n,) bool, rows (found.sum(), width) float32).
@@ -114,7 +135,7 @@ class CheckpointReader:
         Raises :class:`CheckpointRetiredError` when the checkpoint was retired during the read.
         """
         try:
-            out = self._ssd.read(self._check(table), np.asarray(keys, dtype=np.int64))
+            out = self.ssd.read(self._check(table), np.asarray(keys, dtype=np.int64))
         except CorruptStoreError:
             self._check_alive()  # a file that vanished because the checkpoint was retired
             raise
@@ -125,7 +146,7 @@ class CheckpointReader:
         """Yield ``(keys (b,) int64, rows (b, width) float32)`` over every stored row, by key, in
         bounded memory (a buffer per segment). Raises :class:`CheckpointRetiredError` when the
         checkpoint was retired during the scan."""
-        rows_iter = self._ssd.iter_rows(self._check(table))
+        rows_iter = self.ssd.iter_rows(self._check(table))
         while True:
             try:
                 part = next(rows_iter, None)

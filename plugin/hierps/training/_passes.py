@@ -18,7 +18,7 @@ import torch
 
 from hierps._core import StoreCore
 from hierps._faults import fault_point
-from hierps.errors import DeviceBudgetError
+from hierps.errors import DeviceBudgetError, InvalidIdsError
 from hierps.lifecycle._features import Features
 from hierps.rows import _ids
 from hierps.tiers._device import apply_moves, rebuild
@@ -64,7 +64,7 @@ class PassRunner:
         self.plan = _PassPlan()
         self.batches: PassBatches | None = None  # the current pass's translated mini-batches
         self.in_pass = False
-        self._announced: list[Mapping[str, Any]] | None = None
+        self._announced: list[dict[str, np.ndarray]] | None = None
         self._last_plan: _LastPlan | None = None
 
     def forget_announced(self) -> None:
@@ -85,8 +85,7 @@ class PassRunner:
         read ahead (see :meth:`prefetch`), and the rows leaving are written back in the background.
         """
         self._core.check_open()
-        per_batch = [batches] if isinstance(batches, Mapping) else list(batches)
-        raw = [self._batch_keys(b) for b in per_batch]
+        raw = self._parse_batches(batches)
         ahead = self._pipe.take(raw)  # None unless this pass was announced and read ahead
         positions = None
         if ahead is not None:
@@ -154,13 +153,12 @@ class PassRunner:
         :meth:`begin_pass` (after that pass's write-back is queued, which keeps reads fresh).
         """
         self._core.check_open()
-        batches = self._as_batches(batches)
+        raw = self._parse_batches(batches)  # bad input is refused here, not at the next begin_pass
         if not self._core.pipeline:
             return
         if not self.in_pass:
-            self._announced = batches
+            self._announced = raw
             return
-        raw = [self._batch_keys(b) for b in batches]
         if any(self._core.tables[t].admission.filters for b in raw for t in b):
             return  # tables filtering admission are loaded at begin_pass, when admission is known
         group = None  # fits even counting repeats: one group, found on the worker
@@ -209,15 +207,26 @@ class PassRunner:
         for table in list(self._core.tables):
             self._core.ssd.compact(table, self._core.max_segments, lock=self._pipe.lock)
 
-    @staticmethod
-    def _as_batches(batches: Mapping[str, Any] | Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
-        return [batches] if isinstance(batches, Mapping) else list(batches)
-
-    def _batch_keys(self, batch: Mapping[str, Any]) -> dict[str, np.ndarray]:
-        out = {}
-        for table, ids in batch.items():
-            self._core.info(table)
-            out[table] = _ids.as_int64_array(ids, what=f"ids for table {table!r}")
+    def _parse_batches(self, batches: Any) -> list[dict[str, np.ndarray]]:
+        """``{table: ids}`` or a sequence of them -> one ``{table: (n,) int64}`` per mini-batch;
+        ``InvalidIdsError`` / ``ConfigError`` (unknown table) for anything else."""
+        per_batch = [batches] if isinstance(batches, Mapping) else batches
+        if isinstance(per_batch, (str, bytes)) or not isinstance(per_batch, Sequence):
+            per_batch = None
+        if per_batch is None or not all(isinstance(b, Mapping) for b in per_batch):
+            raise InvalidIdsError(
+                "batches: expected {table: ids} (the pass's ids) or a list of such, one per mini-batch. "
+                f"Got {type(batches).__name__}"
+                + (f" of {type(next(iter(batches))).__name__}" if per_batch else "")
+                + "."
+            )
+        out = []
+        for batch in per_batch:
+            keys = {}
+            for table, ids in batch.items():
+                self._core.info(table)
+                keys[table] = _ids.as_int64_array(ids, what=f"ids for table {table!r}")
+            out.append(keys)
         return out
 
     def _planned(

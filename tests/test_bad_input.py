@@ -1,0 +1,216 @@
+"""Every public entry point, tried with the kinds of values users get wrong.
+
+Each bad value raises an error of :mod:`hierps.errors` naming the problem, at the call that got
+it (not at some later valid call), and leaves the store as it was: its rows, its checkpoints, and
+every later checkpoint and reopening still work.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+import hierps
+from hierps import errors
+
+KEYS = np.arange(0, 40, dtype=np.int64)
+
+
+@pytest.fixture
+def trained(make_store):
+    store = make_store(memory_budget="1KiB", device_budget="64KiB")
+    bag = hierps.EmbeddingBag(None, 4, mode="sum", store=store, name="t")
+    for i in range(3):
+        bag(torch.arange(i, i + 30), torch.tensor([0, 10, 20])).sum().backward()
+        store.step()
+    store.checkpoint(tag="first")
+    return store, bag
+
+
+def _still_whole(store: hierps.Store, rows: np.ndarray) -> None:
+    """Rows as before; a checkpoint and a reopening after the refusal both work."""
+    np.testing.assert_array_equal(store.read_rows("t", KEYS), rows)
+    ckpt = store.checkpoint(tag="after")
+    path = store.path
+    store.close()
+    with hierps.Store(path, device="cpu") as again:
+        assert again.checkpoint_id == ckpt
+        np.testing.assert_array_equal(again.read_rows("t", KEYS), rows)
+
+
+# Each: (what, call(store, bag), error, message).
+CASES: list[tuple[str, Callable[[hierps.Store, Any], Any], type[Exception], str]] = [
+    ("int tag", lambda s, b: s.checkpoint(tag=1000), errors.ConfigError, "tag: expected a str"),
+    ("float tag", lambda s, b: s.checkpoint(tag=1.5), errors.ConfigError, "tag: expected a str"),
+    ("set extra", lambda s, b: s.checkpoint(extra={"a": {1, 2}}), errors.ConfigError, "JSON object"),
+    ("int-keyed extra", lambda s, b: s.checkpoint(extra={1: 2}), errors.ConfigError, "JSON object"),
+    ("nan extra", lambda s, b: s.checkpoint(extra={"x": float("nan")}), errors.ConfigError, "JSON"),
+    ("list extra", lambda s, b: s.checkpoint(extra=[1]), errors.ConfigError, "JSON object"),
+    ("restore(True)", lambda s, b: s.restore(True), errors.ConfigError, "checkpoint id"),
+    ("restore(1.0)", lambda s, b: s.restore(1.0), errors.ConfigError, "checkpoint id"),
+    ("restore(unknown)", lambda s, b: s.restore("nope"), errors.ConfigError, "no checkpoint 'nope'"),
+    ("NUL table", lambda s, b: s.table("a\0b", 4), errors.ConfigError, "NUL"),
+    ("long table", lambda s, b: s.table("é" * 128, 4), errors.ConfigError, "255 bytes"),
+    ("zarr.json table", lambda s, b: s.table("zarr.json", 4), errors.ConfigError, "zarr.json"),
+    ("manifest table", lambda s, b: s.table("Manifest.json", 4), errors.ConfigError, "manifest.json"),
+    ("surrogate table", lambda s, b: s.table("a\udc80", 4), errors.ConfigError, "UTF-8"),
+    ("int table", lambda s, b: s.table(3, 4), errors.ConfigError, "a str"),
+    ("huge dim", lambda s, b: s.table("big", 10**9), errors.ConfigError, "from 1 to 65536"),
+    ("bool dim", lambda s, b: s.table("big", True), errors.ConfigError, "dim"),
+    ("list of ints pass", lambda s, b: s.begin_pass([1, 2, 3]), errors.InvalidIdsError, "batches"),
+    ("int pass", lambda s, b: s.begin_pass(5), errors.InvalidIdsError, "batches"),
+    ("str pass", lambda s, b: s.begin_pass("t"), errors.InvalidIdsError, "batches"),
+    ("float prefetch", lambda s, b: s.prefetch({"t": np.array([1.5])}), errors.InvalidIdsError, "float"),
+    ("ragged ids", lambda s, b: s.lookup("t", [[1], [2, 3]]), errors.InvalidIdsError, "integer ids"),
+    ("unknown table pass", lambda s, b: s.begin_pass({"u": [1]}), errors.ConfigError, "unknown table"),
+    (
+        "sparse ids",
+        lambda s, b: b(torch.tensor([1, 2]).to_sparse(), torch.tensor([0])),
+        errors.InvalidIdsError,
+        "dense",
+    ),
+    (
+        "sparse lookup",
+        lambda s, b: s.lookup("t", torch.tensor([1, 2]).to_sparse()),
+        errors.InvalidIdsError,
+        "dense",
+    ),
+    (
+        "int weights",
+        lambda s, b: b(torch.tensor([1, 2]), torch.tensor([0]), per_sample_weights=torch.tensor([1, 2])),
+        errors.OffsetsError,
+        "float tensor",
+    ),
+    (
+        "complex weights",
+        lambda s, b: b(
+            torch.tensor([1, 2]), torch.tensor([0]), per_sample_weights=torch.ones(2, dtype=torch.complex64)
+        ),
+        errors.OffsetsError,
+        "float tensor",
+    ),
+    (
+        "str weights",
+        lambda s, b: b(torch.tensor([1, 2]), torch.tensor([0]), per_sample_weights="ab"),
+        errors.OffsetsError,
+        "dense float tensor",
+    ),
+    ("write_rows list", lambda s, b: s.write_rows("t", [1], [[0.0]]), errors.ConfigError, "rows of shape"),
+    ("write_rows str", lambda s, b: s.write_rows("t", [1], "rows"), errors.ConfigError, "real numbers"),
+    ("write str", lambda s, b: s.write("t", [1], [["a"] * 4]), errors.ConfigError, "real numbers"),
+    (
+        "write complex",
+        lambda s, b: s.write("t", [1], np.ones((1, 4), np.complex64)),
+        errors.ConfigError,
+        "real numbers",
+    ),
+]
+
+
+@pytest.mark.parametrize("what, call, error, message", CASES, ids=[c[0] for c in CASES])
+def test_bad_values_are_refused_where_given(trained, what, call, error, message):
+    store, bag = trained
+    rows = store.read_rows("t", KEYS).copy()
+    with pytest.raises(error, match=message):
+        call(store, bag)
+    _still_whole(store, rows)
+
+
+def test_float64_per_sample_weights_pool_like_float32(trained):
+    store, bag = trained
+    ids, offsets = torch.tensor([1, 2, 3]), torch.tensor([0, 2])
+    weights = torch.tensor([0.5, 2.0, 1.0])
+    with torch.no_grad():
+        want = bag(ids, offsets, per_sample_weights=weights)
+        got = bag(ids, offsets, per_sample_weights=weights.double())
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_int_tag_as_a_string_round_trips(trained):
+    store, _ = trained
+    ckpt = store.checkpoint(tag="1000")
+    assert store.restore("1000") == ckpt
+    assert store.list_checkpoints()[-1]["tag"] == "1000"
+
+
+@pytest.mark.parametrize(
+    "device, message",
+    [
+        ("tpu", "expected a device"),
+        ("", "expected a device"),
+        ("cpu:1", "no index"),
+        ("meta", "cpu or cuda"),
+        (3, "expected a device"),
+    ]
+    + ([("cuda", "no CUDA GPU")] if not torch.cuda.is_available() else [("cuda:99", "CUDA GPU")]),
+)
+def test_bad_devices(tmp_path, device, message):
+    with pytest.raises(errors.ConfigError, match=message):
+        hierps.Store(tmp_path / "s", device=device)
+    assert not (tmp_path / "s").exists()  # refused before anything is created
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"seed": "abc"}, "seed"),
+        ({"seed": 1.5}, "seed"),
+        ({"keep_checkpoints": True}, "keep_checkpoints"),
+        ({"keep_checkpoints": 0}, "keep_checkpoints"),
+        ({"max_segments": True}, "max_segments"),
+        ({"memory_budget": "lots"}, "memory_budget"),
+        ({"pipeline": 1}, "pipeline"),
+    ],
+)
+def test_bad_settings_of_every_kind(tmp_path, kwargs, message):
+    with pytest.raises(errors.ConfigError, match=message):
+        hierps.Store(tmp_path / "s", device="cpu", **kwargs)
+
+
+def _paths(tmp_path: Path) -> list[tuple[str, str]]:
+    (tmp_path / "file").write_text("x")
+    out = [
+        ("under a file", str(tmp_path / "file" / "store")),
+        ("with a NUL byte", str(tmp_path / "a\0b")),
+        ("too long", str(tmp_path / ("x" * 300))),
+    ]
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    ro.chmod(0o500)
+    if not os.access(ro, os.W_OK):  # root writes anywhere: the read-only case needs a normal user
+        out.append(("read-only", str(ro / "store")))
+    return out
+
+
+def test_store_paths_that_cannot_hold_a_store(tmp_path):
+    for what, path in _paths(tmp_path):
+        with pytest.raises(errors.ConfigError, match="store path") as info:
+            hierps.Store(path, device="cpu")
+        assert "cannot be" in str(info.value) or "not a valid path" in str(info.value), what
+
+
+def test_a_read_only_file_system_is_a_clear_error(tmp_path):
+    """A store on a read-only mount (bind-mounted read-only where permitted)."""
+    target = tmp_path / "ro"
+    target.mkdir()
+    if os.system(f"mount --bind -o ro {target} {target} 2>/dev/null") != 0:
+        pytest.skip("mount is not permitted here")
+    try:
+        with pytest.raises(errors.ConfigError, match="store path.*Read-only file system"):
+            hierps.Store(target / "store", device="cpu")
+    finally:
+        os.system(f"umount {target}")
+
+
+def test_checkpoint_reader_closes_its_files(trained):
+    store, _ = trained
+    with hierps.CheckpointReader(store.path) as reader:
+        found, _ = reader.read("t", KEYS)
+        assert found.sum() == 32 and len(reader.ssd._files) > 0
+    assert len(reader.ssd._files) == 0
