@@ -117,6 +117,10 @@ class ShardedStore:
     def path(self) -> Path:
         return self.root
 
+    @property
+    def keep_checkpoints(self) -> int:
+        return self.local.keep_checkpoints
+
     def table(
         self,
         name: str,
