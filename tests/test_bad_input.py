@@ -22,17 +22,6 @@ from hierps import errors
 KEYS = np.arange(0, 40, dtype=np.int64)
 
 
-@pytest.fixture
-def trained(make_store):
-    store = make_store(memory_budget="1KiB", device_budget="64KiB")
-    bag = hierps.EmbeddingBag(None, 4, mode="sum", store=store, name="t")
-    for i in range(3):
-        bag(torch.arange(i, i + 30), torch.tensor([0, 10, 20])).sum().backward()
-        store.step()
-    store.checkpoint(tag="first")
-    return store, bag
-
-
 def _still_whole(store: hierps.Store, rows: np.ndarray) -> None:
     """Rows as before; a checkpoint and a reopening after the refusal both work."""
     np.testing.assert_array_equal(store.read_rows("t", KEYS), rows)

@@ -16,18 +16,6 @@ from hierps import errors
 KEYS = np.arange(0, 40, dtype=np.int64)
 
 
-@pytest.fixture
-def trained(make_store):
-    store = make_store(memory_budget="1KiB", device_budget="64KiB")
-    bag = hierps.EmbeddingBag(None, 4, mode="sum", store=store, name="t")
-    for i in range(3):
-        ids = torch.arange(i, i + 30)
-        bag(ids, torch.tensor([0, 10, 20])).sum().backward()
-        store.step()
-    store.checkpoint()
-    return store, bag
-
-
 def _snapshot(store):
     return store.read_rows("t", KEYS).copy(), store.tables["t"].step, store.num_rows("t")
 
