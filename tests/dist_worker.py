@@ -4,6 +4,8 @@ usage: python dist_worker.py MODE STORE OUT [--transport torch|horovod] [--die-a
 MODE train: train STEPS global batches (this rank takes its slice of each), checkpoint "final",
             write OUT/result-<rank>.npz (rows of all keys, dense params, losses, owned full rows).
 MODE load:  restore checkpoint "final" (resharding if needed), write OUT/loaded-<rank>.npz.
+MODE reopen: open the store, nothing else (no write, no restore), write OUT/reopened-<rank>.npz
+            (rows of all keys, this rank's full rows, its checkpoints' ids and world sizes).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from hierps.integrations.transport import HorovodTransport, TorchDistributedTran
 
 VOCAB, DIM, GLOBAL_BATCH, BAG, STEPS, PASS = 300, 8, 16, 4, 16, 4
 ALL_KEYS = (np.arange(VOCAB, dtype=np.int64) - 100) * 1_000_003
+OPTIMIZER = {"type": "adagrad", "params": {"lr": 0.2}}
 
 
 def global_batches():
@@ -59,9 +62,7 @@ def setup(kind: str):
 def build(store):
     torch.manual_seed(0)
     ref = nn.EmbeddingBag(VOCAB, DIM, mode="sum", sparse=True)
-    bag = hierps.EmbeddingBag(
-        None, DIM, mode="sum", store=store, name="t", optimizer={"type": "adagrad", "params": {"lr": 0.2}}
-    )
+    bag = hierps.EmbeddingBag(None, DIM, mode="sum", store=store, name="t", optimizer=OPTIMIZER)
     store.write("t", ALL_KEYS, ref.weight.detach())
     head = nn.Sequential(nn.Linear(DIM, 8), nn.ReLU(), nn.Linear(8, 1))
     return bag, head
@@ -79,6 +80,18 @@ def main() -> None:
     rank, world = transport.rank, transport.world_size
     store = hierps.ShardedStore(args.store, transport, memory_budget="1KiB", device="cpu")
     out = Path(args.out)
+    if args.mode == "reopen":
+        hierps.EmbeddingBag(None, DIM, mode="sum", store=store, name="t", optimizer=OPTIMIZER)
+        owned = ALL_KEYS[hierps.sharding._sharded.owner_of(ALL_KEYS, world) == rank]
+        np.savez(
+            out / f"reopened-{rank}.npz",
+            rows=store.lookup("t", torch.from_numpy(ALL_KEYS)).numpy(),
+            keys=owned,
+            full=store.local.read_rows("t", owned),
+            worlds=np.array([c["world_size"] for c in store.list_checkpoints()]),
+        )
+        store.close()
+        return
     bag, head = build(store)
     if args.mode == "load":
         store.restore("final")

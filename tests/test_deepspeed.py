@@ -405,18 +405,31 @@ def test_two_ranks_train_like_one_torch_process(tmp_path, launch):
     for r in results:  # the same rows on both ranks (lookup asks their owners), equal to torch's
         np.testing.assert_allclose(r["rows"], ref.emb.weight.detach().numpy(), **TOL)
         np.testing.assert_allclose(r["dense"], dense, **TOL)
-    assert sorted(p.name for p in (tmp_path / "store").iterdir()) == ["rank-00000", "rank-00001"]
+    assert sorted(p.name for p in (tmp_path / "store").iterdir()) == ["commits", "rank-00000", "rank-00001"]
     assert (tmp_path / "ckpt" / "end" / "hierps-rank-00001.json").exists()
-    if launch == "torchrun":  # one rank holds only one shard of a tag two ranks saved
-        _, model = twins()
-        engine, _, _, _ = hds.initialize(
-            model=model, optimizer=torch.optim.Adam(model.parameters()), config=ds_config(tmp_path / "store")
-        )
-        try:
-            with pytest.raises(ConfigError, match="saved by 2 ranks"):
-                engine.load_checkpoint(tmp_path / "ckpt", tag="end")
-        finally:
-            engine.destroy()
+    if launch == "torchrun":
+        one_process_takes_over(tmp_path, results[0])
+
+
+def one_process_takes_over(tmp_path: Path, saved: dict[str, np.ndarray]) -> None:
+    """One process opens the store two ranks trained, and loads the tag they saved, exactly."""
+    _, model = twins(seed=9)  # other initial weights: the rows must all come from the store
+    engine, _, _, _ = hds.initialize(
+        model=model, optimizer=torch.optim.Adam(model.parameters()), config=ds_config(tmp_path / "store")
+    )
+    try:
+        assert isinstance(engine.hierps_store, hierps.Store)
+        # It opens at the latest checkpoint of both ranks, resharded into one store: every row.
+        np.testing.assert_array_equal(engine.module.emb.lookup(torch.arange(VOCAB)).numpy(), saved["rows"])
+        assert [c["world_size"] for c in engine.hierps_checkpoints.list_checkpoints()] == [2, 1]
+        train_engine(engine, zipf_batches(3, batch=BATCH, bag=BAG, vocab=VOCAB, seed=7))
+        engine.save_checkpoint(tmp_path / "ckpt", tag="one")
+        engine.load_checkpoint(tmp_path / "ckpt", tag="end", load_optimizer_states=False)
+        rows, dense = state(engine)
+        np.testing.assert_array_equal(rows.numpy(), saved["rows"])
+        np.testing.assert_array_equal(np.concatenate([p.reshape(-1).numpy() for p in dense]), saved["dense"])
+    finally:
+        engine.destroy()
 
 
 def _rank_worker(store: str, out: str, dense_allreduce: str, stage: str) -> None:

@@ -70,14 +70,21 @@ def _assert_same_training(a: dict, b: dict) -> None:
     np.testing.assert_allclose(b["dense"], a["dense"], rtol=1e-4, atol=1e-5)
 
 
-def test_two_ranks_torchrun_equal_one_rank(one_rank, tmp_path):
-    torchrun(2, "train", str(tmp_path / "store"), str(tmp_path))
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory) -> Path:
+    """A store two ranks trained (under torchrun) and checkpointed as "final"; copy it before changing it."""
+    root = tmp_path_factory.mktemp("two")
+    torchrun(2, "train", str(root / "store"), str(root))
+    return root
+
+
+def test_two_ranks_torchrun_equal_one_rank(one_rank, two_ranks):
     ref = _load(one_rank, "result-0.npz")
     for rank in (0, 1):
-        got = _load(tmp_path, f"result-{rank}.npz")
+        got = _load(two_ranks, f"result-{rank}.npz")
         _assert_same_training(ref, got)
         assert got["ssd_read"] > 0  # the RAM budget forced rows through the SSD tier
-    assert sorted(p.name for p in (tmp_path / "store").iterdir()) == ["rank-00000", "rank-00001"]
+    assert sorted(p.name for p in (two_ranks / "store").iterdir()) == ["commits", "rank-00000", "rank-00001"]
 
 
 def test_two_ranks_horovodrun_equal_one_rank(one_rank, tmp_path):
@@ -112,9 +119,9 @@ def _full_rows(out: Path, prefix: str, ranks: int, key_field: str, row_field: st
     return rows
 
 
-def test_checkpoint_of_two_ranks_loads_into_one_and_back(one_rank, tmp_path):
-    torchrun(2, "train", str(tmp_path / "store"), str(tmp_path))
-    written = _full_rows(tmp_path, "result", 2, "owned_keys", "owned_rows")
+def test_checkpoint_of_two_ranks_loads_into_one_and_back(one_rank, two_ranks, tmp_path):
+    shutil.copytree(two_ranks / "store", tmp_path / "store")
+    written = _full_rows(two_ranks, "result", 2, "owned_keys", "owned_rows")
     torchrun(1, "load", str(tmp_path / "store"), str(tmp_path))
     loaded = _full_rows(tmp_path, "loaded", 1, "keys", "rows")
     assert loaded.keys() == written.keys()
@@ -130,6 +137,24 @@ def test_checkpoint_of_two_ranks_loads_into_one_and_back(one_rank, tmp_path):
     for k, v in single.items():
         np.testing.assert_array_equal(split[k], v)
     assert _load(tmp_path, "loaded-1.npz")["step"] == 16
+
+
+def test_another_number_of_ranks_opens_every_trained_row(two_ranks, tmp_path):
+    """Opened by 3 ranks, then by 2 again, without restore(): the store reshards as it opens."""
+    store = tmp_path / "store"
+    shutil.copytree(two_ranks / "store", store)
+    trained = _load(two_ranks, "result-0.npz")["rows"]
+    written = _full_rows(two_ranks, "result", 2, "owned_keys", "owned_rows")
+    for world, worlds in ((3, [2, 3]), (2, [2, 3, 2])):
+        torchrun(world, "reopen", str(store), str(tmp_path))
+        for rank in range(world):
+            got = _load(tmp_path, f"reopened-{rank}.npz")
+            np.testing.assert_array_equal(got["rows"], trained)  # never an initializer row
+            np.testing.assert_array_equal(got["worlds"], worlds)
+        full = _full_rows(tmp_path, "reopened", world, "keys", "full")
+        assert full.keys() == written.keys()
+        for k, v in written.items():
+            np.testing.assert_array_equal(full[k], v)  # weights and adagrad state, exactly
 
 
 def test_killed_rank_makes_the_other_fail_fast(tmp_path):

@@ -542,6 +542,7 @@ def test_a_store_of_an_older_format_version_is_refused_with_the_migration_recipe
     assert re.search(rf"version {old}\b", message), message
     assert re.search(rf"version {FORMAT_VERSION}\b", message), message
     assert "write_rows" in message, message
+    assert ("rank-00000" in message) == (old == 3), message
     # Refused without touching it: the marker is as written, no lock is left held.
     with pytest.raises(hierps.StoreFormatError):
         hierps.Store(path, device="cpu")

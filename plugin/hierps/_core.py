@@ -169,11 +169,12 @@ class StoreCore:
             self.unlock()
             raise
 
-    def mark_checkpointed(self) -> None:
+    def mark_checkpointed(self, done: bool = True) -> None:
         """Record in the marker that a checkpoint was committed (once): from then on a store without
-        any checkpoint manifest is a damaged store, never an empty one."""
-        if not self.marker.checkpointed:
-            self.marker = StoreMarker(self.marker.uid, checkpointed=True)
+        any checkpoint manifest is a damaged store, never an empty one. ``done=False`` (before every
+        checkpoint is deliberately retired) makes it an empty store again."""
+        if self.marker.checkpointed != done:
+            self.marker = StoreMarker(self.marker.uid, checkpointed=done)
             write_marker(self.path / MARKER, self.marker)
 
     def _lock(self) -> None:

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any, cast
@@ -523,14 +523,32 @@ class Store:
             self.retire_checkpoints()
         return ckpt
 
-    def retire_checkpoints(self) -> None:
-        """Retire the checkpoints beyond the newest ``keep_checkpoints`` and collect their segments."""
+    def retire_checkpoints(self, keep: Collection[int] | None = None) -> None:
+        """Retire every checkpoint whose id is not in ``keep`` (default: the newest
+        ``keep_checkpoints``) and collect their segments. The current checkpoint is always kept."""
         self._core.check_open()
         self._pipe.drain()
-        for old in self._core.catalog.ids()[: -self._core.keep_checkpoints]:
-            self._core.catalog.delete(old)
-            fault_point("checkpoint.after_retire")
+        ids = self._core.catalog.ids()
+        kept = set(ids[-self._core.keep_checkpoints :] if keep is None else keep)
+        for old in ids:
+            if old not in kept and old != self._core.checkpoint_id:
+                self._core.catalog.delete(old)
+                fault_point("checkpoint.after_retire")
         self._core.ssd.collect_garbage(self._core.catalog.referenced_segments())
+
+    def rollback(self, ckpt: int | None) -> None:
+        """Retire every checkpoint newer than ``ckpt`` and return to ``ckpt`` (None: to an empty store,
+        whose tables keep their settings and have no rows). Used when a newer checkpoint must not
+        count, e.g. one rank's part of a sharded checkpoint that was never committed for all ranks."""
+        self._core.check_open()
+        if ckpt is not None and not self._core.catalog.exists(ckpt):
+            raise ConfigError(f"no checkpoint {ckpt!r} in {self.path}; it has {self.list_checkpoints()}.")
+        if ckpt is None:  # first, so that a crash below leaves a store that opens (at a newer one)
+            self._core.mark_checkpointed(False)
+        for newer in self._core.catalog.ids():
+            if ckpt is None or newer > ckpt:
+                self._core.catalog.delete(newer)
+        self._reload(ckpt)
 
     def restore(self, ref: int | str | None = None) -> int:
         """Return every table to a checkpoint (id, tag, or the latest), discarding newer changes."""
@@ -542,6 +560,11 @@ class Store:
         ckpt = self._core.catalog.latest() if ref is None else self._core.catalog.find(ref)
         if ckpt is None:
             raise ConfigError(f"no checkpoint {ref!r} in {self.path}; it has {self.list_checkpoints()}.")
+        self._reload(ckpt)
+        return ckpt
+
+    def _reload(self, ckpt: int | None) -> None:
+        """Drop every row held in the device and RAM tiers and load checkpoint ``ckpt`` (None: none)."""
         self._pipe.drain()
         self._passes.forget_announced()
         self._trainer.drop()
@@ -549,15 +572,29 @@ class Store:
         self._core.memory.clear()
         self._load_checkpoint(ckpt)
         self._core.ssd.collect_garbage(self._core.catalog.referenced_segments())  # the newer rows' segments
-        return ckpt
 
-    def _load_checkpoint(self, ckpt: int) -> None:
-        manifest = self._core.catalog.manifest(ckpt)
-        if manifest.get("format_version") != FORMAT_VERSION:
-            raise StoreFormatError(
-                f"{self.path}: checkpoint {ckpt} has format version {manifest.get('format_version')!r}; "
-                f"this hierps reads {FORMAT_VERSION}."
-            )
+    def _load_checkpoint(self, ckpt: int | None) -> None:
+        """Load checkpoint ``ckpt``; None: no checkpoint, every table empty as in a new store."""
+        manifest: dict[str, Any] = {"tables": {}, "seed": self._core.seed, "next_segment": 1}
+        if ckpt is not None:
+            manifest = self._core.catalog.manifest(ckpt)
+            if manifest.get("format_version") != FORMAT_VERSION:
+                raise StoreFormatError(
+                    f"{self.path}: checkpoint {ckpt} has format version {manifest.get('format_version')!r}; "
+                    f"this hierps reads {FORMAT_VERSION}."
+                )
+            self._load_tables(ckpt, manifest)
+        for name in set(self._core.tables) - set(manifest["tables"]):  # created after that checkpoint
+            self._core.tables[name].step = 0
+            self._core.pending_keys[name] = PendingKeys(self._core.tables[name].admission.max_pending)
+            self._core.ssd.load_segments(name, self._core.tables[name].width, {})
+        self._core.seed = int(manifest["seed"])
+        self._core.passes = int(manifest.get("passes", 0))
+        self._core.memory.tick = self._core.passes
+        self._core.ssd.next_segment = max(self._core.ssd.next_segment, int(manifest["next_segment"]))
+        self._core.checkpoint_id = ckpt
+
+    def _load_tables(self, ckpt: int, manifest: dict[str, Any]) -> None:
         for name, meta in manifest["tables"].items():
             info = TableInfo(
                 name,
@@ -580,15 +617,6 @@ class Store:
             )
             self._core.register(info, pending)
             self._core.ssd.load_segments(name, info.width, self._core.catalog.segments(ckpt, name))
-        for name in set(self._core.tables) - set(manifest["tables"]):  # created after that checkpoint
-            self._core.tables[name].step = 0
-            self._core.pending_keys[name] = PendingKeys(self._core.tables[name].admission.max_pending)
-            self._core.ssd.load_segments(name, self._core.tables[name].width, {})
-        self._core.seed = int(manifest["seed"])
-        self._core.passes = int(manifest.get("passes", 0))
-        self._core.memory.tick = self._core.passes
-        self._core.ssd.next_segment = max(self._core.ssd.next_segment, int(manifest["next_segment"]))
-        self._core.checkpoint_id = ckpt
 
     def list_checkpoints(self) -> list[dict[str, Any]]:
         """``[{"id", "tag", "created"}, ...]`` of the restorable checkpoints, oldest first."""

@@ -75,9 +75,9 @@ from hierps.integrations.loader import PassLoader
 from hierps.integrations.transport import HorovodTransport, TorchDistributedTransport
 from hierps.modules import Embedding, EmbeddingBag
 from hierps.rows._ids import same_device
-from hierps.sharding._sharded import ShardedStore, rank_dir
+from hierps.sharding._commits import ALONE, ShardCheckpoints, rank_dir
+from hierps.sharding._sharded import ShardedStore, owner_of
 from hierps.storage._files import read_json_checked, write_json_atomic
-from hierps.tiers._reader import CheckpointReader
 
 __all__ = ["HierarchicalPSConfig", "HierpsEngine", "PassLoader", "initialize", "swap_embeddings"]
 
@@ -179,7 +179,7 @@ def _initialize_with_store(
         distributed_port=kwargs["distributed_port"],
         dist_init_required=kwargs["dist_init_required"],
     )
-    store, transport = _open_store(section, dense_allreduce, _training_device(kwargs["args"]))
+    store, transport, checkpoints = _open_store(section, dense_allreduce, _training_device(kwargs["args"]))
     swaps: list[tuple[nn.Module, str, nn.Module]] = []
     try:
         twins = swap_embeddings(model, chosen, store, optimizer=section.optimizer, undo=swaps)
@@ -188,6 +188,7 @@ def _initialize_with_store(
         _drop_from_optimizer(kwargs["optimizer"], dropped)
         engine, optimizer, loader, scheduler = deepspeed.initialize(**kwargs)
         _attach(engine, store, section, twins, transport, dense_allreduce)
+        engine.hierps_checkpoints = checkpoints
     except BaseException:
         for parent, attr, original in reversed(swaps):
             setattr(parent, attr, original)
@@ -198,22 +199,32 @@ def _initialize_with_store(
 
 def _open_store(
     section: HierarchicalPSConfig, dense_allreduce: DenseAllreduce, device: torch.device
-) -> tuple[Store | ShardedStore, Any]:
+) -> tuple[Store | ShardedStore, Any, ShardCheckpoints]:
     """One rank: a :class:`Store` in ``<path>/rank-00000``. Several: a :class:`ShardedStore` over them.
 
-    The sharded store's collectives go over Horovod when it all-reduces the dense gradients, else
-    over torch.distributed (DeepSpeed's process group). Returns ``(store, transport or None)``.
+    Either way the store opens at the latest checkpoint of the directory, whatever number of ranks
+    wrote it (resharded into this one when need be). The sharded store's collectives go over
+    Horovod when it all-reduces the dense gradients, else over torch.distributed (DeepSpeed's
+    process group). Returns ``(store, transport or None, its checkpoints)``.
     """
     options = {name: getattr(section, name) for name in STORE_SETTINGS}
     options["device"] = device
     path = Path(section.path or "")
     if not (torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1):
-        return Store(rank_dir(path, 0), **options), None
+        store = Store(rank_dir(path, 0), **options)
+        checkpoints = ShardCheckpoints(path, store, ALONE, owner_of)
+        try:
+            checkpoints.recover()
+        except BaseException:
+            store.close()
+            raise
+        return store, None, checkpoints
     if dense_allreduce is DenseAllreduce.HOROVOD:
         transport: Any = HorovodTransport()
     else:
         transport = TorchDistributedTransport()
-    return ShardedStore(path, transport, **options), transport
+    sharded = ShardedStore(path, transport, **options)
+    return sharded, transport, sharded.checkpoints
 
 
 def swap_embeddings(
@@ -366,6 +377,7 @@ class HierpsEngine:
     """
 
     hierps_store: Store | ShardedStore
+    hierps_checkpoints: ShardCheckpoints
     hierps_config: HierarchicalPSConfig
     hierps_modules: dict[str, nn.Module]
     hierps_dense_allreduce: DenseAllreduce
@@ -413,7 +425,7 @@ class HierpsEngine:
         point leaves every earlier tag loadable.
         """
         tag = str(tag) if tag is not None else f"global_step{self.global_steps}"
-        ckpt = self.hierps_store.checkpoint(tag=tag)
+        ckpt = self.hierps_checkpoints.checkpoint(tag)
         record = _record_path(save_dir, tag, self.global_rank)
         record.parent.mkdir(parents=True, exist_ok=True)
         body = {
@@ -422,7 +434,7 @@ class HierpsEngine:
             "rank": self.global_rank,
             "world_size": self.world_size,
             "checkpoint": ckpt,
-            "store": str(self.hierps_store.path.resolve()),
+            "store": str(self.hierps_checkpoints.root.resolve()),
             "tables": sorted(self.hierps_modules),
             "global_steps": int(self.global_steps),
         }
@@ -464,7 +476,9 @@ class HierpsEngine:
             custom_load_fn=custom_load_fn,
         )
         if out[0] is not None and ref is not None:
-            self.hierps_store.restore(ref)
+            self.hierps_checkpoints.restore(ref)
+            if isinstance(self.hierps_store, ShardedStore):
+                self.hierps_store.zero_grad()
         return out
 
     def destroy(self) -> None:
@@ -472,8 +486,8 @@ class HierpsEngine:
         super().destroy()  # type: ignore[misc]
         self.hierps_store.close()
 
-    def _hierps_checkpoint_of(self, load_dir: str, tag: str) -> int | str:
-        """What to restore for ``tag``: a checkpoint id of this store, or the tag for a sharded one."""
+    def _hierps_checkpoint_of(self, load_dir: str, tag: str) -> int:
+        """The store checkpoint saved with ``tag``, at whatever world size it was saved."""
         path = _record_path(load_dir, tag, 0)
         if not path.exists():
             raise ConfigError(
@@ -481,29 +495,16 @@ class HierpsEngine:
                 f"{SECTION} section, or its save did not finish. Load a tag saved by a hierps engine."
             )
         record = read_json_checked(path)
-        store = self.hierps_store
-        keep = store.keep_checkpoints
-        retired = (
-            f"load_checkpoint: tag {tag!r} has no checkpoint in the store {store.path} (it was retired past "
-            f"keep_checkpoints={keep}, or the store is another one than {record['store']}). Raise "
-            "keep_checkpoints to keep more tags loadable, or point path at the store this tag was saved with."
-        )
-        if isinstance(store, ShardedStore):  # restored by tag, resharded if need be
-            try:
-                CheckpointReader(rank_dir(store.root, 0), tag)
-            except ConfigError:
-                raise ConfigError(retired) from None
-            return tag
-        if int(record.get("world_size", 1)) != 1:
+        saved = record.get("checkpoint")
+        snap = self.hierps_checkpoints.find(saved) if isinstance(saved, int) else None
+        if snap is None or snap.tag != tag:
             raise ConfigError(
-                f"load_checkpoint: tag {tag!r} was saved by {record['world_size']} ranks; this run has one. "
-                "Load it with 2 or more ranks (the sharded store reshards it), or with as many as saved it."
+                f"load_checkpoint: tag {tag!r} has no checkpoint in the store {self.hierps_checkpoints.root} "
+                f"(it was retired past keep_checkpoints={self.hierps_store.keep_checkpoints}, or the store "
+                f"is another one than {record.get('store')}). Raise keep_checkpoints to keep more tags "
+                "loadable, or point path at the store this tag was saved with."
             )
-        ckpt = int(record["checkpoint"])
-        kept = {c["id"]: c["tag"] for c in store.list_checkpoints()}
-        if kept.get(ckpt) != tag:
-            raise ConfigError(retired)
-        return ckpt
+        return snap.id
 
 
 def _record_path(directory: str | os.PathLike[str], tag: str, rank: int) -> Path:

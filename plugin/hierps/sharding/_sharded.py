@@ -32,8 +32,8 @@ from hierps.rows import _ids
 from hierps.rows._counters import COUNTERS
 from hierps.rows._initializers import splitmix64
 from hierps.rows._table import TableInfo
+from hierps.sharding._commits import ShardCheckpoints, rank_dir
 from hierps.storage._export_format import MANIFEST as EXPORT_MANIFEST
-from hierps.tiers._reader import CheckpointReader
 from hierps.training._trainer import summed_grads
 
 __all__ = ["ShardedStore", "Transport", "owner_of", "rank_dir"]
@@ -66,10 +66,6 @@ def owner_of(keys: np.ndarray, world_size: int) -> np.ndarray:
         return (splitmix64(keys.astype(np.int64).view(np.uint64)) % np.uint64(world_size)).astype(np.int64)
 
 
-def rank_dir(path: Path, rank: int) -> Path:
-    return Path(path) / f"rank-{rank:05d}"
-
-
 @dataclass
 class _Route:
     """Where a rank's keys went: the permutation that grouped them by owner, and the counts."""
@@ -91,6 +87,9 @@ class ShardedStore:
 
     Offers what the modules use (``table``, ``gather``, ``step``, ``lookup``, ``write``, passes,
     checkpoints) so ``hierps.EmbeddingBag(..., store=sharded)`` works unchanged.
+
+    Opening is collective: every rank opens at the latest checkpoint committed for all ranks; one
+    written by another number of ranks is resharded into this world size as it opens.
     """
 
     def __init__(self, path: str | os.PathLike[str], transport: Transport, **store_kwargs: Any) -> None:
@@ -99,6 +98,12 @@ class ShardedStore:
         self.rank, self.world_size = transport.rank, transport.world_size
         self.local = Store(rank_dir(self.root, self.rank), **store_kwargs)
         self.device = self.local.device
+        self.checkpoints = ShardCheckpoints(self.root, self.local, transport, owner_of)
+        try:
+            self.checkpoints.recover()  # every rank at the latest checkpoint, resharded if need be
+        except BaseException:
+            self.local.close()
+            raise
         self._pending: list[_ShardPending] = []
         # Bytes this rank sent to other ranks by all-to-all (keys, rows, gradients).
         self.bytes_sent = 0
@@ -405,58 +410,25 @@ class ShardedStore:
 
     # -- checkpoints ---------------------------------------------------------------------------
     def checkpoint(self, tag: str | None = None) -> int:
-        """Checkpoint every rank's shard under one tag (collective); complete once all ranks return."""
-        ckpt = self.local.checkpoint(tag, extra={"world_size": self.world_size, "rank": self.rank})
-        self.transport.barrier()
-        return ckpt
+        """Checkpoint every rank's shard as one checkpoint (collective); returns its id, the same on
+        every rank. Committed once for all ranks, after every shard is durable (see
+        :mod:`hierps.sharding._commits`); every rank returns once it is committed."""
+        return self.checkpoints.checkpoint(tag)
 
     def restore(self, ref: int | str | None = None) -> int:
-        """Every rank returns to checkpoint ``ref`` (a tag, to be the same on all ranks; or the latest).
+        """Every rank returns to checkpoint ``ref`` (an id or tag, the same on all ranks; or the latest).
 
         A checkpoint written by another number of ranks is resharded: each rank reads the rows it
-        now owns from every old shard, with their optimizer state.
+        now owns from every old shard, with their optimizer state, and the ranks commit that as a
+        new checkpoint with the same tag (whose id is returned).
         """
-        old_world = self._world_of(ref)
-        if old_world == self.world_size:
-            ckpt = self.local.restore(ref)
-            self._pending = []
-            return ckpt
-        readers = [CheckpointReader(rank_dir(self.root, q), ref) for q in range(old_world)]
-        for name in sorted({name for r in readers for name in r.tables}):
-            tm = next(r.tables[name] for r in readers if name in r.tables)
-            info = self.local.table(
-                name, int(tm["dim"]), optimizer=tm["optimizer"], initializer=tm["initializer"]
-            )
-            self.local.reset_table(name)
-            # The checkpoint read stays on disk while this rank rewrites its shard: a kept checkpoint's
-            # segments are not deleted, and no rank checkpoints before all have read (barrier below).
-            for reader in readers:
-                if name in reader.tables:
-                    for keys, rows in reader.iter_rows(name):
-                        mine = owner_of(keys, self.world_size) == self.rank
-                        self.local.write_rows(name, keys[mine], rows[mine])
-            info.step = int(tm["step"])
-        self.transport.barrier()  # every rank has read the old shards before any retires them
-        ckpt = self.local.checkpoint(
-            ref if isinstance(ref, str) else None,
-            extra={"world_size": self.world_size, "rank": self.rank, "resharded_from": old_world},
-        )
-        self.transport.barrier()
+        ckpt = self.checkpoints.restore(ref)
         self._pending = []
         return ckpt
 
-    def _world_of(self, ref: int | str | None) -> int:
-        """World size that wrote checkpoint ``ref``, read from rank 0's shard."""
-        if not (rank_dir(self.root, 0) / "hierps.json").exists():
-            raise ConfigError(f"{self.root}: no shard rank-00000 to restore from.")
-        try:
-            reader = CheckpointReader(rank_dir(self.root, 0), ref)
-        except ConfigError:
-            raise ConfigError(f"{self.root}: no checkpoint {ref!r} in shard rank-00000.") from None
-        return int(reader.manifest.get("extra", {}).get("world_size", 1))
-
     def list_checkpoints(self) -> list[dict[str, Any]]:
-        return self.local.list_checkpoints()
+        """``[{"id", "tag", "created", "world_size"}, ...]`` of the restorable checkpoints, oldest first."""
+        return self.checkpoints.list_checkpoints()
 
     def close(self) -> None:
         self.local.close()

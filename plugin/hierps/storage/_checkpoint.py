@@ -48,7 +48,8 @@ __all__ = [
 # 3: segments are sorted runs with their own fences and filter; checkpoints name segments, no key index.
 # 4: each chunk's checksum is bound to what the chunk is (store, array, position); the marker holds the
 #    store's id and whether a checkpoint was ever committed; manifests hold keep_checkpoints and
-#    every table's count of keys pending admission.
+#    every table's count of keys pending admission; a checkpoint of several ranks counts once a
+#    commit record names every rank's part.
 FORMAT_VERSION = 4
 MARKER = "hierps.json"
 MAX_DIM = 65536  # floats per row: a row must fit a segment chunk of a few pages
@@ -130,7 +131,14 @@ _MOVE_ROWS = (
 )
 _MIGRATE: dict[object, str] = {
     2: "Version 2 (hierps 0.1) kept a whole key index in RAM and in every checkpoint. " + _MOVE_ROWS,
-    3: "Version 3 checksummed chunks without binding them to their place in the store. " + _MOVE_ROWS,
+    3: (
+        "Version 3 checksummed chunks without binding them to their place in the store, and committed "
+        "the checkpoint of each rank of a sharded store on its own. "
+        + _MOVE_ROWS
+        + " For a directory of rank-NNNNN stores, read every rank's rows (at the same checkpoint tag) "
+        "into one new store at <new directory>/rank-00000: a ShardedStore of any number of ranks "
+        "opened on <new directory> reshards it."
+    ),
 }
 
 

@@ -1,0 +1,359 @@
+"""Checkpoints of a sharded store that every rank agrees on.
+
+Each rank checkpoints its own store, ``<root>/rank-NNNNN``: that checkpoint is the rank's *part*.
+A checkpoint of W > 1 ranks is committed once for all of them, after every part is durable, by a
+commit record that rank 0 writes (atomically, like a manifest) and that names every part::
+
+    <root>/commits/00000012.json   {"format": "hierps-sharded-checkpoint", "id": 12, "world_size": 2,
+                                    "parts": [12, 9], "tag": "final", "created": ...}
+
+A checkpoint of one process (world size 1) is rank 0's own checkpoint, committed by its manifest;
+it needs no record. So the checkpoints of a root are its commit records and rank 0's checkpoints
+written at world size 1. Rank 0 takes part in each of them, so its checkpoint id orders them and
+is their id: :class:`Snapshot`. A part newer than the latest snapshot was never committed for all
+ranks (a rank died inside the checkpoint) and does not count.
+
+Opening a root with any number of ranks returns every rank to the latest snapshot
+(:meth:`ShardCheckpoints.recover`): at the world size that wrote it, each rank rolls its store
+back to its part (removing a part that was never committed); at another world size the snapshot
+is resharded (each rank reads the rows it now owns from every old part, with their optimizer
+state) and committed as a checkpoint of the new ranks. No rank ever reads another snapshot's
+rows, nor a part of a checkpoint that did not commit.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+
+from hierps._faults import fault_point
+from hierps._store import Store
+from hierps.errors import CheckpointRetiredError, ConfigError, CorruptStoreError, StoreFormatError
+from hierps.storage._checkpoint import FORMAT_VERSION, CheckpointCatalog
+from hierps.storage._files import read_json_checked, write_json_atomic
+from hierps.tiers._reader import CheckpointReader
+
+__all__ = ["ALONE", "Collectives", "ShardCheckpoints", "Snapshot", "rank_dir", "snapshots"]
+
+RECORD_FORMAT = "hierps-sharded-checkpoint"
+
+
+def rank_dir(path: Path, rank: int) -> Path:
+    return Path(path) / f"rank-{rank:05d}"
+
+
+class Collectives(Protocol):
+    """What the checkpoints of a sharded store need of a transport (every transport has it)."""
+
+    rank: int
+    world_size: int
+
+    def all_reduce_sum(self, t: torch.Tensor) -> torch.Tensor: ...
+
+    def barrier(self) -> None: ...
+
+
+class _Alone:
+    """The collectives of a process that is the only rank."""
+
+    rank = 0
+    world_size = 1
+
+    def all_reduce_sum(self, t: torch.Tensor) -> torch.Tensor:
+        return t.clone()
+
+    def barrier(self) -> None:
+        return None
+
+
+ALONE: Collectives = _Alone()
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """One checkpoint of a sharded root: which checkpoint of each rank's store holds its rows."""
+
+    id: int  # rank 0's checkpoint id (rank 0 takes part in every snapshot)
+    world_size: int
+    parts: tuple[int, ...]  # the checkpoint id of each rank's store, rank 0 first
+    tag: str | None
+    created: float
+
+    def describe(self) -> dict[str, Any]:
+        return {"id": self.id, "tag": self.tag, "created": self.created, "world_size": self.world_size}
+
+
+def _records_dir(root: Path) -> Path:
+    return Path(root) / "commits"
+
+
+def _record_path(root: Path, snapshot_id: int) -> Path:
+    return _records_dir(root) / f"{snapshot_id:08d}.json"
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _read_record(path: Path) -> Snapshot:
+    """A commit record, checked field by field: ``CorruptStoreError`` / ``StoreFormatError`` naming it."""
+    body = read_json_checked(path)
+    if body.get("format") != RECORD_FORMAT:
+        raise StoreFormatError(f"{path}: is not a commit record of hierps (format={body.get('format')!r}).")
+    if body.get("format_version") != FORMAT_VERSION:
+        raise StoreFormatError(
+            f"{path}: written by store format version {body.get('format_version')!r}; this hierps reads "
+            f"version {FORMAT_VERSION}. Open the store with a matching hierps release."
+        )
+
+    def bad(field: str, expected: str) -> CorruptStoreError:
+        return CorruptStoreError(
+            f"{path}: field {field}: expected {expected}. Got {body.get(field)!r} instead. "
+            "The record is damaged or was not written by hierps."
+        )
+
+    world, parts, tag, created = (
+        body.get("world_size"),
+        body.get("parts"),
+        body.get("tag"),
+        body.get("created"),
+    )
+    if not isinstance(world, int) or isinstance(world, bool) or world < 2:
+        raise bad("world_size", "an int >= 2")
+    if not isinstance(parts, list) or len(parts) != world or not all(_is_int(p) and p >= 1 for p in parts):
+        raise bad("parts", f"{world} checkpoint ids >= 1, one per rank")
+    if body.get("id") != parts[0] or path.stem != f"{parts[0]:08d}":
+        raise bad("id", f"rank 0's part {parts[0]}, as in the file name")
+    if tag is not None and not isinstance(tag, str):
+        raise bad("tag", "a string or null")
+    if not isinstance(created, (int, float)) or isinstance(created, bool):
+        raise bad("created", "a time in seconds")
+    return Snapshot(parts[0], world, tuple(parts), tag, float(created))
+
+
+def snapshots(root: str | Path) -> list[Snapshot]:
+    """The checkpoints of a sharded root, oldest first: its commit records, and rank 0's
+    checkpoints written by one process alone."""
+    root = Path(root)
+    found: dict[int, Snapshot] = {}
+    records = _records_dir(root)
+    if records.is_dir():
+        for path in records.glob("*.json"):
+            try:
+                snap = _read_record(path)
+            except CorruptStoreError:
+                if path.exists():
+                    raise
+                continue  # retired meanwhile by rank 0
+            found[snap.id] = snap
+    ckpts = rank_dir(root, 0) / "checkpoints"
+    if ckpts.is_dir():
+        catalog = CheckpointCatalog(ckpts)
+        for ckpt in catalog.ids():
+            if ckpt in found:
+                continue
+            try:
+                manifest = catalog.manifest(ckpt)
+            except CorruptStoreError:
+                if catalog.exists(ckpt):
+                    raise
+                continue
+            extra = manifest.get("extra") or {}
+            if int(extra.get("world_size", 1)) == 1:
+                tag = manifest.get("tag")
+                found[ckpt] = Snapshot(ckpt, 1, (ckpt,), tag, float(manifest.get("created", 0)))
+    return [found[i] for i in sorted(found)]
+
+
+def find_snapshot(root: str | Path, ref: int | str | None) -> Snapshot | None:
+    """A snapshot by id (int), by tag (str: the newest carrying it), or the latest (None)."""
+    known = snapshots(root)
+    if ref is None:
+        return known[-1] if known else None
+    if isinstance(ref, str):
+        return next((s for s in reversed(known) if s.tag == ref), None)
+    return next((s for s in known if s.id == ref), None)
+
+
+class ShardCheckpoints:
+    """The checkpoints of one rank of a sharded root: its store's part of each, and their commits.
+
+    ``local`` is this rank's store (``<root>/rank-NNNNN``); ``collectives`` joins the ranks
+    (:data:`ALONE` for a process that is the only rank). ``reshard(local, readers)`` fills the
+    local store with the rows it owns from the old parts when the world size changed.
+    Every method is collective: all ranks call it, in the same order.
+    """
+
+    def __init__(
+        self,
+        root: str | Path,
+        local: Store,
+        collectives: Collectives,
+        owner_of: Callable[[np.ndarray, int], np.ndarray],
+    ) -> None:
+        self.root = Path(root)
+        self.local = local
+        self.collectives = collectives
+        self.rank, self.world_size = collectives.rank, collectives.world_size
+        self._owner_of = owner_of
+
+    # -- what is there -------------------------------------------------------------------------
+    def list_checkpoints(self) -> list[dict[str, Any]]:
+        """``[{"id", "tag", "created", "world_size"}, ...]`` of the restorable checkpoints, oldest first."""
+        return [s.describe() for s in snapshots(self.root)]
+
+    def find(self, ref: int | str | None) -> Snapshot | None:
+        return find_snapshot(self.root, ref)
+
+    # -- opening ---------------------------------------------------------------------------------
+    def recover(self) -> None:
+        """Return this rank to the latest snapshot, resharding it if it has another world size (collective)."""
+        if self.rank == 0:
+            self._remove_stale_temp_files()
+        latest = self.find(None)
+        self._agree(latest.id if latest is not None else 0, "the latest checkpoint")
+        if latest is None:
+            if self.local.list_checkpoints():  # parts of a checkpoint that never committed
+                self.local.rollback(None)
+        elif latest.world_size == self.world_size:
+            self._back_to_part(latest, rollback=True)
+        else:
+            self._reshard(latest)
+        self.collectives.barrier()  # no rank checkpoints before every rank has recovered
+
+    # -- checkpoints -----------------------------------------------------------------------------
+    def checkpoint(self, tag: str | None = None, extra: dict[str, Any] | None = None) -> int:
+        """Checkpoint every rank's store and commit them as one checkpoint; returns its id (collective).
+
+        Committed when rank 0's commit record is written, after every part is durable; every rank
+        returns only then. A crash before leaves the previous checkpoint as the latest on every rank.
+        """
+        body = {**(extra or {}), "world_size": self.world_size, "rank": self.rank}
+        part = self.local.checkpoint(tag, extra=body, retire=False)
+        if self.world_size > 1:
+            fault_point("sharded.part_written")
+            parts = self._agree_parts(part)
+            if self.rank == 0:
+                fault_point("sharded.before_commit")
+                self._write_record(parts, tag)
+            self.collectives.barrier()  # every rank returns once the checkpoint is committed
+            fault_point("sharded.committed")
+            part = parts[0]
+        self._retire()
+        return part
+
+    def restore(self, ref: int | str | None = None) -> int:
+        """Every rank back to checkpoint ``ref`` (an id, a tag, or the latest); returns the id of the
+        checkpoint the ranks are now at (a new one when it was resharded). Collective."""
+        snap = self.find(ref)
+        self._agree(snap.id if snap is not None else 0, f"checkpoint {ref!r}")
+        if snap is None:
+            raise ConfigError(
+                f"{self.root}: no checkpoint {ref!r}; it has {[(s['id'], s['tag']) for s in self.list_checkpoints()]}."
+            )
+        if snap.world_size == self.world_size:
+            self._back_to_part(snap, rollback=False)
+            return snap.id
+        return self._reshard(snap)
+
+    # -- parts -------------------------------------------------------------------------------------
+    def _back_to_part(self, snap: Snapshot, rollback: bool) -> None:
+        part = snap.parts[self.rank]
+        if not self.local.catalog.exists(part):
+            raise CheckpointRetiredError(
+                f"{rank_dir(self.root, self.rank)}: checkpoint {part}, this rank's part of checkpoint "
+                f"{snap.id} ({snap.tag!r}, {snap.world_size} ranks), is missing: retired, or the rank "
+                "directory was replaced. Restore another checkpoint, or restore the directory from a backup."
+            )
+        if rollback:  # parts newer than the latest commit never committed: they go
+            if self.local.checkpoint_id != part or self.local.catalog.latest() != part:
+                self.local.rollback(part)
+        else:
+            self.local.restore(part)
+
+    def _reshard(self, snap: Snapshot) -> int:
+        """Fill this rank's store with the rows it owns in ``snap`` (written by another number of
+        ranks), then commit that as a checkpoint of this world size, with the snapshot's tag."""
+        readers = [CheckpointReader(rank_dir(self.root, q), snap.parts[q]) for q in range(snap.world_size)]
+        names = sorted({name for r in readers for name in r.tables})
+        for name in set(self.local.tables) - set(names):  # a table the snapshot does not have
+            self.local.reset_table(name)
+        for name in names:
+            tm = next(r.tables[name] for r in readers if name in r.tables)
+            info = self.local.table(
+                name,
+                int(tm["dim"]),
+                optimizer=tm["optimizer"],
+                initializer=tm["initializer"],
+                admission=tm.get("admission"),
+                eviction=tm.get("eviction"),
+            )
+            self.local.reset_table(name)
+            # The parts read stay on disk while this rank rewrites its store: no part is retired
+            # before every rank has checkpointed (and so has read them).
+            for reader in readers:
+                if name in reader.tables:
+                    for keys, rows in reader.iter_rows(name):
+                        mine = self._owner_of(keys, self.world_size) == self.rank
+                        self.local.write_rows(name, keys[mine], rows[mine])
+            info.step = int(tm["step"])
+        return self.checkpoint(snap.tag, extra={"resharded_from": snap.world_size})
+
+    def _retire(self) -> None:
+        """Keep the ``keep_checkpoints`` latest snapshots: rank 0 retires older commit records first,
+        then every rank the parts no kept snapshot names."""
+        kept = snapshots(self.root)[-self.local.keep_checkpoints :]
+        if self.rank == 0 and _records_dir(self.root).is_dir():
+            kept_ids = {s.id for s in kept}
+            for path in sorted(_records_dir(self.root).glob("*.json")):
+                if path.stem.isdigit() and int(path.stem) not in kept_ids:
+                    path.unlink(missing_ok=True)
+                    fault_point("sharded.commit_retired")
+        self.collectives.barrier()  # no part is retired while a record naming it remains
+        self.local.retire_checkpoints({s.parts[self.rank] for s in kept if self.rank < s.world_size})
+        self.collectives.barrier()  # every rank sees the same checkpoints from here on
+
+    def _write_record(self, parts: list[int], tag: str | None) -> None:
+        records = _records_dir(self.root)
+        records.mkdir(parents=True, exist_ok=True)
+        body = {
+            "format": RECORD_FORMAT,
+            "format_version": FORMAT_VERSION,
+            "id": parts[0],
+            "world_size": self.world_size,
+            "parts": parts,
+            "tag": tag,
+            "created": time.time(),
+        }
+        write_json_atomic(_record_path(self.root, parts[0]), body)
+
+    def _remove_stale_temp_files(self) -> None:
+        records = _records_dir(self.root)
+        if records.is_dir():
+            for p in records.iterdir():
+                if p.name.startswith(".") and ".tmp-" in p.name:
+                    p.unlink(missing_ok=True)
+
+    # -- agreement -----------------------------------------------------------------------------
+    def _agree_parts(self, value: int) -> list[int]:
+        """Every rank's ``value``, rank 0's first (an all-reduce: also a barrier)."""
+        mine = torch.zeros(self.world_size, dtype=torch.int64)
+        mine[self.rank] = value
+        return [int(v) for v in self.collectives.all_reduce_sum(mine).tolist()]
+
+    def _agree(self, value: int, what: str) -> None:
+        """Check that every rank found the same ``value`` (``ConfigError`` naming them otherwise)."""
+        if self.world_size == 1:
+            return
+        values = self._agree_parts(value)
+        if len(set(values)) > 1:
+            raise ConfigError(
+                f"{self.root}: the ranks found different checkpoints for {what} (ids {values}, by rank). "
+                "Every rank must see the same store directory (a shared file system) and the same files."
+            )
