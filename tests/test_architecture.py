@@ -247,7 +247,7 @@ def test_edges_resolve_to_modules_and_leave_out_the_root_package():
     edges, _ = _edges()
     targets = {(e.source, e.target) for e in edges}
     # ``from hierps.tiers._reader import CheckpointReader``: an edge to the module, not the package.
-    assert ("hierps.sharding._sharded", "hierps.tiers._reader") in targets
+    assert ("hierps.sharding._commits", "hierps.tiers._reader") in targets
     # ``from hierps.rows import _ids``: ``_ids`` is a module, so the edge goes to it.
     assert ("hierps._store", "hierps.rows._ids") in targets
     assert not any(e.target == ROOT for e in edges)

@@ -18,11 +18,13 @@ from pathlib import Path
 from typing import Any
 
 import crash_scenario as cs
+import crash_sharded
 import numpy as np
 import pytest
 
 import hierps
 from hierps.rows._counters import NUM_COUNTERS
+from hierps.sharding._commits import snapshots
 from hierps.tiers._reader import CheckpointReader
 
 
@@ -182,4 +184,62 @@ def test_every_fault_point_is_documented_and_tested():
     doc = (root / "docs" / "reliability.md").read_text()
     documented = set(re.findall(r"^\| `([a-z_.]+)` *\|", doc, re.M))
     assert in_code == documented
-    assert in_code == {p for p, _, _ in CASES}
+    assert in_code == {p for p, _, _ in CASES} | {p for _, p, _, _, _ in SHARDED_CASES}
+
+
+# -- a sharded checkpoint: one of two ranks killed at each of its steps ---------------------------
+# (rank killed, point, its n-th hit after c1 returned, the checkpoint every rank reopens at, by how
+# many ranks the store is reopened)
+SHARDED_CASES = [
+    (1, "checkpoint.before_manifest", 1, "c1", 2),  # rank 1's part not committed; rank 0's may be
+    (1, "checkpoint.before_manifest", 1, "c1", 1),  # ... and one process takes over
+    (0, "checkpoint.before_manifest", 1, "c1", 2),
+    (1, "sharded.part_written", 1, "c1", 2),  # rank 1's part committed on its own; no commit record
+    (0, "sharded.part_written", 1, "c1", 3),
+    (0, "sharded.before_commit", 1, "c1", 2),  # every part durable; no commit record
+    (0, "json.before_replace", 2, "c1", 2),  # the commit record in its temp file
+    (0, "json.after_replace", 2, "c2", 2),  # the commit record renamed: committed
+    (0, "sharded.committed", 1, "c2", 2),
+    (1, "sharded.committed", 1, "c2", 1),
+    (0, "sharded.commit_retired", 1, "c2", 2),  # c1's record deleted, its parts not yet
+    (1, "checkpoint.after_retire", 1, "c2", 2),  # rank 1 retired its part of c1
+]
+
+
+@pytest.fixture(scope="module")
+def sharded_reference(fast_dir) -> Path:
+    out = fast_dir / "sharded-reference"
+    assert crash_sharded.run_ranks(crash_sharded.scenario, out / "store", out, 2) == [0, 0]
+    return out
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize(
+    ("killed", "point", "n", "expect", "world"),
+    SHARDED_CASES,
+    ids=[f"{p}:{n}@rank{r}-reopen{w}" for r, p, n, _, w in SHARDED_CASES],
+)
+def test_rank_killed_inside_a_sharded_checkpoint_reopens_every_rank_at_one_checkpoint(
+    sharded_reference, fast_dir, killed, point, n, expect, world
+):
+    work = fast_dir / f"sharded-{point}-{n}-{killed}-{world}"
+    codes = crash_sharded.run_ranks(crash_sharded.scenario, work / "store", work, 2, f"{point}:{n}", killed)
+    assert codes[killed] == -signal.SIGKILL, f"rank {killed} was not killed at {point}:{n} ({codes})"
+    # The restarted job: every rank at the same checkpoint, with exactly its rows and optimizer state
+    # (resharded when it has another number of ranks).
+    assert crash_sharded.run_ranks(crash_sharded.reopen, work / "store", work, world) == [0] * world
+    expected, _ = crash_sharded.rows_of(sharded_reference, expect, 2)
+    got, tags = crash_sharded.rows_of(work, "reopen", world)
+    assert all(t == tags[0] for t in tags) and tags[0][-1] == expect
+    assert got.keys() == expected.keys()
+    for k, row in expected.items():
+        np.testing.assert_array_equal(got[k], row, err_msg=f"key {k}")
+    # A part that never committed is gone: each rank holds exactly its parts of the checkpoints.
+    kept = snapshots(work / "store")
+    assert [s.tag for s in kept] == tags[0] and kept[-1].world_size == world
+    for rank in range(world):
+        ckpts = work / "store" / f"rank-{rank:05d}" / "checkpoints"
+        assert {int(p.stem) for p in ckpts.glob("*.json")} == {
+            s.parts[rank] for s in kept if rank < s.world_size
+        }
+    shutil.rmtree(work)

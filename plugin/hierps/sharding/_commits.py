@@ -223,6 +223,8 @@ class ShardCheckpoints:
                 self.local.rollback(None)
         elif latest.world_size == self.world_size:
             self._back_to_part(latest, rollback=True)
+            # Parts no commit record names any more (a retirement cut short) are retired now.
+            self.local.retire_checkpoints(self._parts(snapshots(self.root)))
         else:
             self._reshard(latest)
         self.collectives.barrier()  # no rank checkpoints before every rank has recovered
@@ -316,8 +318,12 @@ class ShardCheckpoints:
                     path.unlink(missing_ok=True)
                     fault_point("sharded.commit_retired")
         self.collectives.barrier()  # no part is retired while a record naming it remains
-        self.local.retire_checkpoints({s.parts[self.rank] for s in kept if self.rank < s.world_size})
+        self.local.retire_checkpoints(self._parts(kept))
         self.collectives.barrier()  # every rank sees the same checkpoints from here on
+
+    def _parts(self, snaps: list[Snapshot]) -> set[int]:
+        """This rank's checkpoints that ``snaps`` name."""
+        return {s.parts[self.rank] for s in snaps if self.rank < s.world_size}
 
     def _write_record(self, parts: list[int], tag: str | None) -> None:
         records = _records_dir(self.root)
