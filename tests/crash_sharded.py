@@ -7,8 +7,8 @@ their exit codes; the rank killed at its fault point returns ``-SIGKILL``, and t
 
 The run (:func:`scenario`): each rank trains its slice of the same global batches, checkpoint
 ``c1``; more training, checkpoint ``c2``. ``keep_checkpoints=1``, so ``c2`` retires ``c1`` (commit
-record and parts). The fault is armed on one rank once ``c1`` returned, so ``<point>:<n>`` counts
-hits from there. Every rank writes ``OUT/<tag>-<rank>.npz`` after each checkpoint it saw return: its
+record and parts). The fault ``<after>/<point>:<n>`` is armed on one rank once checkpoint number
+``after`` returned (0: from the start), so ``n`` counts hits from there. Every rank writes ``OUT/<tag>-<rank>.npz`` after each checkpoint it saw return: its
 owned keys and their full rows (weights and optimizer state); :func:`reopen` writes ``OUT/reopen-<rank>.npz``
 the same way, as the store stands once opened.
 """
@@ -66,15 +66,17 @@ def _save_rows(store: hierps.ShardedStore, path: Path) -> None:
 
 
 def scenario(store_path: str, out: str, rank: int, world: int, fault: str, fault_rank: int) -> None:
-    """Train, checkpoint c1; train, checkpoint c2, with ``fault`` armed on ``fault_rank`` after c1."""
+    """Train, checkpoint c1; train, checkpoint c2, with ``fault`` (``<after>/<point>:<n>``) armed on
+    ``fault_rank`` once checkpoint number ``after`` returned."""
+    after, _, point = fault.rpartition("/")
     store, bag = _open(store_path, _transport())
     for i, tag in enumerate(TAGS, start=1):
+        if rank == fault_rank and i - 1 == int(after or 0):
+            _faults.arm(point)
         _train(store, bag, seed=i)
         store.checkpoint(tag)
         _faults.arm("")
         _save_rows(store, Path(out) / f"{tag}-{rank}.npz")
-        if rank == fault_rank:
-            _faults.arm(fault)
     store.close()
 
 

@@ -188,9 +188,10 @@ def test_every_fault_point_is_documented_and_tested():
 
 
 # -- a sharded checkpoint: one of two ranks killed at each of its steps ---------------------------
-# (rank killed, point, its n-th hit after c1 returned, the checkpoint every rank reopens at, by how
-# many ranks the store is reopened)
+# (rank killed, point, its n-th hit after c1 returned (c1: after=0, counted from the start), the
+# checkpoint every rank reopens at, by how many ranks the store is reopened)
 SHARDED_CASES = [
+    (1, "sharded.part_written", 1, None, 2),  # c1 never committed: both ranks reopen empty
     (1, "checkpoint.before_manifest", 1, "c1", 2),  # rank 1's part not committed; rank 0's may be
     (1, "checkpoint.before_manifest", 1, "c1", 1),  # ... and one process takes over
     (0, "checkpoint.before_manifest", 1, "c1", 2),
@@ -217,26 +218,35 @@ def sharded_reference(fast_dir) -> Path:
 @pytest.mark.parametrize(
     ("killed", "point", "n", "expect", "world"),
     SHARDED_CASES,
-    ids=[f"{p}:{n}@rank{r}-reopen{w}" for r, p, n, _, w in SHARDED_CASES],
+    ids=[f"{p}:{n}@rank{r}-reopens-{e}-by{w}" for r, p, n, e, w in SHARDED_CASES],
 )
 def test_rank_killed_inside_a_sharded_checkpoint_reopens_every_rank_at_one_checkpoint(
     sharded_reference, fast_dir, killed, point, n, expect, world
 ):
-    work = fast_dir / f"sharded-{point}-{n}-{killed}-{world}"
-    codes = crash_sharded.run_ranks(crash_sharded.scenario, work / "store", work, 2, f"{point}:{n}", killed)
+    work = fast_dir / f"sharded-{point}-{n}-{killed}-{world}-{expect}"
+    after = 0 if expect is None else 1
+    codes = crash_sharded.run_ranks(
+        crash_sharded.scenario, work / "store", work, 2, f"{after}/{point}:{n}", killed
+    )
     assert codes[killed] == -signal.SIGKILL, f"rank {killed} was not killed at {point}:{n} ({codes})"
     # The restarted job: every rank at the same checkpoint, with exactly its rows and optimizer state
     # (resharded when it has another number of ranks).
     assert crash_sharded.run_ranks(crash_sharded.reopen, work / "store", work, world) == [0] * world
-    expected, _ = crash_sharded.rows_of(sharded_reference, expect, 2)
     got, tags = crash_sharded.rows_of(work, "reopen", world)
-    assert all(t == tags[0] for t in tags) and tags[0][-1] == expect
+    assert all(t == tags[0] for t in tags) and (tags[0][-1] if tags[0] else None) == expect
+    if expect is None:  # every row as a new store has it: the initializer's
+        fresh = fast_dir / "sharded-fresh"
+        if not fresh.exists():
+            assert crash_sharded.run_ranks(crash_sharded.reopen, fresh / "store", fresh, 2) == [0, 0]
+        expected, _ = crash_sharded.rows_of(fresh, "reopen", 2)
+    else:
+        expected, _ = crash_sharded.rows_of(sharded_reference, expect, 2)
     assert got.keys() == expected.keys()
     for k, row in expected.items():
         np.testing.assert_array_equal(got[k], row, err_msg=f"key {k}")
     # A part that never committed is gone: each rank holds exactly its parts of the checkpoints.
     kept = snapshots(work / "store")
-    assert [s.tag for s in kept] == tags[0] and kept[-1].world_size == world
+    assert [s.tag for s in kept] == tags[0] and (not kept or kept[-1].world_size == world)
     for rank in range(world):
         ckpts = work / "store" / f"rank-{rank:05d}" / "checkpoints"
         assert {int(p.stem) for p in ckpts.glob("*.json")} == {
