@@ -24,7 +24,7 @@ import pytest
 
 import hierps
 from hierps.rows._counters import NUM_COUNTERS
-from hierps.sharding._commits import snapshots
+from hierps.storage._commit_log import snapshots
 from hierps.tiers._reader import CheckpointReader
 
 

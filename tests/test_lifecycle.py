@@ -17,8 +17,7 @@ import hierps
 from hierps import serving
 from hierps.cli import main
 from hierps.config import AdmissionConfig, EvictionConfig
-from hierps.errors import ConfigError, StoreFormatError
-from hierps.lifecycle._export import export_store
+from hierps.errors import ConfigError
 from hierps.rows._initializers import initial_rows
 
 DIM = 4
@@ -355,30 +354,6 @@ def test_export_opens_with_plain_zarr(make_store, tmp_path):
     assert got == {"user": [DIM, [0, 1, 2, 3, 4], [5, DIM]], "ad": [2 * DIM, [], [0, 2 * DIM]]}
     values = zarr.open_group(str(tmp_path / "exp"), mode="r")["user"]["values"][:]
     np.testing.assert_array_equal(values, store.lookup("user", torch.arange(5)).numpy())
-
-
-def test_rank_stores_export_as_one(tmp_path):
-    root = tmp_path / "job"
-    expected = {}
-    for rank in range(2):
-        with hierps.Store(root / f"rank-{rank:05d}", device="cpu", optimizer=SGD) as store:
-            emb = hierps.Embedding(None, DIM, store=store, name="t")
-            ids = torch.arange(rank, 20, 2)  # keys owned by this rank
-            _train_batch(store, emb, ids)
-            store.checkpoint()
-            expected.update(zip(ids.tolist(), store.lookup("t", ids).numpy()))
-    manifest = export_store(root, tmp_path / "exp")
-    assert manifest["ranks"] == 2 and manifest["tables"]["t"]["rows"] == 20
-    view = serving.open(tmp_path / "exp")
-    np.testing.assert_array_equal(view.keys("t"), np.arange(20))
-    np.testing.assert_array_equal(view.lookup("t", np.arange(20)), np.stack([expected[k] for k in range(20)]))
-    with hierps.Store(root / "rank-00001", device="cpu") as store:  # a key on two ranks is refused
-        store.write("t", [0], np.zeros((1, DIM), np.float32))
-        store.checkpoint()
-    with hierps.Store(root / "rank-00000", device="cpu") as store:
-        store.checkpoint()
-    with pytest.raises(StoreFormatError, match="key 0 is stored in both rank-00000 and rank-00001"):
-        export_store(root, tmp_path / "exp2")
 
 
 # -- CLI --------------------------------------------------------------------------------------

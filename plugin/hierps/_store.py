@@ -187,6 +187,14 @@ class Store:
         """Passes finished so far."""
         return self._core.passes
 
+    @passes.setter
+    def passes(self, value: int) -> None:
+        """Set when the rows of another store come in with their counters (the passes their keys
+        were last seen in count from that store's), e.g. a checkpoint resharded into this one."""
+        self._core.check_open()
+        self._core.passes = int(value)
+        self._core.memory.tick = self._core.passes
+
     @property
     def checkpoint_id(self) -> int | None:
         return self._core.checkpoint_id

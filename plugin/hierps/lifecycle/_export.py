@@ -21,9 +21,11 @@ deleted keys. It is written into ``.<name>.tmp-<pid>`` beside ``out`` and rename
 when complete, so a reader never sees half of one; what a killed export left there is removed by
 the next export into that directory (or :func:`hierps.serving.open` of it).
 
-A directory of per-rank stores (``rank-00000/``, ``rank-00001/``... as the DeepSpeed integration
-writes them) exports as one: the same table names, the ranks' disjoint keys merged, taken at the
-latest checkpoint id that every rank holds.
+A directory of per-rank stores (``rank-00000/``, ``rank-00001/``... as :class:`hierps.ShardedStore`
+and the DeepSpeed integration write them) exports as one: the same table names, the ranks' disjoint
+keys merged, taken at a checkpoint committed for all ranks (:mod:`hierps.storage._commit_log`),
+each rank's store at its part of it: never a part that did not commit, nor a rank directory the
+checkpoint does not name. A delta needs both checkpoints written by the same number of ranks.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ from zarr.storage import LocalStore
 from hierps.config import AdmissionConfig
 from hierps.errors import ConfigError, StoreFormatError
 from hierps.storage._checkpoint import CheckpointCatalog
+from hierps.storage._commit_log import find_snapshot, rank_dir, snapshots
 from hierps.storage._export_format import EXPORT_FORMAT, EXPORT_VERSION, MANIFEST, manifest_text
 from hierps.storage._export_tables import TableWriter
 from hierps.storage._files import (
@@ -54,7 +57,7 @@ from hierps.storage._files import (
 from hierps.storage._merge import first_of_each, merged_sources
 from hierps.tiers._reader import CheckpointReader
 
-__all__ = ["export_store", "resolve_checkpoint", "store_dirs"]
+__all__ = ["checkpoint_sources", "export_store", "resolve_checkpoint", "store_dirs"]
 
 _MARKER = "hierps.json"
 
@@ -73,35 +76,39 @@ def store_dirs(path: str | os.PathLike[str]) -> list[Path]:
     return ranks
 
 
-def resolve_checkpoint(stores: list[Path], ref: int | str | None, what: str = "checkpoint") -> int:
-    """One checkpoint id valid in every store: the latest all of them hold (``ref`` None), or ``ref``."""
-    catalogs = [_catalog(s) for s in stores]
-    held = [set(c.ids()) if c is not None else set() for c in catalogs]
-    if ref is None:
-        common = set.intersection(*held)
-        if not common:
-            raise ConfigError(
-                f"{stores[0].parent if len(stores) > 1 else stores[0]}: no {what} that every store "
-                f"holds ({_describe(stores, held)}). Checkpoint the store first."
-            )
-        return max(common)
-    found = [c.find(ref) if c is not None else None for c in catalogs]
-    ids = {i for i in found if i is not None}
-    if len(ids) < len(set(found)) or not ids:
+def resolve_checkpoint(store: Path, ref: int | str | None, what: str = "checkpoint") -> int:
+    """The id of checkpoint ``ref`` (id, tag, or None for the latest) of one store directory."""
+    catalog = _catalog(store)
+    ckpt = None if catalog is None else catalog.latest() if ref is None else catalog.find(ref)
+    if ckpt is None:
+        held = catalog.ids() if catalog is not None else []
         raise ConfigError(
-            f"{what} {ref!r}: not held by every store ({_describe(stores, held)}); a retired "
-            "checkpoint cannot be exported from. Export in full instead, or raise keep_checkpoints."
+            f"{store}: no {what} {'at all' if ref is None else repr(ref)} (it holds {held}); a retired "
+            "checkpoint cannot be exported from. Checkpoint the store first, export in full, or raise "
+            "keep_checkpoints."
         )
-    if len(ids) > 1:
-        raise ConfigError(
-            f"{what} {ref!r}: names different checkpoint ids in the rank stores ({sorted(ids)}); "
-            "pass a checkpoint id instead."
-        )
-    return ids.pop()
+    return ckpt
 
 
-def _describe(stores: list[Path], held: list[set[int]]) -> str:
-    return "; ".join(f"{s.name}: {sorted(h)}" for s, h in zip(stores, held))
+def checkpoint_sources(
+    path: str | os.PathLike[str], ref: int | str | None, what: str = "checkpoint"
+) -> tuple[list[tuple[Path, int]], int]:
+    """Where checkpoint ``ref`` (id, tag, or None for the latest) of ``path`` keeps its rows:
+    ``([(store directory, its checkpoint id), ...], the checkpoint's id)``, one pair per rank for a
+    directory of per-rank stores (at a checkpoint committed for all of them)."""
+    root = Path(path)
+    if store_dirs(root) == [root]:
+        ckpt = resolve_checkpoint(root, ref, what)
+        return [(root, ckpt)], ckpt
+    snap = find_snapshot(root, ref)
+    if snap is None:
+        held = [(s.id, s.tag) for s in snapshots(root)]
+        raise ConfigError(
+            f"{root}: no {what} {'at all' if ref is None else repr(ref)} committed for all ranks (it has "
+            f"{held}, as (id, tag)); a retired checkpoint cannot be exported from. Checkpoint the store "
+            "first, export in full, or raise keep_checkpoints."
+        )
+    return [(rank_dir(root, q), part) for q, part in enumerate(snap.parts)], snap.id
 
 
 def _catalog(store: Path) -> CheckpointCatalog | None:
@@ -122,22 +129,30 @@ def export_store(
     checkpoint, for a delta. ``out`` must not exist (or be empty); it appears whole or not at all.
     A full disk raises :class:`~hierps.errors.StoreFullError` naming the path (nothing is left).
     """
-    stores = store_dirs(path)
     out = Path(out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ConfigError(
             f"{out}: already exists and is not empty; export to a new directory (exports are "
             "never overwritten, so a reader never sees half of one)."
         )
-    ckpt = resolve_checkpoint(stores, checkpoint)
-    base = resolve_checkpoint(stores, since, what="since") if since is not None else None
-    if base is not None and base > ckpt:
-        raise ConfigError(
-            f"since {since!r}: checkpoint {base} is newer than the exported checkpoint {ckpt}; a delta "
-            "goes from an older checkpoint to a newer one."
-        )
-    now = [CheckpointReader(s, ckpt) for s in stores]
-    old = [CheckpointReader(s, base) for s in stores] if base is not None else None
+    sources, ckpt = checkpoint_sources(path, checkpoint)
+    stores = [store for store, _ in sources]
+    base = None
+    if since is not None:
+        base_sources, base = checkpoint_sources(path, since, what="since")
+        if base > ckpt:
+            raise ConfigError(
+                f"since {since!r}: checkpoint {base} is newer than the exported checkpoint {ckpt}; a delta "
+                "goes from an older checkpoint to a newer one."
+            )
+        if len(base_sources) != len(sources):
+            raise ConfigError(
+                f"since {since!r}: checkpoint {base} was written by {len(base_sources)} ranks and checkpoint "
+                f"{ckpt} by {len(sources)}: their rows are sharded differently, so no delta is taken "
+                "between them. Export in full."
+            )
+    now = [CheckpointReader(store, part) for store, part in sources]
+    old = [CheckpointReader(s, part) for s, part in base_sources] if since is not None else None
     manifest = {
         "format": EXPORT_FORMAT,
         "format_version": EXPORT_VERSION,

@@ -1,7 +1,9 @@
 """What a store directory holds, read from its latest checkpoint without opening the store.
 
 :func:`inspect_path` works on a closed store, on one another process is training in (it takes no
-lock and reads only committed checkpoints), and on a directory of per-rank stores. Rows are
+lock and reads only committed checkpoints), and on a directory of per-rank stores (each rank's
+part of the latest checkpoint committed for all of them; every rank directory, at its latest
+checkpoint, when none is). Rows are
 counted as of the latest checkpoint, where every row lives on SSD; the RAM and device tiers of a
 running store are not visible from outside (``Store.num_rows`` gives them in-process).
 """
@@ -14,8 +16,9 @@ from typing import Any
 
 import numpy as np
 
-from hierps.lifecycle._export import store_dirs
+from hierps.lifecycle._export import checkpoint_sources, store_dirs
 from hierps.rows._counters import CLICK, COUNT, SHOW, count_histogram
+from hierps.storage._commit_log import snapshots
 from hierps.tiers._reader import CheckpointReader
 
 __all__ = ["format_report", "inspect_path"]
@@ -31,10 +34,19 @@ def inspect_path(path: str | os.PathLike[str], counts: bool = True) -> dict[str,
     ``counts``: also read every row's counters for a histogram of sighting counts (reads the
     whole table from SSD; pass False on huge stores).
     """
-    return {"path": str(Path(path)), "stores": [_inspect_store(s, counts) for s in store_dirs(path)]}
+    return {"path": str(Path(path)), "stores": [_inspect_store(s, counts, c) for s, c in _stores(path)]}
 
 
-def _inspect_store(store: Path, counts: bool) -> dict[str, Any]:
+def _stores(path: str | os.PathLike[str]) -> list[tuple[Path, int | None]]:
+    """The stores to report and the checkpoint of each (None: its latest): for a directory of
+    per-rank stores, each rank's part of the latest checkpoint committed for all ranks."""
+    dirs = store_dirs(path)
+    if dirs == [Path(path)] or not snapshots(Path(path)):
+        return [(s, None) for s in dirs]
+    return [(s, c) for s, c in checkpoint_sources(path, None)[0]]
+
+
+def _inspect_store(store: Path, counts: bool, ckpt: int | None) -> dict[str, Any]:
     report: dict[str, Any] = {
         "path": str(store),
         "bytes_on_disk": _disk_bytes(store),
@@ -44,7 +56,7 @@ def _inspect_store(store: Path, counts: bool) -> dict[str, Any]:
     ckpt_root = store / "checkpoints"
     if not ckpt_root.is_dir() or not any(p.suffix == ".json" for p in ckpt_root.iterdir()):
         return report
-    reader = CheckpointReader(store)
+    reader = CheckpointReader(store, ckpt)
     for ckpt in reader.catalog.ids():
         m = reader.catalog.manifest(ckpt)
         report["checkpoints"].append(

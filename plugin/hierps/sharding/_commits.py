@@ -1,31 +1,23 @@
-"""Checkpoints of a sharded store that every rank agrees on.
+"""Checkpoints of a sharded store that every rank agrees on: the protocol.
 
 Each rank checkpoints its own store, ``<root>/rank-NNNNN``: that checkpoint is the rank's *part*.
-A checkpoint of W > 1 ranks is committed once for all of them, after every part is durable, by a
-commit record that rank 0 writes (atomically, like a manifest) and that names every part::
+A checkpoint of W > 1 ranks is committed once for all of them: every rank writes its part (not
+retiring anything), the ranks exchange their parts' ids (an all-reduce: every part is durable),
+rank 0 writes the commit record (:mod:`hierps.storage._commit_log`, whose rename is the commit
+point), and a barrier lets every rank return only once it is committed. Old checkpoints are
+retired after that: commit records first, then the parts no kept record names.
 
-    <root>/commits/00000012.json   {"format": "hierps-sharded-checkpoint", "id": 12, "world_size": 2,
-                                    "parts": [12, 9], "tag": "final", "created": ...}
-
-A checkpoint of one process (world size 1) is rank 0's own checkpoint, committed by its manifest;
-it needs no record. So the checkpoints of a root are its commit records and rank 0's checkpoints
-written at world size 1. Rank 0 takes part in each of them, so its checkpoint id orders them and
-is their id: :class:`Snapshot`. A part newer than the latest snapshot was never committed for all
-ranks (a rank died inside the checkpoint) and does not count.
-
-Opening a root with any number of ranks returns every rank to the latest snapshot
+Opening a root with any number of ranks returns every rank to the latest checkpoint
 (:meth:`ShardCheckpoints.recover`): at the world size that wrote it, each rank rolls its store
-back to its part (removing a part that was never committed); at another world size the snapshot
-is resharded (each rank reads the rows it now owns from every old part, with their optimizer
-state) and committed as a checkpoint of the new ranks. No rank ever reads another snapshot's
-rows, nor a part of a checkpoint that did not commit.
+back to its part (removing a part that was never committed); at another world size the
+checkpoint is resharded (each rank reads the rows it now owns from every old part, with their
+optimizer state and pending admission counts) and committed as a checkpoint of the new ranks. No
+rank ever reads another checkpoint's rows, nor a part of a checkpoint that did not commit.
 """
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -34,18 +26,20 @@ import torch
 
 from hierps._faults import fault_point
 from hierps._store import Store
-from hierps.errors import CheckpointRetiredError, ConfigError, CorruptStoreError, StoreFormatError
-from hierps.storage._checkpoint import FORMAT_VERSION, CheckpointCatalog
-from hierps.storage._files import read_json_checked, write_json_atomic
+from hierps.errors import CheckpointRetiredError, ConfigError
+from hierps.lifecycle._admission import PENDING_ARRAYS, PendingKeys
+from hierps.storage._commit_log import (
+    Snapshot,
+    find_snapshot,
+    rank_dir,
+    records_dir,
+    remove_stale_records,
+    snapshots,
+    write_record,
+)
 from hierps.tiers._reader import CheckpointReader
 
 __all__ = ["ALONE", "Collectives", "ShardCheckpoints", "Snapshot", "rank_dir", "snapshots"]
-
-RECORD_FORMAT = "hierps-sharded-checkpoint"
-
-
-def rank_dir(path: Path, rank: int) -> Path:
-    return Path(path) / f"rank-{rank:05d}"
 
 
 class Collectives(Protocol):
@@ -73,112 +67,6 @@ class _Alone:
 
 
 ALONE: Collectives = _Alone()
-
-
-@dataclass(frozen=True)
-class Snapshot:
-    """One checkpoint of a sharded root: which checkpoint of each rank's store holds its rows."""
-
-    id: int  # rank 0's checkpoint id (rank 0 takes part in every snapshot)
-    world_size: int
-    parts: tuple[int, ...]  # the checkpoint id of each rank's store, rank 0 first
-    tag: str | None
-    created: float
-
-    def describe(self) -> dict[str, Any]:
-        return {"id": self.id, "tag": self.tag, "created": self.created, "world_size": self.world_size}
-
-
-def _records_dir(root: Path) -> Path:
-    return Path(root) / "commits"
-
-
-def _record_path(root: Path, snapshot_id: int) -> Path:
-    return _records_dir(root) / f"{snapshot_id:08d}.json"
-
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _read_record(path: Path) -> Snapshot:
-    """A commit record, checked field by field: ``CorruptStoreError`` / ``StoreFormatError`` naming it."""
-    body = read_json_checked(path)
-    if body.get("format") != RECORD_FORMAT:
-        raise StoreFormatError(f"{path}: is not a commit record of hierps (format={body.get('format')!r}).")
-    if body.get("format_version") != FORMAT_VERSION:
-        raise StoreFormatError(
-            f"{path}: written by store format version {body.get('format_version')!r}; this hierps reads "
-            f"version {FORMAT_VERSION}. Open the store with a matching hierps release."
-        )
-
-    def bad(field: str, expected: str) -> CorruptStoreError:
-        return CorruptStoreError(
-            f"{path}: field {field}: expected {expected}. Got {body.get(field)!r} instead. "
-            "The record is damaged or was not written by hierps."
-        )
-
-    world, parts, tag, created = (
-        body.get("world_size"),
-        body.get("parts"),
-        body.get("tag"),
-        body.get("created"),
-    )
-    if not isinstance(world, int) or isinstance(world, bool) or world < 2:
-        raise bad("world_size", "an int >= 2")
-    if not isinstance(parts, list) or len(parts) != world or not all(_is_int(p) and p >= 1 for p in parts):
-        raise bad("parts", f"{world} checkpoint ids >= 1, one per rank")
-    if body.get("id") != parts[0] or path.stem != f"{parts[0]:08d}":
-        raise bad("id", f"rank 0's part {parts[0]}, as in the file name")
-    if tag is not None and not isinstance(tag, str):
-        raise bad("tag", "a string or null")
-    if not isinstance(created, (int, float)) or isinstance(created, bool):
-        raise bad("created", "a time in seconds")
-    return Snapshot(parts[0], world, tuple(parts), tag, float(created))
-
-
-def snapshots(root: str | Path) -> list[Snapshot]:
-    """The checkpoints of a sharded root, oldest first: its commit records, and rank 0's
-    checkpoints written by one process alone."""
-    root = Path(root)
-    found: dict[int, Snapshot] = {}
-    records = _records_dir(root)
-    if records.is_dir():
-        for path in records.glob("*.json"):
-            try:
-                snap = _read_record(path)
-            except CorruptStoreError:
-                if path.exists():
-                    raise
-                continue  # retired meanwhile by rank 0
-            found[snap.id] = snap
-    ckpts = rank_dir(root, 0) / "checkpoints"
-    if ckpts.is_dir():
-        catalog = CheckpointCatalog(ckpts)
-        for ckpt in catalog.ids():
-            if ckpt in found:
-                continue
-            try:
-                manifest = catalog.manifest(ckpt)
-            except CorruptStoreError:
-                if catalog.exists(ckpt):
-                    raise
-                continue
-            extra = manifest.get("extra") or {}
-            if int(extra.get("world_size", 1)) == 1:
-                tag = manifest.get("tag")
-                found[ckpt] = Snapshot(ckpt, 1, (ckpt,), tag, float(manifest.get("created", 0)))
-    return [found[i] for i in sorted(found)]
-
-
-def find_snapshot(root: str | Path, ref: int | str | None) -> Snapshot | None:
-    """A snapshot by id (int), by tag (str: the newest carrying it), or the latest (None)."""
-    known = snapshots(root)
-    if ref is None:
-        return known[-1] if known else None
-    if isinstance(ref, str):
-        return next((s for s in reversed(known) if s.tag == ref), None)
-    return next((s for s in known if s.id == ref), None)
 
 
 class ShardCheckpoints:
@@ -215,7 +103,7 @@ class ShardCheckpoints:
     def recover(self) -> None:
         """Return this rank to the latest snapshot, resharding it if it has another world size (collective)."""
         if self.rank == 0:
-            self._remove_stale_temp_files()
+            remove_stale_records(self.root)
         latest = self.find(None)
         self._agree(latest.id if latest is not None else 0, "the latest checkpoint")
         if latest is None:
@@ -243,7 +131,7 @@ class ShardCheckpoints:
             parts = self._agree_parts(part)
             if self.rank == 0:
                 fault_point("sharded.before_commit")
-                self._write_record(parts, tag)
+                write_record(self.root, parts, tag)
             self.collectives.barrier()  # every rank returns once the checkpoint is committed
             fault_point("sharded.committed")
             part = parts[0]
@@ -305,15 +193,26 @@ class ShardCheckpoints:
                         mine = self._owner_of(keys, self.world_size) == self.rank
                         self.local.write_rows(name, keys[mine], rows[mine])
             info.step = int(tm["step"])
+            self.local.pending_keys[name] = self._pending_keys(name, info.admission.max_pending, readers)
+        self.local.passes = int(readers[0].manifest.get("passes", 0))
         return self.checkpoint(snap.tag, extra={"resharded_from": snap.world_size})
+
+    def _pending_keys(self, name: str, capacity: int, readers: list[CheckpointReader]) -> PendingKeys:
+        """The keys of table ``name`` pending admission in every old part that this rank now owns."""
+        parts = [r.pending(name) for r in readers if name in r.tables]
+        merged = {k: np.concatenate([p[k] for p in parts]) for k in PENDING_ARRAYS}
+        keys = merged["pending_keys"].astype(np.int64)
+        mine = np.flatnonzero(self._owner_of(keys, self.world_size) == self.rank)
+        mine = mine[np.argsort(keys[mine], kind="stable")]
+        return PendingKeys.from_arrays(capacity, {k: v[mine] for k, v in merged.items()})
 
     def _retire(self) -> None:
         """Keep the ``keep_checkpoints`` latest snapshots: rank 0 retires older commit records first,
         then every rank the parts no kept snapshot names."""
         kept = snapshots(self.root)[-self.local.keep_checkpoints :]
-        if self.rank == 0 and _records_dir(self.root).is_dir():
+        if self.rank == 0 and records_dir(self.root).is_dir():
             kept_ids = {s.id for s in kept}
-            for path in sorted(_records_dir(self.root).glob("*.json")):
+            for path in sorted(records_dir(self.root).glob("*.json")):
                 if path.stem.isdigit() and int(path.stem) not in kept_ids:
                     path.unlink(missing_ok=True)
                     fault_point("sharded.commit_retired")
@@ -324,27 +223,6 @@ class ShardCheckpoints:
     def _parts(self, snaps: list[Snapshot]) -> set[int]:
         """This rank's checkpoints that ``snaps`` name."""
         return {s.parts[self.rank] for s in snaps if self.rank < s.world_size}
-
-    def _write_record(self, parts: list[int], tag: str | None) -> None:
-        records = _records_dir(self.root)
-        records.mkdir(parents=True, exist_ok=True)
-        body = {
-            "format": RECORD_FORMAT,
-            "format_version": FORMAT_VERSION,
-            "id": parts[0],
-            "world_size": self.world_size,
-            "parts": parts,
-            "tag": tag,
-            "created": time.time(),
-        }
-        write_json_atomic(_record_path(self.root, parts[0]), body)
-
-    def _remove_stale_temp_files(self) -> None:
-        records = _records_dir(self.root)
-        if records.is_dir():
-            for p in records.iterdir():
-                if p.name.startswith(".") and ".tmp-" in p.name:
-                    p.unlink(missing_ok=True)
 
     # -- agreement -----------------------------------------------------------------------------
     def _agree_parts(self, value: int) -> list[int]:

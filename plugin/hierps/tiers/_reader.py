@@ -125,9 +125,13 @@ class CheckpointReader:
 
     def pending_keys(self, table: str) -> np.ndarray:
         """(p,) int64 keys of ``table`` that were pending admission (counted, without a row)."""
+        return np.asarray(self.pending(table)["pending_keys"], np.int64)
+
+    def pending(self, table: str) -> dict[str, np.ndarray]:
+        """The keys of ``table`` pending admission with their counts: the arrays of
+        :data:`~hierps.lifecycle._admission.PENDING_ARRAYS`, (p,) each."""
         rows = int(self.tables[self._check(table)]["pending"])
-        arrays = self.catalog.read_extra(self.checkpoint_id, table, PENDING_ARRAYS, rows)
-        return np.asarray(arrays["pending_keys"], np.int64)
+        return self.catalog.read_extra(self.checkpoint_id, table, PENDING_ARRAYS, rows)
 
     def read(self, table: str, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """keys (n,) int64 sorted unique -> (found (n,) bool, rows (found.sum(), width) float32).
