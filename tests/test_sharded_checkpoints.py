@@ -157,3 +157,28 @@ def test_a_directory_of_rank_stores_without_a_committed_checkpoint_is_not_export
         store.checkpoint(extra={"world_size": 2, "rank": 1})
     with pytest.raises(ConfigError, match="no checkpoint at all committed for all ranks"):
         export_store(root, tmp_path / "exp")
+
+
+def test_ranks_that_do_not_share_the_directory_are_told_so(tmp_path):
+    """Each rank given its own directory (local disks, no shared file system)."""
+
+    def rank_main(transport: ThreadTransport) -> str:
+        store = hierps.ShardedStore(tmp_path / f"machine-{transport.rank}", transport, **SETTINGS)
+        try:
+            store.table("t", 4)
+            with pytest.raises(ConfigError) as err:
+                store.checkpoint("a")
+            return str(err.value)
+        finally:
+            store.close()
+
+    messages = run_ranks(2, rank_main)
+    assert all("ranks [1] do not see the commit record rank 0 wrote" in m for m in messages), messages
+
+    def reopen(transport: ThreadTransport) -> str:
+        with pytest.raises(ConfigError) as err:
+            hierps.ShardedStore(tmp_path / f"machine-{transport.rank}", transport, **SETTINGS)
+        return str(err.value)
+
+    messages = run_ranks(2, reopen)
+    assert all("the ranks found different checkpoints" in m and "shared file system" in m for m in messages)

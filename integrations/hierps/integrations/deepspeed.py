@@ -21,7 +21,9 @@ When the config has an enabled ``"hierarchical_ps"`` section it:
    from a client optimizer. One rank keeps its rows in a :class:`hierps.Store` under
    ``<path>/rank-00000``; several ranks in a :class:`hierps.ShardedStore` (one shard per rank,
    ``<path>/rank-NNNNN``; rows and gradients travel by all-to-all, over torch.distributed, or
-   over Horovod when ``dense_allreduce`` resolves to ``horovod``);
+   over Horovod when ``dense_allreduce`` resolves to ``horovod``). Either way it opens at the
+   latest checkpoint of the directory committed for all ranks, resharded when another number of
+   ranks wrote it (one process can take over what many trained);
 3. builds the engine with ``deepspeed.initialize`` and extends its class with
    :class:`HierpsEngine`: ``step()`` runs DeepSpeed's step and then, when that step was an
    accumulation boundary, the store's sparse step; ``save_checkpoint`` / ``load_checkpoint``
@@ -460,7 +462,7 @@ class HierpsEngine:
         """DeepSpeed's load of ``tag`` (default: the ``latest`` one), and the store back at that tag.
 
         The store returns to exactly the rows and optimizer state saved with the tag, whatever
-        ran since (a sharded store reshards a tag saved by another number of ranks). Raises
+        ran since (a tag saved by another number of ranks, one included, is resharded). Raises
         ``ConfigError`` before loading anything when the tag has no store checkpoint (saved
         without hierps, or retired by ``keep_checkpoints``).
         """

@@ -32,6 +32,7 @@ from hierps.storage._commit_log import (
     Snapshot,
     find_snapshot,
     rank_dir,
+    record_path,
     records_dir,
     remove_stale_records,
     snapshots,
@@ -133,6 +134,15 @@ class ShardCheckpoints:
                 fault_point("sharded.before_commit")
                 write_record(self.root, parts, tag)
             self.collectives.barrier()  # every rank returns once the checkpoint is committed
+            seen = self._agree_parts(int(record_path(self.root, parts[0]).exists()))
+            unseen = [r for r, flag in enumerate(seen) if not flag]
+            if unseen:
+                raise ConfigError(
+                    f"{self.root}: ranks {unseen} do not see the commit record rank 0 wrote "
+                    f"({record_path(self.root, parts[0]).name}): every rank must open the same directory "
+                    "(one machine, or a file system all ranks share). The checkpoint is committed only "
+                    "where rank 0 wrote it."
+                )
             fault_point("sharded.committed")
             part = parts[0]
         self._retire()

@@ -29,6 +29,7 @@ __all__ = [
     "Snapshot",
     "find_snapshot",
     "rank_dir",
+    "record_path",
     "records_dir",
     "remove_stale_records",
     "snapshots",
@@ -61,7 +62,7 @@ def records_dir(root: Path) -> Path:
     return Path(root) / "commits"
 
 
-def _record_path(root: Path, snapshot_id: int) -> Path:
+def record_path(root: Path, snapshot_id: int) -> Path:
     return records_dir(root) / f"{snapshot_id:08d}.json"
 
 
@@ -162,7 +163,7 @@ def write_record(root: Path, parts: list[int], tag: str | None) -> None:
         "tag": tag,
         "created": time.time(),
     }
-    write_json_atomic(_record_path(root, parts[0]), body)
+    write_json_atomic(record_path(root, parts[0]), body)
 
 
 def remove_stale_records(root: Path) -> None:
