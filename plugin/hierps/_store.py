@@ -249,6 +249,20 @@ class Store:
         """The settings of ``table``; ``ConfigError`` naming the tables when there is none."""
         return self._core.info(table)
 
+    def resident_slots(self, table: str, keys: torch.Tensor) -> torch.Tensor:
+        """keys: (U,) sorted unique int64 on the device -> their device-tier slots, loading what is
+        missing (the owner's side of a sharded pass: see :meth:`PassRunner.resident_slots`)."""
+        self._core.check_open()
+        return self._passes.resident_slots(table, keys)
+
+    def count_sightings(self, table: str, slots: torch.Tensor, counts: torch.Tensor) -> None:
+        """Count ``counts`` (U,) sightings into the resident rows at ``slots`` (U,): see :meth:`SparseTrainer.count_sightings`."""
+        self._trainer.count_sightings(table, slots, counts)
+
+    def apply_slot_gradients(self, updates: list[tuple[str, torch.Tensor, torch.Tensor]]) -> None:
+        """One step of each table of ``(table, slots, grads)``: see :meth:`SparseTrainer.apply_slot_gradients`."""
+        self._trainer.apply_slot_gradients(updates)
+
     def serve_rows(self, table: str, keys: torch.Tensor, counts: torch.Tensor | None) -> torch.Tensor:
         """keys (n,) int64, repeats allowed -> (n, dim) float32: see :meth:`SparseTrainer.serve`."""
         return self._trainer.serve(table, keys, counts)

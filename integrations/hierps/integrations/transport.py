@@ -57,6 +57,18 @@ class TorchDistributedTransport:
             torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
         )
 
+    def companion(self) -> TorchDistributedTransport:
+        """A second process group over the same ranks, for collectives on another thread (collective:
+        every rank calls it, in the same order)."""
+        group = _guard(
+            self.rank,
+            "creating a process group",
+            lambda: self._dist.new_group(
+                ranks=list(range(self.world_size)), backend=self._dist.get_backend(self.group)
+            ),
+        )
+        return TorchDistributedTransport(group)
+
     def all_to_all(self, send: torch.Tensor, send_counts: list[int]) -> tuple[torch.Tensor, list[int]]:
         counts = torch.tensor(send_counts, dtype=torch.int64, device=self.device)
         recv = torch.empty_like(counts)
@@ -93,7 +105,7 @@ class TorchDistributedTransport:
 class HorovodTransport:
     """Collectives over Horovod (``hvd.alltoall`` with int32 splits, ``hvd.allreduce``)."""
 
-    def __init__(self) -> None:
+    def __init__(self, prefix: str = "hierps") -> None:
         try:
             import horovod.torch as hvd
         except ImportError as exc:
@@ -106,11 +118,16 @@ class HorovodTransport:
         self._hvd = hvd
         self.rank = hvd.rank()
         self.world_size = hvd.size()
+        self._prefix = prefix
         self._n = 0
+
+    def companion(self) -> HorovodTransport:
+        """Collectives under other names, for another thread (each rank makes it at the same point)."""
+        return HorovodTransport(prefix=f"{self._prefix}.companion")
 
     def _name(self, what: str) -> str:
         self._n += 1
-        return f"hierps.{what}.{self._n}"
+        return f"{self._prefix}.{what}.{self._n}"
 
     def all_to_all(self, send: torch.Tensor, send_counts: list[int]) -> tuple[torch.Tensor, list[int]]:
         splits = torch.tensor(send_counts, dtype=torch.int32)

@@ -30,9 +30,10 @@ from hierps.interface import Batches, run_pass
 from hierps.lifecycle._lifecycle import observation
 from hierps.rows import _ids
 from hierps.rows._counters import COUNTERS
-from hierps.rows._initializers import splitmix64
 from hierps.rows._table import TableInfo
 from hierps.sharding._commits import ShardCheckpoints, rank_dir
+from hierps.sharding._fastpath import Fetched, PassRouter
+from hierps.sharding._routes import owner_of
 from hierps.storage._export_format import MANIFEST as EXPORT_MANIFEST
 from hierps.training._trainer import summed_grads
 
@@ -40,7 +41,12 @@ __all__ = ["ShardedStore", "Transport", "owner_of", "rank_dir"]
 
 
 class Transport(Protocol):
-    """The collectives hierps needs; implemented over torch.distributed and over Horovod."""
+    """The collectives hierps needs; implemented over torch.distributed and over Horovod.
+
+    A transport may also offer ``companion() -> Transport``: a second channel over the same ranks
+    (collective to create), on which passes are routed by a worker thread while training goes on.
+    Without one, a pass is routed when it is announced, on the calling thread.
+    """
 
     rank: int
     world_size: int
@@ -60,10 +66,6 @@ class Transport(Protocol):
     def barrier(self) -> None: ...
 
 
-def owner_of(keys: np.ndarray, world_size: int) -> np.ndarray:
-    """(n,) int64 keys -> (n,) int64 owner ranks: splitmix64(key) mod world size, fixed forever."""
-    with np.errstate(over="ignore"):
-        return (splitmix64(keys.astype(np.int64).view(np.uint64)) % np.uint64(world_size)).astype(np.int64)
 
 
 @dataclass
@@ -104,14 +106,22 @@ class ShardedStore:
         except BaseException:
             self.local.close()
             raise
-        self._pending: list[_ShardPending] = []
-        # Bytes this rank sent to other ranks by all-to-all (keys, rows, gradients).
-        self.bytes_sent = 0
-        self.rows_fetched = 0  # distinct rows this rank fetched for its mini-batches
+        self._pending: list[_ShardPending | Fetched] = []
+        self._passes = PassRouter(self.local, transport, self._pending_append)
+        self._bytes_sent = 0
+        self.rows_fetched = 0  # distinct rows this rank fetched key by key for its mini-batches
+
+    def _pending_append(self, fetched: Fetched) -> None:
+        self._pending.append(fetched)
+
+    @property
+    def bytes_sent(self) -> int:
+        """Bytes this rank sent to other ranks by all-to-all: keys, rows, gradients, routing."""
+        return self._bytes_sent + self._passes.bytes_sent
 
     def _sent(self, t: torch.Tensor, counts: list[int]) -> None:
         per_row = t[0].numel() * t.element_size() if t.numel() else 0
-        self.bytes_sent += per_row * (sum(counts) - counts[self.rank])
+        self._bytes_sent += per_row * (sum(counts) - counts[self.rank])
 
     # -- what modules need from a store --------------------------------------------------------
     @property
@@ -171,13 +181,17 @@ class ShardedStore:
         weights[route.order] = got
         return weights
 
-    def gather_planned(self, table: str, ids: torch.Tensor) -> None:
-        """Never a plan: every mini-batch's ids go to their owners (see :meth:`gather`)."""
-        return None
+    def gather_planned(self, table: str, ids: torch.Tensor) -> tuple[torch.Tensor, Any] | None:
+        """An announced mini-batch's rows as a leaf, fetched without keys, or None (collective at
+        the first table of a mini-batch; see :mod:`hierps.sharding._fastpath`)."""
+        return self._passes.gather_planned(table, ids)
 
-    def fused_bag(self, table: str, ids: torch.Tensor, offsets: torch.Tensor, mode: str) -> None:
-        """Never pooled ahead: every table's ids go to their owners."""
-        return None
+    def fused_bag(
+        self, table: str, ids: torch.Tensor, offsets: torch.Tensor, mode: str
+    ) -> torch.Tensor | None:
+        """Pooled bags of an announced mini-batch, pooled with its other tables, or None (collective
+        at the first table of a mini-batch; see :mod:`hierps.sharding._fastpath`)."""
+        return self._passes.fused_bag(table, ids, offsets, mode)
 
     def gather(
         self, table: str, keys: torch.Tensor, *, requires_grad: bool, counts: torch.Tensor | None = None
@@ -221,82 +235,99 @@ class ShardedStore:
     # -- the step ------------------------------------------------------------------------------
     def step(self) -> None:
         """One optimizer step per touched row, gradients of all ranks summed at its owner (collective)."""
-        pending = [p for p in self._pending if p.leaf.grad is not None]
-        self._pending = []
+        self._passes.poll()
+        pending, self._pending = self._pending, []
+        keyed = [p for p in pending if isinstance(p, _ShardPending) and p.leaf.grad is not None]
+        fetched = [p for p in pending if isinstance(p, Fetched)]
         names = sorted(self.local.tables)
         grads: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {name: [] for name in names}
-        for p, g in zip(pending, summed_grads([p.leaf for p in pending])):
+        for p, g in zip(keyed, summed_grads([p.leaf for p in keyed])):
             grads[p.table].append((p.keys, g))
-        # One small all-reduce: non-finite gradients anywhere, and which tables stepped anywhere.
-        flags = torch.zeros(1 + len(names), dtype=torch.float64)
+        fast_grads, fast_tables, finite = self._passes.gradients(fetched)
+        # One small all-reduce: non-finite gradients anywhere, and which tables stepped anywhere
+        # (key by key; on the fast path).
+        n = len(names)
+        flags = torch.zeros(1 + 2 * n, dtype=torch.float64)
+        flags[0] = float(not finite)
         for i, name in enumerate(names):
             for _, g in grads[name]:
                 flags[0] += float(not bool(torch.isfinite(g).all()))
                 flags[1 + i] = 1.0
+            flags[1 + n + i] = float(name in fast_tables)
         flags = self.transport.all_reduce_sum(flags)
         if flags[0] > 0:
             raise NonFiniteGradientError(
                 "NaN or inf gradient on some rank; the step was skipped on every rank and no row changed. "
                 "Lower the learning rate, clip gradients, or check the inputs of this mini-batch."
             )
-        scale = 1.0 / self.world_size
+        fast = self._passes.send_back(
+            fetched, fast_grads, {name for i, name in enumerate(names) if flags[1 + n + i] > 0}
+        )
+        routed = {
+            name: self._routed_grads(name, grads[name]) for i, name in enumerate(names) if flags[1 + i] > 0
+        }
+        rest = self._passes.apply(fast, by_keys=set(routed))
         for i, name in enumerate(names):
-            if flags[1 + i] == 0:
-                continue
+            if (name in fast and name not in rest) or (flags[1 + i] == 0 and flags[1 + n + i] == 0):
+                continue  # stepped by slots above, or not at all
+            parts = [p for p in (routed.get(name), rest.get(name)) if p is not None]
             dim = self.local.tables[name].dim
-            if grads[name]:
-                keys = torch.cat([k for k, _ in grads[name]])
-                grad = torch.cat([g for _, g in grads[name]])
-                keys, inverse = torch.unique(keys, return_inverse=True)
-                grad = torch.zeros((keys.numel(), dim), device=self.device).index_add_(0, inverse, grad)
-            else:
-                keys = torch.empty(0, dtype=torch.int64, device=self.device)
-                grad = torch.empty((0, dim), device=self.device)
-            route, owned = self._route(keys)
-            self._sent(grad, route.send_counts)
-            owned_grads = self.transport.all_to_all_known(
-                grad[route.order] * scale, route.send_counts, route.recv_counts
-            ).to(self.device)
-            if self.local.tables[name].admission.filters and owned.numel():
-                # Keys still pending admission have no row: their gradient is dropped, as in one process.
-                has = torch.from_numpy(self.local.has_rows(name, owned.cpu().numpy())).to(self.device)
-                owned, owned_grads = owned[has], owned_grads[has]
-            self.local.apply_gradients(name, owned, owned_grads)
+            keys = torch.cat([k for k, _ in parts]) if parts else torch.empty(0, dtype=torch.int64)
+            grad = torch.cat([g for _, g in parts]) if parts else torch.empty((0, dim))
+            self.local.apply_gradients(name, keys.to(self.device), grad.to(self.device))
+
+    def _routed_grads(
+        self, name: str, grads: list[tuple[torch.Tensor, torch.Tensor]]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A table's key-by-key gradients, summed per key, to their owners (collective) -> what this
+        rank owns: (keys, gradients divided by the world size)."""
+        dim = self.local.tables[name].dim
+        if grads:
+            keys = torch.cat([k for k, _ in grads])
+            grad = torch.cat([g for _, g in grads])
+            keys, inverse = torch.unique(keys, return_inverse=True)
+            grad = torch.zeros((keys.numel(), dim), device=self.device).index_add_(0, inverse, grad)
+        else:
+            keys = torch.empty(0, dtype=torch.int64, device=self.device)
+            grad = torch.empty((0, dim), device=self.device)
+        route, owned = self._route(keys)
+        self._sent(grad, route.send_counts)
+        owned_grads = self.transport.all_to_all_known(
+            grad[route.order] * (1.0 / self.world_size), route.send_counts, route.recv_counts
+        ).to(self.device)
+        if self.local.tables[name].admission.filters and owned.numel():
+            # Keys still pending admission have no row: their gradient is dropped, as in one process.
+            has = torch.from_numpy(self.local.has_rows(name, owned.cpu().numpy())).to(self.device)
+            owned, owned_grads = owned[has], owned_grads[has]
+        return owned, owned_grads
 
     def zero_grad(self) -> None:
         self._pending = []
 
     # -- passes --------------------------------------------------------------------------------
-    def _owned_pass_keys(self, batches: Any) -> dict[str, np.ndarray]:
-        """Every rank's pass keys, routed to their owners: the keys this rank must hold (collective)."""
+    def _pass_ids(self, batches: Any) -> list[dict[str, np.ndarray]]:
+        """A pass as given to ``begin_pass`` / ``prefetch`` -> per mini-batch ``{table: int64 ids}``."""
         per_batch = [batches] if isinstance(batches, dict) else list(batches)
-        wanted: dict[str, np.ndarray] = {}
-        for name in sorted(self.local.tables):
-            parts = [_ids.as_int64_array(b[name]) for b in per_batch if name in b]
-            keys = np.unique(np.concatenate(parts)) if parts else np.empty(0, np.int64)
-            _, owned = self._route(torch.from_numpy(keys).to(self.device))
-            wanted[name] = np.unique(owned.cpu().numpy())
-        return wanted
-
-    def _fits(self, wanted: dict[str, np.ndarray]) -> bool:
-        dev = self.local.device_tier
-        return dev.bytes_for({t: len(k) for t, k in wanted.items()}) <= dev.budget
+        out = []
+        for batch in per_batch:
+            ids = {}
+            for table, values in batch.items():
+                self.local.info(table)
+                ids[table] = _ids.as_int64_array(values, what=f"ids for table {table!r}")
+            out.append(ids)
+        return out
 
     def begin_pass(self, batches: Any) -> None:
-        """Owners load the union of every rank's pass keys (collective)."""
-        wanted = self._owned_pass_keys(batches)
-        if self._fits(wanted):
-            self.local.begin_pass(wanted)
-        else:
-            self.local.begin_pass([])  # too large to preload: rows come on demand, passes split as they fill
+        """Owners load the union of every rank's pass keys (collective); with one dict per mini-batch,
+        in order, those mini-batches take the fast path (see :mod:`hierps.sharding._fastpath`)."""
+        self._passes.begin_pass(self._pass_ids(batches))
 
     def prefetch(self, batches: Any) -> None:
-        """Owners read the next pass's rows in the background (collective; see ``Store.prefetch``)."""
-        wanted = self._owned_pass_keys(batches)
-        if self._fits(wanted):
-            self.local.prefetch(wanted)
+        """Announce the next pass (collective): routed in the background, read ahead by its owners."""
+        self._passes.prefetch(self._pass_ids(batches))
 
     def end_pass(self) -> None:
+        self._passes.end_pass()
         self.local.end_pass()
 
     def run_pass(self, batches: Batches) -> AbstractContextManager[None]:
@@ -431,7 +462,10 @@ class ShardedStore:
         return self.checkpoints.list_checkpoints()
 
     def close(self) -> None:
-        self.local.close()
+        try:
+            self._passes.close()
+        finally:
+            self.local.close()
 
     def num_rows(self, table: str) -> dict[str, int]:
         return self.local.num_rows(table)

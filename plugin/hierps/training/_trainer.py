@@ -325,6 +325,24 @@ class SparseTrainer:
         summed.index_add_(0, inverse, grads)
         self._apply_step(table, self._passes.resident_slots(table, uniq), summed)
 
+    def count_sightings(self, table: str, slots: torch.Tensor, counts: torch.Tensor) -> None:
+        """Count ``counts`` (U,) float32 sightings into the counters of the resident rows at unique
+        ``slots`` (U,), later and fused with the others (the owner's side of a sharded mini-batch)."""
+        info = self._core.tables[table]
+        self._core.device_tier.defer_seen(
+            table, slots, counts, info.state_end, self._core.passes, info.eviction.decay
+        )
+
+    def apply_slot_gradients(self, updates: list[tuple[str, torch.Tensor, torch.Tensor]]) -> None:
+        """One optimizer step for each table of ``(table, slots (U,) unique resident, grads (U, dim))``,
+        its gradients summed per row already: the fused step of :meth:`step` (the owner's side of a
+        sharded step). Each table's step count advances, rows or not."""
+        self._core.check_open()
+        for table, _, _ in updates:
+            self._core.tables[table].step += 1
+        self._apply_steps([u for u in updates if u[1].numel()])
+        self._core.device_tier.flush_seen()
+
     def _apply_step(self, table: str, slots: torch.Tensor, grad: torch.Tensor) -> None:
         """Apply the table's optimizer (its step count already advanced) to resident ``slots``."""
         self._apply_steps([(table, slots, grad)])
