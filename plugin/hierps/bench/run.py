@@ -307,6 +307,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="instead: serving an export at 10^6 and 10^7 rows (--full: also 10^8): open time, lookup latency "
         "and rate, cold and warm, against numpy in RAM; peak RSS (hierps.bench.serving)",
     )
+    a(
+        "--dist",
+        action="store_true",
+        help="instead: the sharded store at one rank against one store (same run), its all-to-all bytes "
+        "against the minimum, and per-rank CPU time and bytes per example at 1, 2 and 4 ranks "
+        "(hierps.bench.dist; also python -m hierps.bench_dist)",
+    )
     a("--cache-bytes", help="with --serving: the row cache of hierps.serving.open (default 64MiB)")
     a(
         "--sizes",
@@ -364,6 +371,22 @@ def run_from_args(args: argparse.Namespace) -> int:
         from hierps.bench.serving import run_from_args as run_serving
 
         return run_serving(args)
+    if args.dist:
+        from hierps.bench.dist import run_distributed_bench
+
+        cfg = config_from_args(args)
+        results = run_distributed_bench(
+            examples=args.examples or 65_536,
+            rows=args.rows or 200_000,
+            dim=cfg.dim,
+            batch_size=cfg.batch_size,
+            pass_batches=args.pass_batches or 8,
+            memory_budget=args.memory_budget or "64MiB",
+            repeats=cfg.repeats,
+        )
+        if args.json:
+            Path(args.json).write_text(json.dumps(results, indent=1), encoding="utf-8")
+        return 0
     cfg = config_from_args(args)
     unknown = sorted(set(cfg.variants) - set(ALL_VARIANTS))
     if unknown:

@@ -66,6 +66,29 @@ class Transport(Protocol):
     def barrier(self) -> None: ...
 
 
+class _OneRank:
+    """The collectives of a world of one rank, without a collective library (see :class:`Transport`)."""
+
+    rank = 0
+    world_size = 1
+
+    def all_to_all(self, send: torch.Tensor, send_counts: list[int]) -> tuple[torch.Tensor, list[int]]:
+        return send, list(send_counts)
+
+    def all_to_all_known(
+        self, send: torch.Tensor, send_counts: list[int], recv_counts: list[int]
+    ) -> torch.Tensor:
+        return send
+
+    def all_reduce_sum(self, t: torch.Tensor) -> torch.Tensor:
+        return t
+
+    def barrier(self) -> None:
+        return None
+
+    def companion(self) -> _OneRank:
+        return _OneRank()
+
 
 
 @dataclass
@@ -96,7 +119,8 @@ class ShardedStore:
 
     def __init__(self, path: str | os.PathLike[str], transport: Transport, **store_kwargs: Any) -> None:
         self.root = Path(path)
-        self.transport = transport
+        # A world of one rank needs no collective: what is sent comes back as it is.
+        self.transport: Transport = transport if transport.world_size > 1 else _OneRank()
         self.rank, self.world_size = transport.rank, transport.world_size
         self.local = Store(rank_dir(self.root, self.rank), **store_kwargs)
         self.device = self.local.device
@@ -107,7 +131,7 @@ class ShardedStore:
             self.local.close()
             raise
         self._pending: list[_ShardPending | Fetched] = []
-        self._passes = PassRouter(self.local, transport, self._pending_append)
+        self._passes = PassRouter(self.local, self.transport, self._pending_append)
         self._bytes_sent = 0
         self.rows_fetched = 0  # distinct rows this rank fetched key by key for its mini-batches
 
