@@ -198,10 +198,16 @@ def run_distributed_bench(
                     f"  [{time.perf_counter() - started:5.0f} s] {kind} x1 #{r + 1}: {runs[kind][-1]['examples_per_s']:.0f} examples/s"
                 )
         median = {kind: statistics.median(x["examples_per_s"] for x in rs) for kind, rs in runs.items()}
+        cpu = {
+            kind: statistics.median(x["cpu_us_per_example_per_rank"] for x in rs) for kind, rs in runs.items()
+        }
         results["one_rank"] = {
             "store_examples_per_s": median["store"],
             "sharded_examples_per_s": median["sharded"],
             "ratio": median["sharded"] / median["store"],
+            "store_cpu_us_per_example": cpu["store"],
+            "sharded_cpu_us_per_example": cpu["sharded"],
+            "cpu_ratio": cpu["store"] / cpu["sharded"],  # > 1: the sharded store costs less CPU
             "runs": runs,
         }
         scaling = []
@@ -224,7 +230,9 @@ def _report(results: dict[str, Any], out: Callable[[str], Any]) -> None:
     one = results["one_rank"]
     out(
         f"one rank: ShardedStore {one['sharded_examples_per_s']:.0f} examples/s, Store "
-        f"{one['store_examples_per_s']:.0f} examples/s: {one['ratio']:.2f}x (goal >= 0.9x)"
+        f"{one['store_examples_per_s']:.0f} examples/s: {one['ratio']:.2f}x (goal >= 0.9x); CPU per example "
+        f"{one['sharded_cpu_us_per_example']:.2f} us against {one['store_cpu_us_per_example']:.2f} us: "
+        f"{one['cpu_ratio']:.2f}x"
     )
     for r in results["scaling"]:
         if r["world_size"] > 1:

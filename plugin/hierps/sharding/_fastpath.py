@@ -89,6 +89,8 @@ class Fetched:
     asked: Asked
     serving: Serving
     rows: torch.Tensor  # (R,) rows received, by owner, table, key
+    slots: torch.Tensor  # (u,) device-tier slots of serving.uniq when the rows were sent
+    generation: int  # the device tier's generation then
     leaves: list[_Leaf] = field(default_factory=list)
     fused: FusedBags | None = None
 
@@ -359,7 +361,7 @@ class PassRouter:
         rows = self._rows(fp, serving, sent, dim)
         self._count(rows, serving.send_counts)
         got = self.transport.all_to_all_known(rows, serving.send_counts, asked.recv_counts).to(self.device)
-        return Fetched(fp, dim, asked, serving, got)
+        return Fetched(fp, dim, asked, serving, got, slots, self.local.device_tier.generation)
 
     def _rows(self, fp: _FastPass, serving: Serving, slots: torch.Tensor, dim: int) -> torch.Tensor:
         """(n, dim) weights of the rows at ``slots``, the tables of ``serving`` in sending order."""
@@ -389,16 +391,18 @@ class PassRouter:
         dense = dict(zip(map(id, with_grad), summed_grads([x.leaf for x in with_grad])))
         finite = True
         for f in fetched:
-            grad = torch.zeros_like(f.rows)
-            for x in f.leaves:
-                g = dense.get(id(x))
-                if g is None:
-                    continue
+            mine = [(x, dense[id(x)]) for x in f.leaves if id(x) in dense]
+            for x, _ in mine:
                 stepped.update(x.tables)
-                if x.take is None:
-                    grad.narrow(0, x.start, g.shape[0]).add_(g)
-                else:
-                    grad.index_add_(0, x.take, g)
+            if len(mine) == 1 and mine[0][0].take is None and mine[0][1].shape[0] == f.rows.shape[0]:
+                grad = mine[0][1]  # one leaf of every row, in the order they came (pooled, one rank)
+            else:
+                grad = torch.zeros_like(f.rows)
+                for x, g in mine:
+                    if x.take is None:
+                        grad.narrow(0, x.start, g.shape[0]).add_(g)
+                    else:
+                        grad.index_add_(0, x.take, g)
             # NaN and inf survive a sum; check exactly only when the sum is not finite (overflow).
             ok = bool(torch.isfinite(grad.sum())) or bool(torch.isfinite(grad).all())
             finite = finite and ok
@@ -407,10 +411,10 @@ class PassRouter:
 
     def send_back(
         self, fetched: list[Fetched], grads: list[torch.Tensor], stepped: set[str]
-    ) -> dict[str, list[tuple[Fetched, torch.Tensor, torch.Tensor]]]:
+    ) -> dict[str, list[tuple[Fetched, int, torch.Tensor]]]:
         """Gradients back to the owners (collective): per table stepped anywhere, what this rank
-        owns: (the mini-batch, positions of its rows in the owned keys, summed gradients)."""
-        out: dict[str, list[tuple[Fetched, torch.Tensor, torch.Tensor]]] = {}
+        owns: (the mini-batch, the table's first row in its ``serving.uniq``, summed gradients)."""
+        out: dict[str, list[tuple[Fetched, int, torch.Tensor]]] = {}
         scale = 1.0 / self.world_size
         for f, grad in zip(fetched, grads):
             s = f.serving
@@ -427,23 +431,29 @@ class PassRouter:
             at = 0
             for t, n in zip(s.tables, s.splits):
                 if t in stepped:
-                    out.setdefault(t, []).append((f, s.uniq[at : at + n], got[at : at + n]))
+                    out.setdefault(t, []).append((f, at, got[at : at + n]))
                 at += n
         return out
 
     def apply(
-        self, updates: dict[str, list[tuple[Fetched, torch.Tensor, torch.Tensor]]], by_keys: set[str]
+        self, updates: dict[str, list[tuple[Fetched, int, torch.Tensor]]], by_keys: set[str]
     ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
         """Apply by slots what can go so (the fused step): tables not in ``by_keys`` with one
         mini-batch of the current pass; -> the rest as ``{table: (keys, grads)}``, for
         :meth:`hierps.Store.apply_gradients`."""
         slotted, keyed = [], {}
+        generation = self.local.device_tier.generation
         for table, items in updates.items():
             f, at, grad = items[0]
-            if len(items) == 1 and f.fast is self.fast and table not in by_keys:
-                slotted.append((table, self._slots(f.fast, at), grad))
+            if len(items) == 1 and f.generation == generation and table not in by_keys:
+                slotted.append((table, f.slots[at : at + grad.shape[0]], grad))  # views: joined, not copied
                 continue
-            keys = [torch.from_numpy(i[0].fast.routed.owned.joined).to(self.device)[i[1]] for i in items]
+            keys = [
+                torch.from_numpy(i[0].fast.routed.owned.joined).to(self.device)[
+                    i[0].serving.uniq[i[1] : i[1] + i[2].shape[0]]
+                ]
+                for i in items
+            ]
             keyed[table] = (torch.cat(keys), torch.cat([i[2] for i in items]))
         self.local.apply_slot_gradients(slotted)
         return keyed
