@@ -208,6 +208,10 @@ class Store:
         """Announce the next pass, read ahead in the background: see :meth:`PassRunner.prefetch`."""
         self._passes.prefetch(batches)
 
+    def parse_batches(self, batches: Batches) -> list[dict[str, np.ndarray]]:
+        """A pass as :meth:`begin_pass` takes it -> one ``{table: (n,) int64 ids}`` per mini-batch, checked."""
+        return self._passes.parse_batches(batches)
+
     def end_pass(self) -> None:
         """Close the pass: see :meth:`PassRunner.end_pass`."""
         self._passes.end_pass()

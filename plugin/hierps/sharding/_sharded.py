@@ -329,26 +329,14 @@ class ShardedStore:
         self._pending = []
 
     # -- passes --------------------------------------------------------------------------------
-    def _pass_ids(self, batches: Any) -> list[dict[str, np.ndarray]]:
-        """A pass as given to ``begin_pass`` / ``prefetch`` -> per mini-batch ``{table: int64 ids}``."""
-        per_batch = [batches] if isinstance(batches, dict) else list(batches)
-        out = []
-        for batch in per_batch:
-            ids = {}
-            for table, values in batch.items():
-                self.local.info(table)
-                ids[table] = _ids.as_int64_array(values, what=f"ids for table {table!r}")
-            out.append(ids)
-        return out
-
     def begin_pass(self, batches: Any) -> None:
         """Owners load the union of every rank's pass keys (collective); with one dict per mini-batch,
         in order, those mini-batches take the fast path (see :mod:`hierps.sharding._fastpath`)."""
-        self._passes.begin_pass(self._pass_ids(batches))
+        self._passes.begin_pass(self.local.parse_batches(batches))
 
     def prefetch(self, batches: Any) -> None:
         """Announce the next pass (collective): routed in the background, read ahead by its owners."""
-        self._passes.prefetch(self._pass_ids(batches))
+        self._passes.prefetch(self.local.parse_batches(batches))
 
     def end_pass(self) -> None:
         self._passes.end_pass()

@@ -85,7 +85,7 @@ class PassRunner:
         read ahead (see :meth:`prefetch`), and the rows leaving are written back in the background.
         """
         self._core.check_open()
-        raw = self._parse_batches(batches)
+        raw = self.parse_batches(batches)
         ahead = self._pipe.take(raw)  # None unless this pass was announced and read ahead
         positions = None
         if ahead is not None:
@@ -153,7 +153,7 @@ class PassRunner:
         :meth:`begin_pass` (after that pass's write-back is queued, which keeps reads fresh).
         """
         self._core.check_open()
-        raw = self._parse_batches(batches)  # bad input is refused here, not at the next begin_pass
+        raw = self.parse_batches(batches)  # bad input is refused here, not at the next begin_pass
         if not self._core.pipeline:
             return
         if not self.in_pass:
@@ -207,7 +207,7 @@ class PassRunner:
         for table in list(self._core.tables):
             self._core.ssd.compact(table, self._core.max_segments, lock=self._pipe.lock)
 
-    def _parse_batches(self, batches: Any) -> list[dict[str, np.ndarray]]:
+    def parse_batches(self, batches: Any) -> list[dict[str, np.ndarray]]:
         """``{table: ids}`` or a sequence of them -> one ``{table: (n,) int64}`` per mini-batch;
         ``InvalidIdsError`` / ``ConfigError`` (unknown table) for anything else."""
         per_batch = [batches] if isinstance(batches, Mapping) else batches
