@@ -90,7 +90,6 @@ class _OneRank:
         return _OneRank()
 
 
-
 @dataclass
 class _Route:
     """Where a rank's keys went: the permutation that grouped them by owner, and the counts."""
