@@ -88,7 +88,7 @@ class Model:
         self.ops: list[str] = []
 
     def _open(self, max_segments: int) -> SsdTier:
-        tier = SsdTier(self.root, max_segments=max_segments)
+        tier = SsdTier(self.root, max_segments=max_segments, store_id="test")
         tier.add_table(T, self.width)
         tier.add_table(U, U_WIDTH)
         tier.collect_garbage(set())  # nothing protected: every retired segment is deleted at once
@@ -291,7 +291,7 @@ def _reloaded(model: Model) -> SsdTier:
     recorded_u = {
         int(s): (int(du["segments"][s]), int(du["live"][s]), int(du["check"][s])) for s in du["segments"]
     }
-    fresh = SsdTier(model.root, max_segments=model.tier.max_segments)
+    fresh = SsdTier(model.root, max_segments=model.tier.max_segments, store_id="test")
     fresh.add_table(T, model.width)
     fresh.load_segments(T, model.width, recorded)
     fresh.load_segments(U, U_WIDTH, recorded_u)
@@ -394,7 +394,7 @@ def test_a_whole_checkpoint_snapshot_reads_back_after_later_work(tmp_path):
     model.ops.append("compact(rewrite=all)")
     model.check()
     assert set(snapshot) <= _dirs_on_disk(tmp_path, T)
-    snap = SsdTier(tmp_path)
+    snap = SsdTier(tmp_path, store_id="test")
     snap.add_table(T, 64)
     snap.load_segments(T, 64, snapshot)
     assert snap.num_rows(T) == len(snapshot_oracle)
@@ -408,11 +408,11 @@ def test_a_whole_checkpoint_snapshot_reads_back_after_later_work(tmp_path):
 
 def _segment(root: Path, zstore: LocalStore, files: OpenFiles, seg: int, keys, rows) -> Segment:
     width = rows.shape[1]
-    writer = SegmentWriter(zstore, root, segment_name(T, seg), width)
+    writer = SegmentWriter(zstore, root, segment_name(T, seg), width, store_id="test")
     for a in range(0, len(keys), 37):  # in runs
         writer.append(keys[a : a + 37], rows[a : a + 37])
     n, check = writer.close()
-    return Segment(root, zstore, T, seg, n, width, files, check)
+    return Segment(root, zstore, T, seg, n, width, files, check, "test")
 
 
 def test_merged_yields_the_newest_row_of_each_key_in_small_buffers(tmp_path):

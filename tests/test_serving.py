@@ -28,10 +28,11 @@ from zarr.storage import LocalStore
 import hierps
 from hierps import serving
 from hierps.errors import ConfigError, CorruptStoreError, StoreClosedError, StoreFormatError, StoreFullError
+from hierps.lifecycle._export import export_store
 from hierps.serving._cache import WAYS, RowCache
 from hierps.storage import _arrays
 from hierps.storage._arrays import ArrayWriter
-from hierps.storage._export_format import PAGE, chunk_rows_for, key_align
+from hierps.storage._export_format import PAGE, chunk_rows_for, key_align, read_manifest
 
 ADAGRAD = {"type": "adagrad", "params": {"lr": 0.2}}
 DIMS = {"t": 4, "u": 8}
@@ -546,6 +547,29 @@ def test_a_swapped_chunk_is_caught_by_the_fences(history, tmp_path):
         _serve_all(root / "full2")
 
 
+def test_files_of_another_export_copied_over_are_refused(history, tmp_path):
+    """Two exports of the same checkpoint hold the same bytes in every chunk: what one export's
+    array, or its manifest, copied over the other's gets is refused, not served."""
+    root = _copy(history, tmp_path, "full1", "full2")
+    export_store(
+        history["out"].parent / "store", root / "again", checkpoint=read_manifest(root / "full2").checkpoint
+    )
+    ids = serving.open(root / "full2").keys("t")[:50]
+    shutil.rmtree(root / "full2" / "t" / "values")
+    shutil.copytree(root / "again" / "t" / "values", root / "full2" / "t" / "values")
+    with pytest.raises(CorruptStoreError, match="values/c/0/0: chunk .* is not the chunk of"):
+        serving.open(root / "full2").lookup("t", ids)
+    with pytest.raises(CorruptStoreError, match="is not the chunk of"):
+        serving.open(root / "full2", verify="all")
+    # Another export's manifest copied over: the arrays are not what it names (same shapes, other
+    # export: the binding tags; an older checkpoint's: its shapes already).
+    manifest = root / "again" / "manifest.json"
+    for other, message in (("full2", "is not the chunk of"), ("full1", "shape")):
+        shutil.copy(root / other / "manifest.json", manifest)
+        with pytest.raises(CorruptStoreError, match=message):
+            serving.open(root / "again")
+
+
 def test_unsorted_keys_are_refused(history, tmp_path):
     root = _copy(history, tmp_path, "full2")
     keys = zarr.open_array(str(root / "full2" / "t" / "keys"), mode="r")[:]
@@ -570,6 +594,7 @@ def _rewrite(export: Path, table: str, array: str, data: np.ndarray, chunk_rows:
         chunk_rows,
         align=align,
         checksum=True,
+        identity=read_manifest(export).tables[table].identity(array),
     )
     out.append(data)
     out.close()
@@ -630,7 +655,12 @@ def test_tampered_manifest_fields_are_refused(history, tmp_path, edit):
             StoreFormatError,
             "format version 1.*Export the checkpoint again",
         ),
-        (b'{"format": "hierps-export", "format_version": 3}', StoreFormatError, "format version 3"),
+        (
+            b'{"format": "hierps-export", "format_version": 2}',
+            StoreFormatError,
+            "format version 2.*did not bind.*Export the checkpoint again",
+        ),
+        (b'{"format": "hierps-export", "format_version": 9}', StoreFormatError, "format version 9"),
         (b'{"format": "something"}', StoreFormatError, "not a hierps export manifest"),
         (b"[1, 2]", StoreFormatError, "not a hierps export manifest"),
         (b'{"format": "hierps-export", "format_ver', CorruptStoreError, "cannot be read as JSON"),

@@ -1,10 +1,12 @@
 """The SSD tier's direct chunk I/O: what hierps writes is a Zarr v3 array zarr reads identically,
-what zarr writes in the accepted layouts hierps reads identically, and damage is reported."""
+each chunk bound to its array and position (arrays without binding tags, as zarr writes them, are
+refused), and damage is reported."""
 
 from __future__ import annotations
 
 import json
 import re
+import shutil
 from pathlib import Path
 
 import crc32c
@@ -32,27 +34,29 @@ def _positions(n: int, k: int, seed: int = 0) -> np.ndarray:
 @pytest.mark.parametrize("chunk_rows", [1, 27, 999, 1000, 4096])
 def test_zarr_reads_what_hierps_writes(tmp_path, chunk_rows):
     zstore = LocalStore(str(tmp_path))
-    create_array(zstore, "s/rows", ROWS, chunk_rows)
-    create_array(zstore, "s/keys", KEYS, chunk_rows)
+    create_array(zstore, "s/rows", ROWS, chunk_rows, identity="s/rows")
+    create_array(zstore, "s/keys", KEYS, chunk_rows, identity="s/keys")
     rows = zarr.open_array(zstore, path="s/rows", mode="r")
     assert rows.shards is not None and rows.chunks == (min(chunk_rows, 4096), 37)
     np.testing.assert_array_equal(rows[:], ROWS)
     np.testing.assert_array_equal(zarr.open_array(zstore, path="s/keys", mode="r")[:], KEYS)
     # ... and hierps reads it back, whole and at scattered positions.
-    arr = open_array(zstore, tmp_path, "s/rows", "float32", 2)
+    arr = open_array(zstore, tmp_path, "s/rows", "float32", 2, identity="s/rows")
     np.testing.assert_array_equal(read_array(arr, tmp_path, "s/rows"), ROWS)
     for k in (1, 5, 300, 1000):
         pos = _positions(1000, k, k)
         np.testing.assert_array_equal(read_array(arr, tmp_path, "s/rows", pos), ROWS[pos])
-        keys = open_array(zstore, tmp_path, "s/keys", "int64", 1)
+        keys = open_array(zstore, tmp_path, "s/keys", "int64", 1, identity="s/keys")
         np.testing.assert_array_equal(read_array(keys, tmp_path, "s/keys", pos), KEYS[pos])
 
 
 def test_empty_array_round_trips(tmp_path):
     zstore = LocalStore(str(tmp_path))
-    create_array(zstore, "e", np.empty(0, np.int64), 1)
+    create_array(zstore, "e", np.empty(0, np.int64), 1, identity="e")
     assert zarr.open_array(zstore, path="e", mode="r")[:].shape == (0,)
-    assert read_array(open_array(zstore, tmp_path, "e", "int64", 1), tmp_path, "e").shape == (0,)
+    assert read_array(open_array(zstore, tmp_path, "e", "int64", 1, identity="e"), tmp_path, "e").shape == (
+        0,
+    )
 
 
 @pytest.mark.parametrize(
@@ -60,10 +64,10 @@ def test_empty_array_round_trips(tmp_path):
     [
         {"chunks": (8, 37), "shards": (64, 37)},  # several shards, the last one partly empty
         {"chunks": (50, 37), "shards": (1000, 37)},
-        {"chunks": (64, 37)},  # the layout before sharding: one file per chunk
+        {"chunks": (64, 37)},  # one file per chunk
     ],
 )
-def test_hierps_reads_what_zarr_writes(tmp_path, layout):
+def test_arrays_zarr_wrote_are_refused_they_carry_no_binding_tags(tmp_path, layout):
     zstore = LocalStore(str(tmp_path))
     zarr.create_array(
         zstore,
@@ -74,10 +78,38 @@ def test_hierps_reads_what_zarr_writes(tmp_path, layout):
         config={"write_empty_chunks": True},
         **layout,
     )
-    arr = open_array(zstore, tmp_path, "a", "float32", 2)
-    np.testing.assert_array_equal(read_array(arr, tmp_path, "a"), ROWS)
-    pos = _positions(1000, 77)
-    np.testing.assert_array_equal(read_array(arr, tmp_path, "a", pos), ROWS[pos])
+    with pytest.raises(CorruptStoreError, match="not an array hierps wrote"):
+        open_array(zstore, tmp_path, "a", "float32", 2, identity="a")
+
+
+def test_a_chunk_is_bound_to_its_array_and_its_position(tmp_path):
+    """Intact chunks in the wrong place pass their crc32c; their binding tags do not."""
+    zstore = LocalStore(str(tmp_path))
+    for name in ("x", "y"):
+        create_array(zstore, name, ROWS, 27, identity=f"store:{name}")
+    shard = tmp_path / "x" / "c" / "0" / "0"
+    # Opened as what it is not:
+    arr = open_array(zstore, tmp_path, "x", "float32", 2, identity="store:y")
+    with pytest.raises(CorruptStoreError, match=r"chunk 0 is intact but is not the chunk of 'store:y'"):
+        read_array(arr, tmp_path, "x", np.array([0]))
+    # A shard copied over another's of the same shape:
+    shutil.copy(tmp_path / "y" / "c" / "0" / "0", shard)
+    arr = open_array(zstore, tmp_path, "x", "float32", 2, identity="store:x")
+    with pytest.raises(CorruptStoreError, match=re.escape(str(shard)) + ".*is not the chunk of 'store:x'"):
+        read_array(arr, tmp_path, "x")
+    # Two inner chunks swapped within a shard:
+    create_array(zstore, "x", ROWS, 27, identity="store:x")
+    arr = open_array(zstore, tmp_path, "x", "float32", 2, identity="store:x")
+    data = bytearray(shard.read_bytes())
+    a, b = int(arr.chunk_offsets(np.array([2]))[0]), int(arr.chunk_offsets(np.array([5]))[0])
+    size = arr.chunk_bytes
+    data[a : a + size], data[b : b + size] = data[b : b + size], data[a : a + size]
+    shard.write_bytes(bytes(data))
+    np.testing.assert_array_equal(read_array(arr, tmp_path, "x", np.arange(27)), ROWS[:27])  # others read
+    with pytest.raises(CorruptStoreError, match="chunk 2 is intact but is not the chunk"):
+        read_array(arr, tmp_path, "x", np.array([2 * 27 + 1]))
+    # zarr still reads the array, tags and all, as the data it holds
+    np.testing.assert_array_equal(zarr.open_array(zstore, path="y", mode="r")[:], ROWS)
 
 
 def test_far_apart_rows_read_in_parallel_pieces(tmp_path, monkeypatch):
@@ -85,8 +117,8 @@ def test_far_apart_rows_read_in_parallel_pieces(tmp_path, monkeypatch):
     monkeypatch.setattr(_reads, "_GAP_BYTES", 0)
     monkeypatch.setattr(_reads, "_PIECE_BYTES", 1)
     zstore = LocalStore(str(tmp_path))
-    create_array(zstore, "r", ROWS, 3)
-    arr = open_array(zstore, tmp_path, "r", "float32", 2)
+    create_array(zstore, "r", ROWS, 3, identity="r")
+    arr = open_array(zstore, tmp_path, "r", "float32", 2, identity="r")
     pos = _positions(1000, 400, 3)
     np.testing.assert_array_equal(read_array(arr, tmp_path, "r", pos), ROWS[pos])
 
@@ -94,13 +126,13 @@ def test_far_apart_rows_read_in_parallel_pieces(tmp_path, monkeypatch):
 @pytest.fixture
 def written(tmp_path) -> tuple[LocalStore, Path]:
     zstore = LocalStore(str(tmp_path))
-    create_array(zstore, "r", ROWS, 27)
+    create_array(zstore, "r", ROWS, 27, identity="r")
     return zstore, tmp_path
 
 
 def test_unsorted_and_repeated_positions(written):
     zstore, root = written
-    arr = open_array(zstore, root, "r", "float32", 2)
+    arr = open_array(zstore, root, "r", "float32", 2, identity="r")
     pos = np.array([999, 3, 3, 500, 0, 998])
     np.testing.assert_array_equal(read_array(arr, root, "r", pos), ROWS[pos])
     with pytest.raises(CorruptStoreError, match="rows 0..1000 asked of an array of 1000 rows"):
@@ -115,9 +147,9 @@ def test_flipped_byte_in_an_inner_chunk_names_the_shard(written):
     zstore, root = written
     shard = _shard(root / "r")
     data = bytearray(shard.read_bytes())
-    data[(27 * 148 + 4) * 5 + 10] ^= 1  # inside inner chunk 5 (rows 135..161)
+    data[(27 * 148 + 4 + _arrays.TAG_BYTES) * 5 + 10] ^= 1  # inside inner chunk 5 (rows 135..161)
     shard.write_bytes(bytes(data))
-    arr = open_array(zstore, root, "r", "float32", 2)
+    arr = open_array(zstore, root, "r", "float32", 2, identity="r")
     # Rows of other chunks still read; any read touching chunk 5 fails.
     np.testing.assert_array_equal(read_array(arr, root, "r", np.arange(0, 100)), ROWS[:100])
     with pytest.raises(CorruptStoreError, match=re.escape(str(shard)) + ".*crc32c"):
@@ -133,7 +165,7 @@ def test_damaged_shard_index_is_refused_on_open(written):
     with pytest.raises(
         CorruptStoreError, match=re.escape(str(shard)) + ": the shard index failed its crc32c"
     ):
-        open_array(zstore, root, "r", "float32", 2)
+        open_array(zstore, root, "r", "float32", 2, identity="r")
 
 
 def test_index_with_a_missing_inner_chunk_is_refused(written):
@@ -148,21 +180,21 @@ def test_index_with_a_missing_inner_chunk_is_refused(written):
     data[-(16 * n_chunks + 4) :] = raw + crc32c.crc32c(raw).to_bytes(4, "little")
     shard.write_bytes(bytes(data))
     with pytest.raises(CorruptStoreError, match="chunk missing"):
-        open_array(zstore, root, "r", "float32", 2)
+        open_array(zstore, root, "r", "float32", 2, identity="r")
 
 
 def test_missing_and_truncated_shard(written):
     zstore, root = written
     shard = _shard(root / "r")
-    arr = open_array(zstore, root, "r", "float32", 2)
+    arr = open_array(zstore, root, "r", "float32", 2, identity="r")
     shard.write_bytes(shard.read_bytes()[: 27 * 148 * 2])
     with pytest.raises(CorruptStoreError, match=re.escape(str(shard)) + ".*truncated"):
         read_array(arr, root, "r", np.array([999]))
     with pytest.raises(CorruptStoreError, match=re.escape(str(shard))):
-        open_array(zstore, root, "r", "float32", 2)
+        open_array(zstore, root, "r", "float32", 2, identity="r")
     shard.unlink()
     with pytest.raises(CorruptStoreError, match="chunk missing"):
-        open_array(zstore, root, "r", "float32", 2)
+        open_array(zstore, root, "r", "float32", 2, identity="r")
 
 
 @pytest.mark.parametrize(
@@ -182,12 +214,12 @@ def test_other_sharding_configurations_are_refused(written, edit):
     edit(meta["codecs"][0]["configuration"])
     meta_path.write_text(json.dumps(meta))
     with pytest.raises(CorruptStoreError, match="not an array hierps wrote"):
-        open_array(zstore, root, "r", "float32", 2)
+        open_array(zstore, root, "r", "float32", 2, identity="r")
 
 
 def test_ssd_tier_reads_exact_rows_across_segments(tmp_path):
     """Rows overwritten across several segments read back as the latest written, through scan too."""
-    tier = SsdTier(tmp_path)
+    tier = SsdTier(tmp_path, store_id="test")
     tier.add_table("t", 37)
     expected = {}
     for i in range(4):
@@ -212,7 +244,7 @@ def test_ssd_tier_reads_exact_rows_across_segments(tmp_path):
 
 def _tier_of_many_tables(root: Path) -> tuple[SsdTier, dict[str, np.ndarray]]:
     """Five tables of different widths, each written as several overlapping segments."""
-    tier = SsdTier(root)
+    tier = SsdTier(root, store_id="test")
     requests = {}
     for t, width in enumerate([3, 16, 37, 5, 64]):
         name = f"t{t}"

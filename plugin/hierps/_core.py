@@ -89,10 +89,10 @@ class StoreCore:
         self.marker = StoreMarker("")
         self.pipe = background(self)
         self._open_dir()
-        self.ssd = SsdTier(self.path / "segments", settings.max_segments)
+        self.ssd = SsdTier(self.path / "segments", settings.max_segments, store_id=self.marker.uid)
         self.memory = MemoryTier(settings.memory_budget, self.ssd, settings.eviction)
         self.device_tier = DeviceTier(settings.device_budget, self.device)
-        self.catalog = CheckpointCatalog(self.path / "checkpoints")
+        self.catalog = CheckpointCatalog(self.path / "checkpoints", self.marker.uid)
         self.tables: dict[str, TableInfo] = {}
         self.pending_keys: dict[str, PendingKeys] = {}  # per table: counts of keys waiting for admission
         self.passes = 0

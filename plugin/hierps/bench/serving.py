@@ -183,14 +183,20 @@ def _numpy_phase(spec: dict[str, Any]) -> dict[str, Any]:
     from zarr.storage import LocalStore
 
     from hierps.storage._arrays import open_array
+    from hierps.storage._export_format import read_manifest
     from hierps.storage._reads import read_array
 
     conf, rows = spec["config"], spec["rows"]
     root = Path(spec["export"])
     t0 = time.perf_counter()
     zstore = LocalStore(str(root), read_only=True)
+    entry = read_manifest(root).tables["t"]
     keys, values = (
-        read_array(open_array(zstore, root, f"t/{name}", dtype, ndim), root, f"t/{name}")
+        read_array(
+            open_array(zstore, root, f"t/{name}", dtype, ndim, identity=entry.identity(name)),
+            root,
+            f"t/{name}",
+        )
         for name, dtype, ndim in (("keys", "int64", 1), ("values", "float32", 2))
     )
     loaded = time.perf_counter() - t0

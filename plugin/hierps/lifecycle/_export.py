@@ -33,6 +33,7 @@ from __future__ import annotations
 import os
 import shutil
 import time
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -43,7 +44,7 @@ from zarr.storage import LocalStore
 
 from hierps.config import AdmissionConfig
 from hierps.errors import ConfigError, StoreFormatError
-from hierps.storage._checkpoint import CheckpointCatalog
+from hierps.storage._checkpoint import MARKER, CheckpointCatalog, check_marker
 from hierps.storage._commit_log import find_snapshot, rank_dir, snapshots
 from hierps.storage._export_format import EXPORT_FORMAT, EXPORT_VERSION, MANIFEST, manifest_text
 from hierps.storage._export_tables import TableWriter
@@ -59,7 +60,7 @@ from hierps.tiers._reader import CheckpointReader
 
 __all__ = ["checkpoint_sources", "export_store", "resolve_checkpoint", "store_dirs"]
 
-_MARKER = "hierps.json"
+_MARKER = MARKER
 
 
 def store_dirs(path: str | os.PathLike[str]) -> list[Path]:
@@ -114,7 +115,7 @@ def checkpoint_sources(
 def _catalog(store: Path) -> CheckpointCatalog | None:
     """The checkpoints of a store directory, read without opening the store (no lock); None if none."""
     root = store / "checkpoints"
-    return CheckpointCatalog(root) if root.is_dir() else None
+    return CheckpointCatalog(root, check_marker(store / MARKER).uid) if root.is_dir() else None
 
 
 def export_store(
@@ -162,6 +163,7 @@ def export_store(
         "ranks": len(stores),
         "source": str(Path(path).resolve()),
         "created": time.time(),
+        "uid": uuid.uuid4().hex,
         "tables": {},
     }
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -174,7 +176,7 @@ def export_store(
             zstore = LocalStore(str(tmp))
             zarr.open_group(zstore, mode="w", attributes={"format": EXPORT_FORMAT})
             for name, meta in _tables(now).items():
-                manifest["tables"][name] = _export_table(zstore, name, meta, now, old)
+                manifest["tables"][name] = _export_table(zstore, name, meta, now, old, manifest["uid"])
             (tmp / MANIFEST).write_text(manifest_text(manifest), encoding="utf-8")
             fsync_tree(tmp)
         if out.exists():
@@ -205,6 +207,7 @@ def _export_table(
     meta: dict[str, Any],
     now: list[CheckpointReader],
     old: list[CheckpointReader] | None,
+    export_id: str,
 ) -> dict[str, Any]:
     """Write table ``name`` (of ``now``, or what changed since ``old``); its manifest entry."""
     dim = int(meta["dim"])
@@ -213,7 +216,7 @@ def _export_table(
         sources = [_weights(r, name, dim) for r in now]
     else:
         sources = [_changed(o, r, name, dim, gone) for o, r in zip(old, now)]
-    writer = TableWriter(zstore, name, dim)
+    writer = TableWriter(zstore, name, dim, export_id)
     _write_rows(writer, now, sources)
     deleted = _deleted(now, name, gone) if old is not None else np.empty(0, np.int64)
     checks = writer.close(deleted)

@@ -6,8 +6,16 @@ Every array of a store (segment keys and rows, checkpoint index) is a Zarr v3 ar
 ``chunk_rows`` full-width rows, each encoded ``bytes`` (little endian) + ``crc32c``, every inner
 chunk written (the last one padded with zeros), followed by the shard index (``index_location``
 ``end``, also ``bytes`` + ``crc32c``). Small inner chunks let a read fetch only the few KiB around
-the rows it wants; the shard keeps it one file per array. Stores written before sharding (one file
-per chunk, the same two codecs) still open and read.
+the rows it wants; the shard keeps it one file per array.
+
+A crc32c alone says a chunk is intact, not that it is the chunk asked for: a file copied over
+another of the same shape, or two chunks swapped, would pass. So each encoded chunk is followed by
+a 4-byte *binding tag*, ``crc32c(chunk number (u64) + the chunk's crc32c (u32))`` started from
+``crc32c(identity)``, where the identity names what the array is (the store's id, the array's
+place in it: segment or checkpoint, array name). The tag lies between the chunks zarr reads (the
+shard index gives each chunk's offset and its ``bytes`` + ``crc32c`` length), so zarr still reads
+the array; hierps checks the tag of every chunk it reads. ``zarr.json`` says so in its attributes
+(``{"hierps": {"chunk_tag": 4}}``), and arrays without them are refused.
 
 hierps reads and writes these files itself (``os.pread`` / ``os.write``, ``crc32c``,
 ``np.frombuffer``): zarr's per-call machinery costs more than the I/O for the small, scattered
@@ -54,6 +62,8 @@ _META_KEYS = {
     "storage_transformers",
 }
 _EMPTY = (1 << 64) - 1  # shard index entry of an inner chunk that was never written
+TAG_BYTES = 4  # the binding tag after each encoded chunk
+_ATTRIBUTES = {"hierps": {"chunk_tag": TAG_BYTES}}
 # Inner chunks per write block: a crash test can stop between two blocks.
 _BLOCK_CHUNKS = 2048
 
@@ -67,11 +77,11 @@ def _sharded_codecs(inner: list[int]) -> list[dict[str, Any]]:
 class Array:
     """An array hierps wrote, opened for direct reads: where every chunk lies, nothing decoded yet.
 
-    ``files`` holds one file per shard (or, in the layout before sharding, per chunk); chunk ``i``
-    lies in ``files[i // chunks_per_file]`` at byte ``offsets[i]``, ``chunk_rows`` rows of
-    ``row_bytes`` each followed by their crc32c. A shard whose chunks lie at equal steps (as
-    :class:`ArrayWriter` writes them) keeps only the step, ``stride``, and an empty ``offsets``:
-    no RAM per chunk.
+    ``files`` holds one file per shard; chunk ``i`` lies in ``files[i // chunks_per_file]`` at
+    byte ``offsets[i]``, ``chunk_rows`` rows of ``row_bytes`` each followed by their crc32c and
+    their binding tag (seeded with ``seed``, the crc32c of the array's identity). A shard whose
+    chunks lie at equal steps (as :class:`ArrayWriter` writes them) keeps only the step,
+    ``stride``, and an empty ``offsets``: no RAM per chunk.
     """
 
     path: Path
@@ -81,6 +91,8 @@ class Array:
     chunks_per_file: int
     files: tuple[Path, ...]
     offsets: np.ndarray  # (n_chunks,) int64, or empty when ``stride`` gives them
+    seed: int
+    identity: str
     stride: int = 0
 
     @property
@@ -98,9 +110,27 @@ class Array:
         return self.dtype.itemsize * math.prod(self.shape[1:])
 
     @property
+    def payload_bytes(self) -> int:
+        """Bytes of the rows of one chunk (the last chunk padded)."""
+        return self.chunk_rows * self.row_bytes
+
+    @property
     def chunk_bytes(self) -> int:
-        """Bytes of one encoded chunk: its rows (padded) and the crc32c."""
-        return self.chunk_rows * self.row_bytes + 4
+        """Bytes hierps reads of one chunk: its rows (padded), the crc32c and the binding tag."""
+        return self.payload_bytes + 4 + TAG_BYTES
+
+
+def identity_seed(identity: str) -> int:
+    """The start of every binding tag of the array named ``identity``."""
+    return int(crc32c.crc32c(identity.encode("utf-8", "surrogatepass")))
+
+
+def binding_tags(chunks: np.ndarray, crcs: np.ndarray, seed: int) -> np.ndarray:
+    """(c,) chunk numbers and their (c,) crc32c -> (c,) uint32 binding tags of an array of ``seed``."""
+    items = np.empty((len(chunks), 12), np.uint8)
+    items[:, :8] = np.asarray(chunks, "<u8").view(np.uint8).reshape(-1, 8)
+    items[:, 8:] = np.asarray(crcs, "<u4").view(np.uint8).reshape(-1, 4)
+    return np.fromiter((crc32c.crc32c(row.data, seed) for row in items), dtype=np.uint32, count=len(items))
 
 
 def encoded_bytes(data: np.ndarray, chunk_rows: int) -> int:
@@ -112,14 +142,23 @@ def encoded_bytes(data: np.ndarray, chunk_rows: int) -> int:
 
 # -- writing ---------------------------------------------------------------------------------------
 def create_array(
-    zstore: LocalStore, name: str, data: np.ndarray, chunk_rows: int, block_point: str | None = None
+    zstore: LocalStore,
+    name: str,
+    data: np.ndarray,
+    chunk_rows: int,
+    block_point: str | None = None,
+    *,
+    identity: str,
 ) -> None:
-    """Write ``data`` (n, ...) as the array ``name``: one shard of inner chunks of ``chunk_rows`` rows.
+    """Write ``data`` (n, ...) as the array ``name``: one shard of inner chunks of ``chunk_rows`` rows,
+    their tags bound to ``identity`` (what the array is; see the module's docstring).
 
     The chunks in blocks of ``_BLOCK_CHUNKS`` (``block_point`` is a fault point after each), then
     the shard index, then ``zarr.json``. Not durable until the caller fsyncs.
     """
-    out = ArrayWriter(zstore, name, data.shape[1:], data.dtype.name, chunk_rows, block_point)
+    out = ArrayWriter(
+        zstore, name, data.shape[1:], data.dtype.name, chunk_rows, block_point, identity=identity
+    )
     out.append(data)
     out.close()
 
@@ -130,7 +169,8 @@ class ArrayWriter:
     Full inner chunks go to the shard file as they fill (in blocks of ``_BLOCK_CHUNKS``, with
     ``block_point`` a fault point after each); :meth:`close` pads the last chunk, writes the shard
     index and then ``zarr.json``, so an array whose writer did not finish has no metadata and
-    cannot be opened. Memory: at most one block of chunks.
+    cannot be opened. Memory: at most one block of chunks. Each chunk's binding tag is bound to
+    ``identity``, what the array is (the same string opens it: :func:`open_array`).
     """
 
     def __init__(
@@ -143,6 +183,8 @@ class ArrayWriter:
         block_point: str | None = None,
         align: int = 1,
         checksum: bool = False,
+        *,
+        identity: str,
     ) -> None:
         self.path = Path(zstore.root) / name
         self._dtype = np.dtype(dtype).newbyteorder("<")
@@ -152,7 +194,8 @@ class ArrayWriter:
         self._payload = self._chunk_rows * self._row_bytes
         # Each encoded chunk starts at a multiple of ``align`` bytes (the shard index says where): a
         # chunk of at most a page then costs one page read, not two.
-        self._stride = -(-(self._payload + 4) // align) * align
+        self._stride = -(-(self._payload + 4 + TAG_BYTES) // align) * align
+        self._seed = identity_seed(identity)
         self._block_point = block_point
         self._partial = np.empty((0, self._row_bytes), np.uint8)
         self._fd: int | None = None
@@ -187,7 +230,7 @@ class ArrayWriter:
                 folder = folder / part
                 make_dir(folder)
             self._fd = os.open(folder / "0", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        encoded = _encode_chunks(payloads)
+        encoded = _encode_chunks(payloads, self._chunks, self._seed)
         if self._stride != encoded.shape[1]:
             padded = np.zeros((len(encoded), self._stride), np.uint8)
             padded[:, : encoded.shape[1]] = encoded
@@ -208,7 +251,7 @@ class ArrayWriter:
                 index = np.empty((self._chunks, 2), dtype="<u8")
                 index[:, 0] = np.arange(self._chunks, dtype=np.uint64) * np.uint64(self._stride)
                 index[:, 1] = self._payload + 4
-                _write_all(self._fd, _encode_chunks(index.view(np.uint8).reshape(1, -1)))
+                _write_all(self._fd, _with_crc(index.view(np.uint8).reshape(1, -1)))
         finally:
             if self._fd is not None:
                 os.close(self._fd)
@@ -223,7 +266,7 @@ class ArrayWriter:
             "chunk_key_encoding": _KEY_ENCODING,
             "fill_value": 0,
             "codecs": _sharded_codecs([self._chunk_rows, *self._rest]),
-            "attributes": {},
+            "attributes": _ATTRIBUTES,
             "zarr_format": 3,
             "node_type": "array",
             "storage_transformers": [],
@@ -248,12 +291,23 @@ def make_dir(path: Path) -> None:
             raise
 
 
-def _encode_chunks(payloads: np.ndarray) -> np.ndarray:
-    """(k, p) uint8 chunk payloads -> (k, p + 4) uint8: each followed by its crc32c (little endian)."""
+def _with_crc(payloads: np.ndarray) -> np.ndarray:
+    """(k, p) uint8 payloads -> (k, p + 4) uint8: each followed by its crc32c (little endian)."""
     out = np.empty((len(payloads), payloads.shape[1] + 4), dtype=np.uint8)
     out[:, :-4] = payloads
     crcs = np.fromiter((crc32c.crc32c(p) for p in payloads), dtype="<u4", count=len(payloads))
     out[:, -4:] = crcs.view(np.uint8).reshape(-1, 4)
+    return out
+
+
+def _encode_chunks(payloads: np.ndarray, first: int, seed: int) -> np.ndarray:
+    """(k, p) uint8 payloads of chunks ``first``.. -> (k, p + 8) uint8: each followed by its crc32c
+    and its binding tag (little endian)."""
+    out = np.empty((len(payloads), payloads.shape[1] + 4 + TAG_BYTES), dtype=np.uint8)
+    out[:, :-TAG_BYTES] = _with_crc(payloads)
+    crcs = out[:, -TAG_BYTES - 4 : -TAG_BYTES].copy().view("<u4").reshape(-1)
+    tags = binding_tags(np.arange(first, first + len(payloads)), crcs, seed).astype("<u4")
+    out[:, -TAG_BYTES:] = tags.view(np.uint8).reshape(-1, 4)
     return out
 
 
@@ -291,18 +345,23 @@ def _layout_problem(meta: Any, dtype: str, ndim: int) -> str | None:
         return f"shape {shape!r} / chunk grid {grid!r} is not a regular {ndim}-d grid of full-width chunks"
     codecs = meta.get("codecs")
     inner = _inner_chunk_shape(codecs)
-    if codecs != _CODECS and not (
+    if not (
         _ints(inner, ndim, 1)
         and codecs == _sharded_codecs(inner)
         and inner[1:] == shape[1:]
         and chunks[0] % inner[0] == 0
     ):
         return (
-            f"codecs {codecs!r} where exactly {_CODECS!r}, or sharding_indexed with those inside and "
-            "full-width inner chunks dividing the shard, were expected"
+            f"codecs {codecs!r} where sharding_indexed with exactly {_CODECS!r} inside and full-width "
+            "inner chunks dividing the shard were expected"
         )
     if not isinstance(meta.get("fill_value"), (int, float)) or isinstance(meta.get("fill_value"), bool):
         return f"fill value {meta.get('fill_value')!r}"
+    if meta.get("attributes") != _ATTRIBUTES:
+        return (
+            f"attributes {meta.get('attributes')!r} where {_ATTRIBUTES!r} was expected: its chunks carry no "
+            "binding tags (an array written by zarr or by an older hierps)"
+        )
     return None
 
 
@@ -322,11 +381,20 @@ def _ints(value: Any, n: int, low: int) -> TypeGuard[list[int]]:
 
 
 def open_array(
-    zstore: LocalStore, root: Path, name: str, dtype: str, ndim: int, open_files: OpenFiles | None = None
+    zstore: LocalStore,
+    root: Path,
+    name: str,
+    dtype: str,
+    ndim: int,
+    open_files: OpenFiles | None = None,
+    *,
+    identity: str,
 ) -> Array:
-    """Open array ``name`` under ``root`` after checking its layout, that every chunk is on disk and,
-    for a shard, its index (crc32c, every inner chunk present and inside the file). A shard is
-    read through ``open_files`` when given (its descriptor then stays open for later reads)."""
+    """Open array ``name`` under ``root`` after checking its layout, that every chunk is on disk and
+    its shard index (crc32c, every inner chunk present and inside the file). A shard is read through
+    ``open_files`` when given (its descriptor then stays open for later reads). Every read of it
+    checks that its chunks were written for ``identity`` (the string it was written with) at their
+    position."""
     path = root / name
     try:
         meta = json.loads((path / "zarr.json").read_bytes())
@@ -344,8 +412,7 @@ def open_array(
         )
     shape = tuple(meta["shape"])
     file_rows = meta["chunk_grid"]["configuration"]["chunk_shape"][0]
-    sharded = meta["codecs"] != _CODECS
-    chunk_rows = _inner_chunk_shape(meta["codecs"])[0] if sharded else file_rows
+    chunk_rows = _inner_chunk_shape(meta["codecs"])[0]
     n_files = math.ceil(shape[0] / file_rows)
     n_chunks = math.ceil(shape[0] / chunk_rows)
     files = tuple(path / "c" / "/".join([str(i)] + ["0"] * (ndim - 1)) for i in range(n_files))
@@ -363,16 +430,17 @@ def open_array(
         file_rows // chunk_rows,
         files,
         np.zeros(n_chunks, np.int64),
+        identity_seed(identity),
+        identity,
     )
-    if sharded:
-        for i, file in enumerate(files):
-            first = i * arr.chunks_per_file
-            arr.offsets[first : first + arr.chunks_per_file] = _shard_offsets(
-                arr, file, n_chunks - first, open_files
-            )
-        stride = _regular_stride(arr.offsets) if n_files == 1 else 0
-        if stride:
-            return dataclasses.replace(arr, offsets=np.empty(0, np.int64), stride=stride)
+    for i, file in enumerate(files):
+        first = i * arr.chunks_per_file
+        arr.offsets[first : first + arr.chunks_per_file] = _shard_offsets(
+            arr, file, n_chunks - first, open_files
+        )
+    stride = _regular_stride(arr.offsets) if n_files == 1 else 0
+    if stride:
+        return dataclasses.replace(arr, offsets=np.empty(0, np.int64), stride=stride)
     return arr
 
 
@@ -410,9 +478,9 @@ def _shard_offsets(arr: Array, file: Path, chunks_left: int, open_files: OpenFil
             f"{file}: chunk missing (inner chunk {int(np.flatnonzero(index[:, 0] == _EMPTY)[0])} was never "
             "written); the array was damaged."
         )
-    if np.any(index[:, 1] != arr.chunk_bytes) or np.any(index[:, 0] > index_at - arr.chunk_bytes):
+    if np.any(index[:, 1] != arr.payload_bytes + 4) or np.any(index[:, 0] > index_at - arr.chunk_bytes):
         raise CorruptStoreError(
             f"{file}: the shard index points outside the file or at chunks of the wrong size "
-            f"(expected {arr.chunk_bytes} bytes each); the shard is damaged."
+            f"(expected {arr.payload_bytes + 4} bytes each, followed by a binding tag); the shard is damaged."
         )
     return index[:, 0].astype(np.int64)

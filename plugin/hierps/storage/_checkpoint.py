@@ -224,8 +224,9 @@ def _is_int(value: object) -> bool:
 class CheckpointCatalog:
     """The checkpoints of one store directory."""
 
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, store_id: str) -> None:
         self.root = Path(root)
+        self.store_id = store_id  # the store's id: the chunks of checkpoint arrays are bound to it
         if not self.root.is_dir():
             raise CorruptStoreError(
                 f"{self.root}: the store's checkpoints directory is missing (a partial copy, or deleted "
@@ -237,6 +238,11 @@ class CheckpointCatalog:
 
     def _index_path(self, ckpt: int) -> Path:
         return self.root / f"{ckpt:08d}"
+
+    def _identity(self, ckpt: int, name: str) -> str:
+        """What array ``name`` of checkpoint ``ckpt`` is: the arrays of an older checkpoint copied over
+        a newer one's fail their chunks' binding tags."""
+        return f"{self.store_id}:checkpoints/{ckpt:08d}/{name}"
 
     def ids(self) -> list[int]:
         """Ids of complete checkpoints, oldest first."""
@@ -313,7 +319,13 @@ class CheckpointCatalog:
                 zstore = LocalStore(str(path))
                 for table, named in extra.items():
                     for name, data in named.items():
-                        create_array(zstore, f"{table}/{name}", data, min(len(data), chunk))
+                        create_array(
+                            zstore,
+                            f"{table}/{name}",
+                            data,
+                            min(len(data), chunk),
+                            identity=self._identity(ckpt, f"{table}/{name}"),
+                        )
                     fault_point("checkpoint.table_arrays")
                 fsync_tree(path)
             fault_point("checkpoint.before_manifest")
@@ -337,7 +349,9 @@ class CheckpointCatalog:
         zstore = LocalStore(str(path), read_only=True)
         out = {}
         for name, dtype in names.items():
-            arr = open_array(zstore, path, f"{table}/{name}", dtype, 1)
+            arr = open_array(
+                zstore, path, f"{table}/{name}", dtype, 1, identity=self._identity(ckpt, f"{table}/{name}")
+            )
             if arr.shape != (rows,):
                 raise CorruptStoreError(
                     f"{path / table / name}: {arr.shape[0]} rows where the manifest of checkpoint {ckpt} "

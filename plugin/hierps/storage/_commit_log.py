@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from hierps.errors import CorruptStoreError, StoreFormatError
-from hierps.storage._checkpoint import FORMAT_VERSION, CheckpointCatalog
+from hierps.storage._checkpoint import FORMAT_VERSION, MARKER, CheckpointCatalog, check_marker
 from hierps.storage._files import read_json_checked, write_json_atomic
 
 __all__ = [
@@ -121,9 +121,9 @@ def snapshots(root: str | Path) -> list[Snapshot]:
                     raise
                 continue  # retired meanwhile by rank 0
             found[snap.id] = snap
-    ckpts = rank_dir(root, 0) / "checkpoints"
-    if ckpts.is_dir():
-        catalog = CheckpointCatalog(ckpts)
+    ckpts, marker = rank_dir(root, 0) / "checkpoints", rank_dir(root, 0) / MARKER
+    if ckpts.is_dir() and marker.exists():  # without its marker, rank 0's store is being created
+        catalog = CheckpointCatalog(ckpts, check_marker(marker).uid)
         for ckpt in catalog.ids():
             if ckpt in found:
                 continue

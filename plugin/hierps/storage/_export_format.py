@@ -1,4 +1,4 @@
-"""The export format (version 2): a directory any Zarr v3 reader opens, that hierps serves from disk.
+"""The export format (version 3): a directory any Zarr v3 reader opens, that hierps serves from disk.
 
 Layout of an export directory::
 
@@ -12,15 +12,17 @@ Layout of an export directory::
     <table>/deleted_fences the first key of each chunk of ``deleted``
     <table>/filter         (w,) uint64: a blocked Bloom filter of ``keys`` and ``deleted``
 
-Every array is one shard of small inner chunks, each with its crc32c (:mod:`hierps.storage._arrays`).
+Every array is one shard of small inner chunks, each with its crc32c and a binding tag naming the
+export (its ``uid``), the array and the chunk's position (:mod:`hierps.storage._arrays`): an array,
+chunk or manifest of another export copied over this one's is refused.
 ``R`` is the most rows of ``dim`` floats that fit a 4 KiB page with their checksum (63 at dim 16;
 at least 16), so that finding a row reads one page of values and about one of keys, and the fences
 and filter, the only part kept in RAM, take under 2 bytes per key.
 
 ``manifest.json``::
 
-    {"format": "hierps-export", "format_version": 2, "checkpoint": 7, "since": null, "seed": 0,
-     "ranks": 1, "source": "/ssd/store", "created": 1700000000.0,
+    {"format": "hierps-export", "format_version": 3, "checkpoint": 7, "since": null, "seed": 0,
+     "ranks": 1, "source": "/ssd/store", "created": 1700000000.0, "uid": "9f0c...",
      "tables": {"user": {"dim": 16, "rows": 1000, "deleted": 0, "total_rows": 1000,
                          "initializer": {"type": "normal", "params": {...}}, "unknown": "initializer",
                          "checks": {"keys": 123, "values": 456, ...}}},
@@ -55,6 +57,7 @@ __all__ = [
     "MANIFEST",
     "PAGE",
     "ExportManifest",
+    "array_identity",
     "TableEntry",
     "chunk_rows_for",
     "key_align",
@@ -63,7 +66,7 @@ __all__ = [
 ]
 
 EXPORT_FORMAT = "hierps-export"
-EXPORT_VERSION = 2
+EXPORT_VERSION = 3
 MANIFEST = "manifest.json"
 PAGE = 4096
 _MIN_CHUNK_ROWS = 16  # wide rows: chunks of 16 rows (a few pages), so fences stay at 0.5 B per key
@@ -91,6 +94,12 @@ _V1 = (
     "RAM. Export the checkpoint again with this hierps (hierps export STORE OUT, or "
     "store.export(out)); the store keeps its checkpoints."
 )
+_V2 = (
+    "Version 2 (an earlier hierps) did not bind its chunks' checksums to the export, so a file "
+    "copied over another would be served. Export the checkpoint again with this hierps (hierps "
+    "export STORE OUT, or store.export(out)); the store keeps its checkpoints."
+)
+_OLDER: dict[object, str] = {1: _V1, 2: _V2}
 
 
 def chunk_rows_for(dim: int) -> int:
@@ -120,6 +129,15 @@ class TableEntry:
     initializer: InitializerConfig
     unknown: str
     checks: dict[str, int]  # array name -> crc32c of its content
+    export_id: str  # the export's uid: its arrays' chunks are bound to it
+
+    def identity(self, array: str) -> str:
+        """What ``array`` of this table is, for the binding tags of its chunks."""
+        return array_identity(self.export_id, self.name, array)
+
+
+def array_identity(export_id: str, table: str, array: str) -> str:
+    return f"{export_id}:{table}/{array}"
 
 
 @dataclass(frozen=True)
@@ -175,7 +193,7 @@ def _check_format(path: Path, doc: Any) -> None:
         raise StoreFormatError(f"{path}: not a hierps export manifest (format {found!r}).")
     version = doc.get("format_version")
     if version != EXPORT_VERSION:
-        advice = _V1 if version == 1 else "Read it with the hierps release that wrote it."
+        advice = _OLDER.get(version, "Read it with the hierps release that wrote it.")
         raise StoreFormatError(
             f"{path}: an export of format version {version!r}; this hierps serves version {EXPORT_VERSION}. {advice}"
         )
@@ -216,15 +234,18 @@ def _parse(export: Path, path: Path, body: dict[str, Any]) -> ExportManifest:
         raise f.bad("source", "a path", body.get("source"))
     if not isinstance(body.get("created"), (int, float)) or isinstance(body.get("created"), bool):
         raise f.bad("created", "a time in seconds", body.get("created"))
+    uid = body.get("uid")
+    if not isinstance(uid, str) or not uid:
+        raise f.bad("uid", "a non-empty str", uid)
     tables = {}
     for name in f.obj(body, "tables", "tables"):
         if not valid_table_name(name):
             raise f.bad("tables", "table names that are plain directory names", name)
-        tables[name] = _table(f, name, f.obj(body["tables"], name, f"tables.{name}"), since)
+        tables[name] = _table(f, name, f.obj(body["tables"], name, f"tables.{name}"), since, uid)
     return ExportManifest(export, checkpoint, since, seed, tables)
 
 
-def _table(f: _Fields, name: str, meta: dict[str, Any], since: int | None) -> TableEntry:
+def _table(f: _Fields, name: str, meta: dict[str, Any], since: int | None, uid: str) -> TableEntry:
     field = f"tables.{name}"
     dim = f.int(meta, "dim", f"{field}.dim", 1, MAX_DIM)
     rows = f.int(meta, "rows", f"{field}.rows", 0, MAX_ROWS)
@@ -241,4 +262,4 @@ def _table(f: _Fields, name: str, meta: dict[str, Any], since: int | None) -> Ta
         raise f.bad(f"{field}.checks", f"a check of each of {sorted(ARRAYS)}", sorted(checks))
     for array in ARRAYS:
         f.int(checks, array, f"{field}.checks.{array}", 0, _MAX_U32)
-    return TableEntry(name, dim, rows, deleted, total, initializer, meta["unknown"], dict(checks))
+    return TableEntry(name, dim, rows, deleted, total, initializer, meta["unknown"], dict(checks), uid)

@@ -30,6 +30,7 @@ from hierps.storage._export_format import (
     DELETED_CHUNK_ROWS,
     PAGE,
     TableEntry,
+    array_identity,
     chunk_rows_for,
     key_align,
 )
@@ -42,9 +43,13 @@ __all__ = ["ExportTable", "Probe", "TableWriter"]
 _SCAN_ROWS = 1 << 18  # rows per read when a whole array is scanned
 
 
-def _write(zstore: LocalStore, name: str, data: np.ndarray, chunk_rows: int, align: int = 1) -> int:
-    """Write the 1-d ``data`` as array ``name``; the crc32c of its content."""
-    out = ArrayWriter(zstore, name, (), data.dtype.name, chunk_rows, align=align, checksum=True)
+def _write(
+    zstore: LocalStore, name: str, data: np.ndarray, chunk_rows: int, identity: str, align: int = 1
+) -> int:
+    """Write the 1-d ``data`` as array ``name`` (its chunks bound to ``identity``); the crc32c of its content."""
+    out = ArrayWriter(
+        zstore, name, (), data.dtype.name, chunk_rows, align=align, checksum=True, identity=identity
+    )
     out.append(data)
     out.close()
     return out.crc
@@ -53,20 +58,38 @@ def _write(zstore: LocalStore, name: str, data: np.ndarray, chunk_rows: int, ali
 class TableWriter:
     """Writes one table of an export from runs of rows appended in increasing key order."""
 
-    def __init__(self, zstore: LocalStore, name: str, dim: int) -> None:
+    def __init__(self, zstore: LocalStore, name: str, dim: int, export_id: str) -> None:
         self.name, self.dim = name, dim
+        self._export_id = export_id
         self.chunk_rows = chunk_rows_for(dim)
         self._zstore = zstore
         zarr.create_group(zstore, path=name)  # so that a plain Zarr reader finds the table's arrays
         rows = self.chunk_rows
         self._keys = ArrayWriter(
-            zstore, f"{name}/keys", (), "int64", rows, align=key_align(rows), checksum=True
+            zstore,
+            f"{name}/keys",
+            (),
+            "int64",
+            rows,
+            align=key_align(rows),
+            checksum=True,
+            identity=self._identity("keys"),
         )
         self._values = ArrayWriter(
-            zstore, f"{name}/values", (dim,), "float32", rows, align=PAGE, checksum=True
+            zstore,
+            f"{name}/values",
+            (dim,),
+            "float32",
+            rows,
+            align=PAGE,
+            checksum=True,
+            identity=self._identity("values"),
         )
         self._fences: list[np.ndarray] = []
         self._last: int | None = None
+
+    def _identity(self, array: str) -> str:
+        return array_identity(self._export_id, self.name, array)
 
     @property
     def rows(self) -> int:
@@ -92,16 +115,21 @@ class TableWriter:
         deleted = np.ascontiguousarray(deleted, np.int64)
         fences = np.concatenate(self._fences) if self._fences else np.empty(0, np.int64)
         z = self._zstore
+        n, ident = self.name, self._identity
         checks = {
             "keys": self._keys.crc,
             "values": self._values.crc,
-            "fences": _write(z, f"{self.name}/fences", fences, BULK_CHUNK_ROWS),
-            "deleted": _write(z, f"{self.name}/deleted", deleted, DELETED_CHUNK_ROWS, align=PAGE),
+            "fences": _write(z, f"{n}/fences", fences, BULK_CHUNK_ROWS, ident("fences")),
+            "deleted": _write(z, f"{n}/deleted", deleted, DELETED_CHUNK_ROWS, ident("deleted"), align=PAGE),
             "deleted_fences": _write(
-                z, f"{self.name}/deleted_fences", deleted[::DELETED_CHUNK_ROWS], BULK_CHUNK_ROWS
+                z,
+                f"{n}/deleted_fences",
+                deleted[::DELETED_CHUNK_ROWS],
+                BULK_CHUNK_ROWS,
+                ident("deleted_fences"),
             ),
         }
-        checks["filter"] = _write(z, f"{self.name}/filter", self._filter(deleted), BULK_CHUNK_ROWS)
+        checks["filter"] = _write(z, f"{n}/filter", self._filter(deleted), BULK_CHUNK_ROWS, ident("filter"))
         return checks
 
     def _filter(self, deleted: np.ndarray) -> np.ndarray:
@@ -109,7 +137,9 @@ class TableWriter:
         read back (just written, so from the page cache) a block at a time."""
         words = np.zeros(filter_words(self.rows + len(deleted), self.chunk_rows), np.uint64)
         root = Path(self._zstore.root)
-        keys = open_array(self._zstore, root, f"{self.name}/keys", "int64", 1)
+        keys = open_array(
+            self._zstore, root, f"{self.name}/keys", "int64", 1, identity=self._identity("keys")
+        )
         for block in _blocks(keys, root, f"{self.name}/keys"):
             bloom_add(words, block)
         bloom_add(words, deleted)
@@ -158,7 +188,9 @@ class ExportTable:
         increasing, one per chunk). O(chunks); reads no row."""
         zstore = LocalStore(str(path), read_only=True)
         arrays = {
-            name: open_array(zstore, path, f"{entry.name}/{name}", dtype, ndim, files)
+            name: open_array(
+                zstore, path, f"{entry.name}/{name}", dtype, ndim, files, identity=entry.identity(name)
+            )
             for name, (dtype, ndim) in ARRAYS.items()
         }
         table = cls(

@@ -23,7 +23,7 @@ import crc32c
 import numpy as np
 
 from hierps.errors import CorruptStoreError
-from hierps.storage._arrays import Array
+from hierps.storage._arrays import Array, binding_tags
 from hierps.storage._files import OpenFiles
 
 __all__ = ["chunk_positions", "read_array", "read_arrays"]
@@ -142,7 +142,7 @@ class _Plan:
         arr, buf = self.arr, self.buf
         if len(self.pos) == 0:
             return np.empty((0, *arr.shape[1:]), dtype=arr.dtype.newbyteorder("="))
-        _check_crcs(arr, buf, self.at, self.file_of)
+        _check_chunks(arr, buf, self.at, self.chunks)
         if self.span:
             return self._decode_span()
         rows = self.at[self.slot] + (self.pos - self.chunks[self.slot] * arr.chunk_rows) * arr.row_bytes
@@ -155,7 +155,7 @@ class _Plan:
         """The rows of a range of consecutive rows: each chunk's payload (every chunk is written whole,
         the last one padded) copied as one item, then the range cut out of them."""
         arr, buf = self.arr, self.buf
-        payload = arr.chunk_rows * arr.row_bytes
+        payload = arr.payload_bytes
         items = np.ndarray((len(buf) - payload + 1,), np.dtype((np.void, payload)), buf, 0, (1,))
         rows = items[self.at].view(arr.dtype).reshape(-1, *arr.shape[1:])
         skip = int(self.pos[0] - self.chunks[0] * arr.chunk_rows)
@@ -263,18 +263,29 @@ def _unreadable(arr: Array, exc: OSError) -> CorruptStoreError:
     )
 
 
-def _check_crcs(arr: Array, buf: np.ndarray, at: np.ndarray, file_of: np.ndarray) -> None:
-    """Raise ``CorruptStoreError`` naming the file of the first chunk in ``buf`` whose crc32c fails."""
-    size = arr.chunk_bytes - 4
+def _check_chunks(arr: Array, buf: np.ndarray, at: np.ndarray, chunks: np.ndarray) -> None:
+    """Raise ``CorruptStoreError`` naming the file of the first chunk in ``buf`` whose crc32c fails, or
+    that is not chunk ``chunks[i]`` of ``arr`` (its binding tag does not match)."""
+    size = arr.payload_bytes
     view = memoryview(buf.data)
-    stored = np.lib.stride_tricks.as_strided(buf, (len(buf) - 3, 4), (1, 1))[at + size].view("<u4")[:, 0]
+    words = np.lib.stride_tricks.as_strided(buf, (len(buf) - 3, 4), (1, 1))
+    stored = words[at + size].view("<u4")[:, 0]
     check: Callable[[memoryview], int] = crc32c.crc32c
     actual = np.fromiter((check(view[a : a + size]) for a in at.tolist()), dtype=np.uint32, count=len(at))
     bad = np.flatnonzero(actual != stored)
     if len(bad):
         raise CorruptStoreError(
-            f"{arr.files[int(file_of[bad[0]])]}: chunk failed its crc32c checksum ({len(bad)} chunk(s) of "
-            f"{arr.path}). Restore the store from a backup, or open an earlier checkpoint."
+            f"{arr.files[int(chunks[bad[0]]) // arr.chunks_per_file]}: chunk failed its crc32c checksum "
+            f"({len(bad)} chunk(s) of {arr.path}). Restore the store from a backup, or open an earlier checkpoint."
+        )
+    tags = words[at + size + 4].view("<u4")[:, 0]
+    wrong = np.flatnonzero(binding_tags(chunks, actual, arr.seed) != tags)
+    if len(wrong):
+        raise CorruptStoreError(
+            f"{arr.files[int(chunks[wrong[0]]) // arr.chunks_per_file]}: chunk {int(chunks[wrong[0]])} is "
+            f"intact but is not the chunk of {arr.identity!r} at that position ({len(wrong)} chunk(s)): a file "
+            "was copied over another, or chunks were moved. Restore the store from a backup, or open an "
+            "earlier checkpoint."
         )
 
 

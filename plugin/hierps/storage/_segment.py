@@ -49,6 +49,12 @@ def segment_name(table: str, seg: int) -> str:
     return f"{table}/{seg:08d}"
 
 
+def array_identity(store_id: str, name: str, array: str) -> str:
+    """What array ``array`` of segment ``name`` is, for the binding tags of its chunks: a copy of
+    another segment's (of this store or another) fails them."""
+    return f"{store_id}:segments/{name}/{array}"
+
+
 def chunk_rows_for(width: int) -> int:
     """Rows per inner chunk of a segment of rows of ``width`` floats (plus the key columns)."""
     return max(_MIN_CHUNK_ROWS, (_PAGE - 4) // (4 * (width + KEY_COLUMNS)))
@@ -68,8 +74,11 @@ class SegmentWriter:
         name: str,
         width: int,
         block_point: str | None = None,
+        *,
+        store_id: str,
     ) -> None:
         self.name, self.width = name, width
+        self._store_id = store_id
         self.chunk_rows = chunk_rows_for(width)
         make_dir(root / name)
         self._zstore = zstore
@@ -81,8 +90,16 @@ class SegmentWriter:
             self.chunk_rows,
             block_point,
             align=_PAGE,
+            identity=array_identity(store_id, name, "rows"),
         )
-        self._filter = ArrayWriter(zstore, f"{name}/filter", (), "uint64", _PAGE // 8)
+        self._filter = ArrayWriter(
+            zstore,
+            f"{name}/filter",
+            (),
+            "uint64",
+            _PAGE // 8,
+            identity=array_identity(store_id, name, "filter"),
+        )
         self._block_rows = self.chunk_rows * FILTER_BLOCK_CHUNKS
         self._block: list[np.ndarray] = []  # keys of the filter block being filled
         self._block_len = 0
@@ -132,7 +149,14 @@ class SegmentWriter:
             self._write_block()
         self._filter.close()
         fences = np.concatenate(self._fences) if self._fences else np.empty(0, np.int64)
-        out = ArrayWriter(self._zstore, f"{self.name}/fences", (), "int64", max(1, len(fences)))
+        out = ArrayWriter(
+            self._zstore,
+            f"{self.name}/fences",
+            (),
+            "int64",
+            max(1, len(fences)),
+            identity=array_identity(self._store_id, self.name, "fences"),
+        )
         out.append(fences)
         out.close()
         return self.n, fences_check(fences)
@@ -158,6 +182,7 @@ class Segment:
     width: int
     files: OpenFiles
     check: int  # fences_check of its content, as the manifest records it
+    store_id: str  # the store's id (its marker's uid): the chunks' binding tags name it
     _rows: Array | None = field(default=None, init=False)
     _fences: np.ndarray | None = field(default=None, init=False)
     _filter: np.ndarray | None = field(default=None, init=False)
@@ -178,7 +203,15 @@ class Segment:
     @property
     def rows_array(self) -> Array:
         if self._rows is None:
-            arr = open_array(self.zstore, self.root, f"{self.name}/rows", "float32", 2, self.files)
+            arr = open_array(
+                self.zstore,
+                self.root,
+                f"{self.name}/rows",
+                "float32",
+                2,
+                self.files,
+                identity=array_identity(self.store_id, self.name, "rows"),
+            )
             if arr.shape != (self.n, self.width + KEY_COLUMNS):
                 raise CorruptStoreError(
                     f"{self.path}: rows of shape {arr.shape} do not form the segment the manifest names "
@@ -192,7 +225,15 @@ class Segment:
         if self._fences is None or self._filter is None:
             arrays = {}
             for name, dtype in (("fences", "int64"), ("filter", "uint64")):
-                arr = open_array(self.zstore, self.root, f"{self.name}/{name}", dtype, 1, self.files)
+                arr = open_array(
+                    self.zstore,
+                    self.root,
+                    f"{self.name}/{name}",
+                    dtype,
+                    1,
+                    self.files,
+                    identity=array_identity(self.store_id, self.name, name),
+                )
                 arrays[name] = read_array(arr, self.root, f"{self.name}/{name}", open_files=self.files)
             rows = self.rows_array
             fences, filt = arrays["fences"], arrays["filter"]

@@ -42,7 +42,7 @@ class CheckpointReader:
         if not marker.exists():
             raise StoreFormatError(f"{self.path}: is not a hierps store (no {MARKER}).")
         self.marker = check_marker(marker)
-        self.catalog = CheckpointCatalog(self.path / "checkpoints")
+        self.catalog = CheckpointCatalog(self.path / "checkpoints", self.marker.uid)
         self.catalog.check_present(self.marker.checkpointed)
         self._ssd: SsdTier | None = None
         for _ in range(_OPEN_ATTEMPTS):
@@ -73,7 +73,7 @@ class CheckpointReader:
                 f"hierps reads {FORMAT_VERSION}. Read it with a matching hierps release."
             )
         self.close()
-        self._ssd = SsdTier(self.path / "segments")
+        self._ssd = SsdTier(self.path / "segments", store_id=self.marker.uid)
         for name, meta in self.manifest["tables"].items():
             self._ssd.load_segments(name, int(meta["width"]), self.catalog.segments(ckpt, name))
 

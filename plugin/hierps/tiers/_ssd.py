@@ -70,8 +70,9 @@ _HARD_SEGMENTS = 2
 class SsdTier:
     """Sorted runs of rows for many tables on disk; RAM holds each run's fences and filter."""
 
-    def __init__(self, root: Path, max_segments: int = 16) -> None:
+    def __init__(self, root: Path, max_segments: int = 16, *, store_id: str) -> None:
         self.root = Path(root)
+        self.store_id = store_id  # the store's id: segment chunks are bound to it
         self.root.mkdir(parents=True, exist_ok=True)
         self._zstore = LocalStore(str(self.root))
         self.max_segments = max_segments
@@ -123,7 +124,9 @@ class SsdTier:
         return sum(s.ram_bytes for segs in list(self._segs.values()) for s in list(segs.values()))
 
     def _segment(self, table: str, seg: int, n: int, check: int) -> Segment:
-        return Segment(self.root, self._zstore, table, seg, n, self.widths[table], self._files, check)
+        return Segment(
+            self.root, self._zstore, table, seg, n, self.widths[table], self._files, check, self.store_id
+        )
 
     # -- lookups ------------------------------------------------------------------------------
     def read(self, table: str, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -273,7 +276,7 @@ class SsdTier:
         try:
             with disk_full_as_error(self.root / name, f"segment {seg_id} of table {table!r}", needed):
                 writer = SegmentWriter(
-                    self._zstore, self.root, name, width, block_point="ssd.segment_rows_block"
+                    self._zstore, self.root, name, width, "ssd.segment_rows_block", store_id=self.store_id
                 )
                 for keys, rows in parts:
                     writer.append(keys, rows)
