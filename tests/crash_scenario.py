@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import json
 import multiprocessing
+import os
 import shutil
 import tempfile
 import traceback
@@ -180,10 +181,40 @@ def resume(path: Path) -> tuple[str | None, dict[str, np.ndarray], dict[str, np.
         torch.set_num_threads(threads)
 
 
+# File-system calls counted as the fault point ``io`` (``io:<n>`` kills the run just before its n-th
+# such call): a kill can then land between any two writes, renames, fsyncs or deletions, not only
+# at the named fault points.
+IO_CALLS = (
+    "write",
+    "pwrite",
+    "fsync",
+    "fdatasync",
+    "replace",
+    "rename",
+    "unlink",
+    "mkdir",
+    "rmdir",
+    "ftruncate",
+)
+
+
+def count_io() -> None:
+    """Make every call of :data:`IO_CALLS` reach the fault point ``io`` first (in this process)."""
+    for name in IO_CALLS:
+        real = getattr(os, name)
+
+        def counted(*args: Any, _real: Callable[..., Any] = real, **kwargs: Any) -> Any:
+            _faults.fault_point("io")
+            return _real(*args, **kwargs)
+
+        setattr(os, name, counted)
+
+
 def _child(
     target: Callable[[str, str, str, bool], None], store: str, out: str, fault: str, record: bool
 ) -> None:
     torch.set_num_threads(1)
+    count_io()
     hierps.storage._arrays._BLOCK_CHUNKS = (
         1  # segment rows written one chunk at a time, a fault point after each
     )

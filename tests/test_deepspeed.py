@@ -480,3 +480,57 @@ def test_auto_dense_allreduce_follows_the_launcher_and_zero_stage():
     if importlib.util.find_spec("horovod.torch") is not None:
         assert resolve_dense_allreduce(auto, under_horovodrun=True, zero_stage=0) is DenseAllreduce.HOROVOD
     assert resolve_dense_allreduce(auto, under_horovodrun=True, zero_stage=1) is DenseAllreduce.DEEPSPEED
+
+
+# -- a save killed half way ------------------------------------------------------------------------
+SAVE_CASES = [
+    # (tags saved, keep_checkpoints, killed at, what the tag asked for loads: "first" / "second" / error)
+    (("best", "best"), 3, "deepspeed.store_saved", "best", "first"),
+    (("best", "best"), 3, "deepspeed.files_saved", "best", ConfigError),
+    (("best", "best"), 3, "deepspeed.recorded", "best", "second"),
+    (("A", "B"), 1, "deepspeed.store_saved", None, "first"),
+    (("A", "B"), 1, "deepspeed.recorded", None, "first"),
+    (("A", "B"), 1, "deepspeed.recorded", "B", "second"),
+    (("A", "B"), 1, "deepspeed.latest_written", None, "second"),
+]
+
+
+@pytest.mark.parametrize(("tags", "keep", "point", "load", "expected"), SAVE_CASES)
+def test_a_save_killed_half_way_loads_one_save_entirely_or_fails_clearly(
+    engines, tmp_path, tags, keep, point, load, expected
+):
+    """A process saving ``tags[1]`` (a reused tag, or a new one with keep_checkpoints 1) is SIGKILLed
+    at ``point`` inside the save. A fresh engine then loads ``load`` (None: the latest tag): it gets
+    the dense layers and the rows of one save, bit for bit, or a ConfigError naming the problem."""
+    here = Path(__file__).parent
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(here), os.environ.get("PYTHONPATH", "")]),
+        "OMP_NUM_THREADS": "1",
+        "HIERPS_FAULT": f"{point}:2",
+    }
+    args = [str(tmp_path / "store"), str(tmp_path / "ckpt"), str(tmp_path), str(keep), *tags]
+    proc = subprocess.run(
+        [sys.executable, str(here / "ds_save_worker.py"), *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == -9, proc.stdout + proc.stderr  # killed inside the second save
+    _, model = twins(seed=9)  # other weights: everything loaded must come from the checkpoint
+    engine, _, _, _ = engines(
+        model=model,
+        optimizer=torch.optim.Adam(model.parameters(), lr=0.01),
+        config=ds_config(tmp_path / "store", gas=1, stage=1, opt="adam"),
+    )
+    if expected is ConfigError:
+        with pytest.raises(ConfigError, match="saved again and that save did not finish"):
+            engine.load_checkpoint(tmp_path / "ckpt", tag=load)
+        return
+    engine.load_checkpoint(tmp_path / "ckpt", tag=load)
+    rows, dense = state(engine)
+    want_rows, want_dense = torch.load(tmp_path / f"{expected}.pt", weights_only=True)
+    torch.testing.assert_close(rows, want_rows, rtol=0, atol=0)
+    for a, b in zip(dense, want_dense):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)

@@ -115,8 +115,18 @@ class StoreInterface(Protocol):
         ...
 
     # -- durability -------------------------------------------------------------------------------
-    def checkpoint(self, tag: str | None = None) -> int:
-        """Make every row written so far durable, atomically; returns the checkpoint id."""
+    def checkpoint(self, tag: str | None = None, *, retire: bool = True) -> int:
+        """Make every row written so far durable, atomically; returns the checkpoint id. With
+        ``retire`` False, older checkpoints stay until :meth:`retire_checkpoints`."""
+        ...
+
+    def retire_checkpoints(self) -> None:
+        """Retire the checkpoints beyond ``keep_checkpoints``."""
+        ...
+
+    @property
+    def keep_checkpoints(self) -> int:
+        """How many checkpoints stay restorable."""
         ...
 
     def restore(self, ref: int | str | None = None) -> int:

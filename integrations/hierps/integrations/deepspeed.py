@@ -61,6 +61,7 @@ from deepspeed.runtime.base_optimizer import ZeROOptimizer
 from deepspeed.runtime.tensor_parallel.init_utils import load_ds_config
 from torch import nn
 
+from hierps._faults import fault_point
 from hierps._store import Store
 from hierps.errors import ConfigError
 from hierps.integrations.config import (
@@ -79,11 +80,12 @@ from hierps.modules import Embedding, EmbeddingBag
 from hierps.rows._ids import same_device
 from hierps.sharding._commits import ALONE, ShardCheckpoints, rank_dir
 from hierps.sharding._sharded import ShardedStore, owner_of
-from hierps.storage._files import read_json_checked, write_json_atomic
+from hierps.storage._files import fsync_dir, read_json_checked, write_json_atomic
 
 __all__ = ["HierarchicalPSConfig", "HierpsEngine", "PassLoader", "initialize", "swap_embeddings"]
 
 _RECORD_FORMAT = "hierps-deepspeed-checkpoint"
+_CLIENT_KEY = "hierps"  # in DeepSpeed's client state: which store checkpoint its files go with
 
 
 def initialize(
@@ -422,12 +424,30 @@ class HierpsEngine:
     ) -> Any:
         """DeepSpeed's checkpoint of ``tag`` (default ``global_step<N>``), and a store checkpoint of it.
 
-        The store checkpoint is made durable first, then ``<save_dir>/<tag>/hierps-rank-NNNNN.json``
-        names it, then DeepSpeed writes its files and its ``latest`` pointer: a crash at any
-        point leaves every earlier tag loadable.
+        In this order, so that a crash at any point leaves every earlier tag loadable, and the tag
+        being saved either whole or refused when loaded:
+
+        1. the store checkpoint is made durable; older store checkpoints are not retired yet;
+        2. DeepSpeed writes its files, the store checkpoint's id in their client state;
+        3. ``<save_dir>/<tag>/hierps-rank-NNNNN.json`` names the store checkpoint: the tag is whole;
+        4. ``latest`` names the tag (written atomically, once every rank finished 3);
+        5. store checkpoints beyond ``keep_checkpoints`` are retired.
+
+        A tag saved again (``"best"``) keeps its previous record until step 3: DeepSpeed's files
+        that do not match it are refused by :meth:`load_checkpoint`.
         """
         tag = str(tag) if tag is not None else f"global_step{self.global_steps}"
-        ckpt = self.hierps_checkpoints.checkpoint(tag)
+        ckpt = self.hierps_checkpoints.checkpoint(tag, retire=False)
+        fault_point("deepspeed.store_saved")
+        state = {**(client_state or {}), _CLIENT_KEY: {"checkpoint": ckpt, "tag": tag}}
+        out = super().save_checkpoint(  # type: ignore[misc]
+            save_dir,
+            tag=tag,
+            client_state=state,
+            save_latest=False,
+            exclude_frozen_parameters=exclude_frozen_parameters,
+        )
+        fault_point("deepspeed.files_saved")
         record = _record_path(save_dir, tag, self.global_rank)
         record.parent.mkdir(parents=True, exist_ok=True)
         body = {
@@ -441,13 +461,14 @@ class HierpsEngine:
             "global_steps": int(self.global_steps),
         }
         write_json_atomic(record, body)
-        return super().save_checkpoint(  # type: ignore[misc]
-            save_dir,
-            tag=tag,
-            client_state=client_state or {},
-            save_latest=save_latest,
-            exclude_frozen_parameters=exclude_frozen_parameters,
-        )
+        fault_point("deepspeed.recorded")
+        _barrier()
+        if save_latest and self.global_rank == 0:
+            _write_latest(Path(save_dir), tag)
+        _barrier()
+        fault_point("deepspeed.latest_written")
+        self.hierps_checkpoints.retire()
+        return out
 
     def load_checkpoint(
         self,
@@ -464,7 +485,9 @@ class HierpsEngine:
         The store returns to exactly the rows and optimizer state saved with the tag, whatever
         ran since (a tag saved by another number of ranks, one included, is resharded). Raises
         ``ConfigError`` before loading anything when the tag has no store checkpoint (saved
-        without hierps, or retired by ``keep_checkpoints``).
+        without hierps, its save did not finish, or retired by ``keep_checkpoints``); and, after
+        DeepSpeed loaded its files, when they belong to another save of the tag than its store
+        checkpoint (a save of a reused tag was interrupted): then load another tag.
         """
         resolved = str(tag) if tag is not None else _latest_tag(load_dir, self.load_universal_checkpoint())
         ref = self._hierps_checkpoint_of(load_dir, resolved) if resolved is not None else None
@@ -478,6 +501,14 @@ class HierpsEngine:
             custom_load_fn=custom_load_fn,
         )
         if out[0] is not None and ref is not None:
+            written = out[1].pop(_CLIENT_KEY, None) if isinstance(out[1], dict) else None
+            if isinstance(written, dict) and written.get("checkpoint") != ref:
+                raise ConfigError(
+                    f"load_checkpoint: tag {resolved!r} in {load_dir}: DeepSpeed's files were written with store "
+                    f"checkpoint {written.get('checkpoint')!r}, its record names {ref}: the tag was saved again "
+                    "and that save did not finish, so its dense and sparse parts are of different saves. "
+                    "The engine's dense state is now that of the files; load another tag (e.g. the latest)."
+                )
             self.hierps_checkpoints.restore(ref)
             if isinstance(self.hierps_store, ShardedStore):
                 self.hierps_store.zero_grad()
@@ -511,6 +542,23 @@ class HierpsEngine:
 
 def _record_path(directory: str | os.PathLike[str], tag: str, rank: int) -> Path:
     return Path(directory) / tag / f"hierps-rank-{rank:05d}.json"
+
+
+def _write_latest(save_dir: Path, tag: str) -> None:
+    """DeepSpeed's ``latest`` file naming ``tag``, replaced atomically (never empty, never half a tag)."""
+    tmp = save_dir / f".latest.tmp-{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.write(tag)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, save_dir / "latest")
+    fsync_dir(save_dir)
+
+
+def _barrier() -> None:
+    """Wait for every rank (torch.distributed, as DeepSpeed's own checkpoint does), if there are several."""
+    if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+        torch.distributed.barrier()
 
 
 def _latest_tag(load_dir: str, universal: bool) -> str | None:

@@ -119,11 +119,14 @@ class ShardCheckpoints:
         self.collectives.barrier()  # no rank checkpoints before every rank has recovered
 
     # -- checkpoints -----------------------------------------------------------------------------
-    def checkpoint(self, tag: str | None = None, extra: dict[str, Any] | None = None) -> int:
+    def checkpoint(
+        self, tag: str | None = None, extra: dict[str, Any] | None = None, *, retire: bool = True
+    ) -> int:
         """Checkpoint every rank's store and commit them as one checkpoint; returns its id (collective).
 
         Committed when rank 0's commit record is written, after every part is durable; every rank
         returns only then. A crash before leaves the previous checkpoint as the latest on every rank.
+        With ``retire`` False, older checkpoints stay until :meth:`retire` (or the next checkpoint).
         """
         body = {**(extra or {}), "world_size": self.world_size, "rank": self.rank}
         part = self.local.checkpoint(tag, extra=body, retire=False)
@@ -145,8 +148,13 @@ class ShardCheckpoints:
                 )
             fault_point("sharded.committed")
             part = parts[0]
-        self._retire()
+        if retire:
+            self._retire()
         return part
+
+    def retire(self) -> None:
+        """Retire the checkpoints beyond ``keep_checkpoints`` (collective)."""
+        self._retire()
 
     def restore(self, ref: int | str | None = None) -> int:
         """Every rank back to checkpoint ``ref`` (an id, a tag, or the latest); returns the id of the

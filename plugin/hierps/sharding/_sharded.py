@@ -451,11 +451,16 @@ class ShardedStore:
             )
 
     # -- checkpoints ---------------------------------------------------------------------------
-    def checkpoint(self, tag: str | None = None) -> int:
+    def checkpoint(self, tag: str | None = None, *, retire: bool = True) -> int:
         """Checkpoint every rank's shard as one checkpoint (collective); returns its id, the same on
         every rank. Committed once for all ranks, after every shard is durable (see
-        :mod:`hierps.sharding._commits`); every rank returns once it is committed."""
-        return self.checkpoints.checkpoint(tag)
+        :mod:`hierps.sharding._commits`); every rank returns once it is committed. ``retire``: as
+        :meth:`hierps.Store.checkpoint`."""
+        return self.checkpoints.checkpoint(tag, retire=retire)
+
+    def retire_checkpoints(self) -> None:
+        """Retire the checkpoints beyond ``keep_checkpoints`` (collective)."""
+        self.checkpoints.retire()
 
     def restore(self, ref: int | str | None = None) -> int:
         """Every rank returns to checkpoint ``ref`` (an id or tag, the same on all ranks; or the latest).
