@@ -151,6 +151,8 @@ class StoreCore:
         try:
             if marker.exists():
                 self.marker = check_marker(marker)
+                for tmp in self.path.glob(f".{MARKER}.tmp-*"):  # a rewrite of the marker was killed
+                    tmp.unlink(missing_ok=True)
                 for sub in ("segments", "checkpoints"):
                     if not (self.path / sub).is_dir():
                         raise CorruptStoreError(
