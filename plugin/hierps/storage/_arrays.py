@@ -45,7 +45,18 @@ from hierps._faults import fault_point
 from hierps.errors import CorruptStoreError
 from hierps.storage._files import OpenFiles
 
-__all__ = ["Array", "ArrayWriter", "create_array", "encoded_bytes", "make_dir", "open_array"]
+__all__ = [
+    "TAG_BYTES",
+    "TRAILER",
+    "Array",
+    "ArrayWriter",
+    "binding_tags",
+    "create_array",
+    "encoded_bytes",
+    "identity_seed",
+    "make_dir",
+    "open_array",
+]
 
 _CODECS = [{"name": "bytes", "configuration": {"endian": "little"}}, {"name": "crc32c"}]
 _KEY_ENCODING = {"name": "default", "configuration": {"separator": "/"}}
@@ -63,6 +74,7 @@ _META_KEYS = {
 }
 _EMPTY = (1 << 64) - 1  # shard index entry of an inner chunk that was never written
 TAG_BYTES = 4  # the binding tag after each encoded chunk
+TRAILER = 4 + TAG_BYTES  # bytes after each chunk's rows: its crc32c and its binding tag
 _ATTRIBUTES = {"hierps": {"chunk_tag": TAG_BYTES}}
 # Inner chunks per write block: a crash test can stop between two blocks.
 _BLOCK_CHUNKS = 2048
@@ -117,7 +129,7 @@ class Array:
     @property
     def chunk_bytes(self) -> int:
         """Bytes hierps reads of one chunk: its rows (padded), the crc32c and the binding tag."""
-        return self.payload_bytes + 4 + TAG_BYTES
+        return self.payload_bytes + TRAILER
 
 
 def identity_seed(identity: str) -> int:
@@ -137,7 +149,7 @@ def encoded_bytes(data: np.ndarray, chunk_rows: int) -> int:
     """Bytes ``data`` takes on disk as written by :func:`create_array` (padded chunks, checksums)."""
     n_chunks = math.ceil(len(data) / chunk_rows) if len(data) else 0
     per_row = data.itemsize * (math.prod(data.shape[1:]) if data.ndim > 1 else 1)
-    return n_chunks * (chunk_rows * per_row + 4 + 16) + 4 + 1024
+    return n_chunks * (chunk_rows * per_row + TRAILER + 16) + 4 + 1024
 
 
 # -- writing ---------------------------------------------------------------------------------------
@@ -194,7 +206,7 @@ class ArrayWriter:
         self._payload = self._chunk_rows * self._row_bytes
         # Each encoded chunk starts at a multiple of ``align`` bytes (the shard index says where): a
         # chunk of at most a page then costs one page read, not two.
-        self._stride = -(-(self._payload + 4 + TAG_BYTES) // align) * align
+        self._stride = -(-(self._payload + TRAILER) // align) * align
         self._seed = identity_seed(identity)
         self._block_point = block_point
         self._partial = np.empty((0, self._row_bytes), np.uint8)
@@ -303,7 +315,7 @@ def _with_crc(payloads: np.ndarray) -> np.ndarray:
 def _encode_chunks(payloads: np.ndarray, first: int, seed: int) -> np.ndarray:
     """(k, p) uint8 payloads of chunks ``first``.. -> (k, p + 8) uint8: each followed by its crc32c
     and its binding tag (little endian)."""
-    out = np.empty((len(payloads), payloads.shape[1] + 4 + TAG_BYTES), dtype=np.uint8)
+    out = np.empty((len(payloads), payloads.shape[1] + TRAILER), dtype=np.uint8)
     out[:, :-TAG_BYTES] = _with_crc(payloads)
     crcs = out[:, -TAG_BYTES - 4 : -TAG_BYTES].copy().view("<u4").reshape(-1)
     tags = binding_tags(np.arange(first, first + len(payloads)), crcs, seed).astype("<u4")

@@ -15,7 +15,7 @@ Layout of an export directory::
 Every array is one shard of small inner chunks, each with its crc32c and a binding tag naming the
 export (its ``uid``), the array and the chunk's position (:mod:`hierps.storage._arrays`): an array,
 chunk or manifest of another export copied over this one's is refused.
-``R`` is the most rows of ``dim`` floats that fit a 4 KiB page with their checksum (63 at dim 16;
+``R`` is the most rows of ``dim`` floats that fit a 4 KiB page with their checksum and binding tag (63 at dim 16;
 at least 16), so that finding a row reads one page of values and about one of keys, and the fences
 and filter, the only part kept in RAM, take under 2 bytes per key.
 
@@ -46,6 +46,7 @@ from typing import Any
 
 from hierps.config import UNADMITTED_VALUES, InitializerConfig
 from hierps.errors import ConfigError, CorruptStoreError, StoreFormatError
+from hierps.storage._arrays import TRAILER
 from hierps.storage._checkpoint import valid_table_name
 
 __all__ = [
@@ -70,7 +71,7 @@ EXPORT_VERSION = 3
 MANIFEST = "manifest.json"
 PAGE = 4096
 _MIN_CHUNK_ROWS = 16  # wide rows: chunks of 16 rows (a few pages), so fences stay at 0.5 B per key
-DELETED_CHUNK_ROWS = (PAGE - 4) // 8  # a page of deleted keys
+DELETED_CHUNK_ROWS = (PAGE - TRAILER) // 8  # a page of deleted keys
 BULK_CHUNK_ROWS = 8192  # fences and filter: read whole at open, in 64 KiB chunks
 # The arrays of a table, with their data type and number of dimensions.
 ARRAYS = {
@@ -104,17 +105,17 @@ _OLDER: dict[object, str] = {1: _V1, 2: _V2}
 
 def chunk_rows_for(dim: int) -> int:
     """Rows per inner chunk of ``values`` (and ``keys``) for rows of ``dim`` float32: as many as fit
-    a page with the chunk's checksum, or, for rows so wide that fewer than 16 fit, the most that fit
-    the fewest whole pages holding 16."""
+    a page with the chunk's checksum and binding tag, or, for rows so wide that fewer than 16 fit,
+    the most that fit the fewest whole pages holding 16."""
     row = 4 * dim
-    pages = 1 if _MIN_CHUNK_ROWS * row + 4 <= PAGE else math.ceil((_MIN_CHUNK_ROWS * row + 4) / PAGE)
-    return (pages * PAGE - 4) // row
+    pages = math.ceil((_MIN_CHUNK_ROWS * row + TRAILER) / PAGE)
+    return (pages * PAGE - TRAILER) // row
 
 
 def key_align(chunk_rows: int) -> int:
     """Where chunks of ``keys`` start: at multiples of the power of two that holds one (at most a
     page), so that no chunk of keys straddles two pages."""
-    return min(PAGE, 1 << (8 * chunk_rows + 4 - 1).bit_length())
+    return min(PAGE, 1 << (8 * chunk_rows + TRAILER - 1).bit_length())
 
 
 @dataclass(frozen=True)

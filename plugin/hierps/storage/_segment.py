@@ -27,7 +27,7 @@ from zarr.storage import LocalStore
 
 from hierps._faults import fault_point
 from hierps.errors import CorruptStoreError
-from hierps.storage._arrays import Array, ArrayWriter, make_dir, open_array
+from hierps.storage._arrays import TRAILER, Array, ArrayWriter, make_dir, open_array
 from hierps.storage._files import OpenFiles
 from hierps.storage._filter import FILTER_BLOCK_CHUNKS, block_words, blocks_may_contain, bloom_build
 from hierps.storage._reads import chunk_positions, read_array
@@ -41,7 +41,9 @@ __all__ = [
 ]
 
 KEY_COLUMNS = 2  # float32 columns holding a row's int64 key
-_PAGE = 4 << 10  # inner chunks of at most a page (with their checksum), page-aligned: a lookup reads one page
+_PAGE = (
+    4 << 10
+)  # inner chunks of at most a page (with their checksum and tag), page-aligned: a lookup reads one page
 _MIN_CHUNK_ROWS = 16  # wide rows: chunks of 16 rows, so fences stay under 0.5 B per key
 
 
@@ -57,7 +59,7 @@ def array_identity(store_id: str, name: str, array: str) -> str:
 
 def chunk_rows_for(width: int) -> int:
     """Rows per inner chunk of a segment of rows of ``width`` floats (plus the key columns)."""
-    return max(_MIN_CHUNK_ROWS, (_PAGE - 4) // (4 * (width + KEY_COLUMNS)))
+    return max(_MIN_CHUNK_ROWS, (_PAGE - TRAILER) // (4 * (width + KEY_COLUMNS)))
 
 
 # -- writing ----------------------------------------------------------------------------------------

@@ -276,7 +276,12 @@ class SsdTier:
         try:
             with disk_full_as_error(self.root / name, f"segment {seg_id} of table {table!r}", needed):
                 writer = SegmentWriter(
-                    self._zstore, self.root, name, width, "ssd.segment_rows_block", store_id=self.store_id
+                    self._zstore,
+                    self.root,
+                    name,
+                    width,
+                    block_point="ssd.segment_rows_block",
+                    store_id=self.store_id,
                 )
                 for keys, rows in parts:
                     writer.append(keys, rows)
