@@ -140,6 +140,8 @@ def main() -> None:
         owned_keys=owned,
         owned_rows=store.local.read_rows("t", owned),
         ssd_read=store.local.ssd.bytes_read,
+        rows_fetched=store.rows_fetched,  # rows fetched key by key (0: every mini-batch on the fast path)
+        bytes_sent=store.bytes_sent,
     )
     store.close()
 

@@ -84,6 +84,8 @@ def test_two_ranks_torchrun_equal_one_rank(one_rank, two_ranks):
         got = _load(two_ranks, f"result-{rank}.npz")
         _assert_same_training(ref, got)
         assert got["ssd_read"] > 0  # the RAM budget forced rows through the SSD tier
+        assert got["rows_fetched"] == 0  # every announced mini-batch: rows only, no keys
+        assert got["bytes_sent"] > 0
     assert sorted(p.name for p in (two_ranks / "store").iterdir()) == ["commits", "rank-00000", "rank-00001"]
 
 
@@ -108,7 +110,9 @@ def test_two_ranks_horovodrun_equal_one_rank(one_rank, tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     ref = _load(one_rank, "result-0.npz")
     for rank in (0, 1):
-        _assert_same_training(ref, _load(tmp_path, f"result-{rank}.npz"))
+        got = _load(tmp_path, f"result-{rank}.npz")
+        _assert_same_training(ref, got)
+        assert got["rows_fetched"] == 0  # routed once per pass over Horovod too
 
 
 def _full_rows(out: Path, prefix: str, ranks: int, key_field: str, row_field: str) -> dict[int, np.ndarray]:

@@ -376,7 +376,7 @@ def run_from_args(args: argparse.Namespace) -> int:
 
         cfg = config_from_args(args)
         results = run_distributed_bench(
-            examples=args.examples or 65_536,
+            examples=cfg.examples if args.examples or args.quick else 65_536,
             rows=args.rows or 200_000,
             dim=cfg.dim,
             batch_size=cfg.batch_size,
