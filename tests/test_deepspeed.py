@@ -402,9 +402,17 @@ def test_two_ranks_train_like_one_torch_process(tmp_path, launch):
     results = [dict(np.load(tmp_path / f"result-{rank}.npz")) for rank in (0, 1)]
     np.testing.assert_allclose((results[0]["losses"] + results[1]["losses"]) / 2, ref_losses, **TOL)
     dense = np.concatenate([p.detach().reshape(-1).numpy() for p in ref.head.parameters()])
+    every = zipf_batches(12, batch=BATCH, bag=BAG, vocab=VOCAB)
+    ids = np.concatenate([b.ids.numpy() for b in every])
+    clicks = np.concatenate([np.repeat(b.labels.numpy(), BAG) for b in every])
     for r in results:  # the same rows on both ranks (lookup asks their owners), equal to torch's
         np.testing.assert_allclose(r["rows"], ref.emb.weight.detach().numpy(), **TOL)
         np.testing.assert_allclose(r["dense"], dense, **TOL)
+        # observe under two ranks counts what one process counts on the global batches
+        np.testing.assert_array_equal(r["shows"], np.bincount(ids, minlength=VOCAB).astype(np.float32))
+        np.testing.assert_array_equal(
+            r["clicks"], np.bincount(ids, clicks, minlength=VOCAB).astype(np.float32)
+        )
     assert sorted(p.name for p in (tmp_path / "store").iterdir()) == ["commits", "rank-00000", "rank-00001"]
     assert (tmp_path / "ckpt" / "end" / "hierps-rank-00001.json").exists()
     if launch == "torchrun":
@@ -452,6 +460,10 @@ def _rank_worker(store: str, out: str, dense_allreduce: str, stage: str) -> None
             )
         )
     losses = train_engine(engine, batches, pass_batches=4)
+    emb = engine.module.emb
+    for b in batches:  # show / click counters of this rank's examples, counted at the keys' owners
+        emb.observe(b.ids, b.offsets, b.labels)
+    counted = engine.hierps_store.counters(emb.table, np.arange(VOCAB))
     rows, dense = state(engine)
     engine.save_checkpoint(Path(out) / "ckpt", tag="end")
     np.savez(
@@ -459,6 +471,8 @@ def _rank_worker(store: str, out: str, dense_allreduce: str, stage: str) -> None
         losses=np.array(losses),
         rows=rows.numpy(),
         dense=np.concatenate([p.float().reshape(-1).numpy() for p in dense]),
+        shows=counted["show"],
+        clicks=counted["click"],
     )
     train_engine(engine, batches[:4])
     engine.load_checkpoint(Path(out) / "ckpt", tag="end")  # every rank back to its shard of "end"
