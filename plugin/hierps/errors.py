@@ -16,6 +16,7 @@ Every message says what happened, the value found, and what to do next::
     ├── StoreLockedError       a second writer on the same store
     ├── StoreClosedError       a store used after close()
     ├── PeerLostError          a collective with the other ranks failed: a rank died or hung
+    ├── StaleWeightError       an embedding weight used after its rows moved into a store
     └── NotSupportedError      an operation this kind of store does not offer yet (NotImplementedError)
 """
 
@@ -37,6 +38,7 @@ __all__ = [
     "StoreClosedError",
     "StoreFormatError",
     "StoreFullError",
+    "StaleWeightError",
     "StoreLockedError",
     "TableMismatchError",
 ]
@@ -112,3 +114,7 @@ class StoreClosedError(HierpsError):
 
 class PeerLostError(HierpsError, RuntimeError):
     """A collective operation with the other ranks failed or timed out (a rank died or hung)."""
+
+
+class StaleWeightError(HierpsError, RuntimeError):
+    """A module's old ``weight`` was used after ``hierps.deepspeed.initialize`` moved its rows into a store."""

@@ -34,6 +34,7 @@ __all__ = [
     "DenseAllreduce",
     "STORE_SETTINGS",
     "HierarchicalPSConfig",
+    "embedding_modules",
     "parse_section",
     "resolve_dense_allreduce",
     "select_modules",
@@ -192,16 +193,19 @@ def split_config(
     return rest, parse_section(config[SECTION]) if SECTION in config else None
 
 
+def embedding_modules(model: nn.Module) -> dict[str, nn.Embedding | nn.EmbeddingBag]:
+    """Qualified name -> every ``nn.Embedding`` / ``nn.EmbeddingBag`` of ``model`` (a shared one once)."""
+    return {name: m for name, m in model.named_modules() if name and isinstance(m, _EMBEDDINGS)}
+
+
 def select_modules(model: nn.Module, cfg: HierarchicalPSConfig) -> dict[str, nn.Module]:
     """Qualified name -> the ``nn.Embedding`` / ``nn.EmbeddingBag`` the section swaps, in model order."""
-    named = dict(model.named_modules())
     if cfg.modules == "auto":
         return {
-            name: m
-            for name, m in named.items()
-            if name and isinstance(m, _EMBEDDINGS) and m.num_embeddings >= cfg.auto_min_rows
+            name: m for name, m in embedding_modules(model).items() if m.num_embeddings >= cfg.auto_min_rows
         }
-    found = sorted(name for name, m in named.items() if isinstance(m, _EMBEDDINGS))
+    named = dict(model.named_modules())
+    found = sorted(embedding_modules(model))
     out: dict[str, nn.Module] = {}
     for name in cfg.modules:
         module = named.get(name) if name else None

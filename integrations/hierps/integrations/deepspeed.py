@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import copy
 import os
+import warnings
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -59,6 +60,7 @@ from deepspeed.constants import TORCH_DISTRIBUTED_DEFAULT_PORT
 from deepspeed.pipe import PipelineModule
 from deepspeed.runtime.base_optimizer import ZeROOptimizer
 from deepspeed.runtime.tensor_parallel.init_utils import load_ds_config
+from deepspeed.utils import log_dist
 from torch import nn
 
 from hierps._faults import fault_point
@@ -75,6 +77,13 @@ from hierps.integrations.config import (
 )
 from hierps.integrations.horovod import map_horovod_env
 from hierps.integrations.loader import PassLoader
+from hierps.integrations.swap import (
+    DenseEmbeddingWarning,
+    SwapReport,
+    check_not_shared,
+    report_swap,
+    retire_weights,
+)
 from hierps.integrations.transport import HorovodTransport, TorchDistributedTransport
 from hierps.modules import Embedding, EmbeddingBag
 from hierps.rows._ids import same_device
@@ -176,6 +185,7 @@ def _initialize_with_store(
         section.dense_allreduce, zero_stage=int(zero.get("stage", 0) or 0)
     )
     chosen = select_modules(model, section)
+    check_not_shared(model, chosen)
     map_horovod_env()  # under horovodrun: RANK, MASTER_ADDR, ... from HOROVOD_*; else nothing
     # What deepspeed.initialize does first; done here so that rank and world size are known.
     deepspeed.init_distributed(
@@ -183,6 +193,11 @@ def _initialize_with_store(
         distributed_port=kwargs["distributed_port"],
         dist_init_required=kwargs["dist_init_required"],
     )
+    first_rank = not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
+    with warnings.catch_warnings():
+        if not first_rank:  # one rank says it
+            warnings.simplefilter("ignore", DenseEmbeddingWarning)
+        report = report_swap(model, chosen, section)
     store, transport, checkpoints = _open_store(section, dense_allreduce, _training_device(kwargs["args"]))
     swaps: list[tuple[nn.Module, str, nn.Module]] = []
     try:
@@ -193,11 +208,14 @@ def _initialize_with_store(
         engine, optimizer, loader, scheduler = deepspeed.initialize(**kwargs)
         _attach(engine, store, section, twins, transport, dense_allreduce)
         engine.hierps_checkpoints = checkpoints
+        engine.hierps_swap = report
     except BaseException:
         for parent, attr, original in reversed(swaps):
             setattr(parent, attr, original)
         store.close()
         raise
+    retire_weights(chosen, {name: getattr(t, "table", name) for name, t in twins.items()})
+    log_dist(report.line(), ranks=[0])
     return engine, optimizer, loader, scheduler
 
 
@@ -377,7 +395,8 @@ class HierpsEngine:
 
     Attributes: ``hierps_store`` (a :class:`hierps.Store`, or a :class:`hierps.ShardedStore`
     over several ranks), ``hierps_config`` (the section), ``hierps_modules`` (qualified name ->
-    hierps module), ``hierps_dense_allreduce`` (``deepspeed`` or ``horovod``).
+    hierps module), ``hierps_dense_allreduce`` (``deepspeed`` or ``horovod``), ``hierps_swap`` (which
+    embedding modules went into the store and which stayed dense, and why).
     """
 
     hierps_store: Store | ShardedStore
@@ -385,6 +404,7 @@ class HierpsEngine:
     hierps_config: HierarchicalPSConfig
     hierps_modules: dict[str, nn.Module]
     hierps_dense_allreduce: DenseAllreduce
+    hierps_swap: SwapReport
     _hierps_average: Callable[[list[nn.Parameter]], None] | None
 
     if TYPE_CHECKING:  # provided by the DeepSpeed engine class this one is mixed into

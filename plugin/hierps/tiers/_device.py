@@ -43,14 +43,18 @@ class DrainedRows:
 
 
 class _Arena:
-    """The rows of every table of one width: slots ``[0, n)`` of ``rows`` are taken."""
+    """The rows of every table of one width: slots ``[0, n)`` of ``rows`` are taken.
 
-    def __init__(self, width: int, device: torch.device, capacity: int = 0) -> None:
+    ``used[s]``: the tier's clock when slot ``s`` was last gathered for training (or loaded).
+    """
+
+    def __init__(self, width: int, device: torch.device, capacity: int = 0, clock: int = 0) -> None:
         self.width = width
         self.device = device
         self.n = 0
         self.rows = torch.empty((capacity, width), dtype=torch.float32, device=device)
         self.dirty = torch.zeros(capacity, dtype=torch.bool, device=device)
+        self.used = torch.full((capacity,), clock, dtype=torch.int64, device=device)
 
     def append(self, m: int) -> int:
         """Take ``m`` more slots (growing the tensors); returns the first."""
@@ -60,7 +64,9 @@ class _Arena:
             rows[: self.n] = self.rows[: self.n]
             dirty = torch.zeros(cap, dtype=torch.bool, device=self.device)
             dirty[: self.n] = self.dirty[: self.n]
-            self.rows, self.dirty = rows, dirty
+            used = torch.zeros(cap, dtype=torch.int64, device=self.device)
+            used[: self.n] = self.used[: self.n]
+            self.rows, self.dirty, self.used = rows, dirty, used
         start = self.n
         self.n += m
         return start
@@ -108,6 +114,7 @@ class DeviceTier:
         self._seen: list[_Seen] = []
         self.generation = 0  # changes when slots handed out may have become invalid
         self.version = 0  # changes whenever any table's resident keys change
+        self.clock = 0  # advanced by every optimizer step: rows gathered since have used == clock
 
     def add_table(self, table: str, width: int) -> None:
         if table not in self._tables:
@@ -159,17 +166,57 @@ class DeviceTier:
         start = r.arena.append(m)
         r.arena.rows[start : start + m] = torch.from_numpy(np.ascontiguousarray(rows)).to(self.device)
         r.arena.dirty[start : start + m] = False
+        r.arena.used[start : start + m] = self.clock
         new_slots = np.arange(start, start + m, dtype=np.int64)
         r.keys = np.concatenate([r.keys, keys])
         r.slots = np.concatenate([r.slots, new_slots])
-        skeys = torch.cat([r.skeys, torch.from_numpy(keys).to(self.device)])
-        order = torch.argsort(skeys, stable=True)
-        r.skeys = skeys[order]
-        r.sslots = torch.cat([r.sslots, torch.from_numpy(new_slots).to(self.device)])[order]
+        # Merge the sorted new keys into the sorted resident ones: their places, then the old ones'.
+        new_keys = torch.from_numpy(keys).to(self.device)
+        at = torch.searchsorted(r.skeys, new_keys) + torch.arange(m, device=self.device)
+        is_new = torch.zeros(r.n, dtype=torch.bool, device=self.device)
+        is_new[at] = True
+        skeys = torch.empty(r.n, dtype=torch.int64, device=self.device)
+        sslots = torch.empty(r.n, dtype=torch.int64, device=self.device)
+        skeys[at], sslots[at] = new_keys, torch.from_numpy(new_slots).to(self.device)
+        skeys[~is_new], sslots[~is_new] = r.skeys, r.sslots
+        r.skeys, r.sslots = skeys, sslots
         self.version += 1
 
     def mark_dirty(self, table: str, slots: torch.Tensor) -> None:
         self._tables[table].arena.dirty[slots] = True
+
+    # -- recency (the tier as a cache, outside passes) ----------------------------------------
+    def touch(self, table: str, slots: torch.Tensor) -> None:
+        """Mark rows as gathered for training now (see :meth:`recent`)."""
+        self._tables[table].arena.used.index_fill_(0, slots, self.clock)
+
+    def tick(self) -> None:
+        """An optimizer step ran: rows gathered from now on are newer than all before."""
+        self.clock += 1
+
+    def recent(self, budget_bytes: int) -> dict[str, np.ndarray]:
+        """The most recently used resident rows that fit in ``budget_bytes``: sorted keys per table.
+
+        Rows gathered since the last step come first (their gradients are pending), then by the
+        step they were last used at; rows used at the same step are taken table by table.
+        """
+        tables = [(t, r) for t, r in self._tables.items() if r.n]
+        if not tables:
+            return {}
+        used = [
+            r.arena.used.index_select(0, torch.from_numpy(r.slots).to(self.device)).cpu().numpy()
+            for _, r in tables
+        ]
+        cost = np.concatenate([np.full(r.n, self.row_bytes(t), np.int64) for t, r in tables])
+        order = np.argsort(-np.concatenate(used), kind="stable")
+        take = np.zeros(len(order), bool)
+        take[order[np.cumsum(cost[order]) <= budget_bytes]] = True
+        out, at = {}, 0
+        for (table, r), _ in zip(tables, used):
+            chosen = r.keys[take[at : at + r.n]]
+            at += r.n
+            out[table] = np.sort(chosen)
+        return out
 
     # -- counters -----------------------------------------------------------------------------
     def defer_seen(
@@ -241,7 +288,7 @@ class DeviceTier:
         self.version += 1
 
     def _reset(self) -> None:
-        self._arenas = {w: _Arena(w, self.device) for w in self._arenas}
+        self._arenas = {w: _Arena(w, self.device, clock=self.clock) for w in self._arenas}
         self._tables = {t: _Resident(self._arenas[r.width]) for t, r in self._tables.items()}
         self.generation += 1
         self.version += 1
@@ -354,7 +401,7 @@ def apply_moves(tier: DeviceTier, moves: Moves, rows: dict[str, np.ndarray]) -> 
     out: dict[str, DrainedRows] = {}
     arenas = {}
     for width, old in tier._arenas.items():
-        new = _Arena(width, dev, moves.capacity.get(width, 0))
+        new = _Arena(width, dev, moves.capacity.get(width, 0), tier.clock)
         new.n = new.rows.shape[0]
         arenas[width] = new
         leave = moves.leave_from.get(width, _EMPTY)
@@ -373,6 +420,7 @@ def apply_moves(tier: DeviceTier, moves: Moves, rows: dict[str, np.ndarray]) -> 
             src, dst = torch.from_numpy(stay).to(dev), torch.from_numpy(moves.stay_to[width]).to(dev)
             new.rows.index_copy_(0, dst, old.rows.index_select(0, src))
             new.dirty.index_copy_(0, dst, old.dirty.index_select(0, src))
+            new.used.index_copy_(0, dst, old.used.index_select(0, src))
         fresh = moves.new_to.get(width, _EMPTY)
         if len(fresh):
             dst = torch.from_numpy(fresh).to(dev)

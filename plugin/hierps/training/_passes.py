@@ -296,20 +296,25 @@ class PassRunner:
     def resident_slots(self, table: str, keys: torch.Tensor) -> torch.Tensor:
         """keys: (U,) sorted unique int64 on the device -> their slots, loading what is missing.
 
-        When the missing rows do not fit next to the working set, the working set is written
-        back first (the pass is split) and the next planned group is loaded along with them.
+        When the missing rows do not fit next to the working set: in a pass split into groups,
+        the working set is written back (the pass is split) and the next planned group is loaded
+        along with them; otherwise (rows fetched on demand, no pass announced) the tier works as
+        a cache and keeps its most recently used rows (:meth:`_make_room`).
         """
-        found, slots = self._core.device_tier.resolve(table, keys)
+        tier = self._core.device_tier
+        found, slots = tier.resolve(table, keys)
         if bool(found.all()):
             return slots
-        need = self._core.device_tier.bytes_for({table: int(keys.numel())})
-        if need > self._core.device_tier.budget:
+        need = tier.bytes_for({table: int(keys.numel())})
+        if need > tier.budget:
             raise DeviceBudgetError(self._budget_message(need))
         missing = keys[~found].cpu().numpy()
         if (
-            self._core.device_tier.bytes_used + self._core.device_tier.bytes_for({table: len(missing)})
-            > self._core.device_tier.budget
+            tier.bytes_used + tier.bytes_for({table: len(missing)}) > tier.budget
+            and len(self.plan.groups) <= 1
         ):
+            self._make_room(table, keys.cpu().numpy(), need)
+        elif tier.bytes_used + tier.bytes_for({table: len(missing)}) > tier.budget:
             self._core.write_back()
             load = {table: keys.cpu().numpy()}
             self._load(load)
@@ -327,5 +332,20 @@ class PassRunner:
                     self._load(nxt, create=False)
         else:
             self._load({table: missing})
-        found, slots = self._core.device_tier.resolve(table, keys)
+        found, slots = tier.resolve(table, keys)
         return slots
+
+    def _make_room(self, table: str, keys: np.ndarray, need: int) -> None:
+        """Make sorted unique ``keys`` resident when they do not fit: the tier keeps its most recently
+        used rows, up to half its budget (rows gathered since the last step first), and writes the
+        others back. With skewed ids most rows of the next mini-batches are among those kept, so
+        fetching on demand does not reload the hot rows after each overflow; and since half the
+        budget is freed, overflows come at most once per half a budget of new rows."""
+        tier = self._core.device_tier
+        self._pipe.wait_writebacks()
+        keep = tier.recent(max(tier.budget // 2 - need, 0))
+        keep[table] = np.union1d(keep.get(table, _EMPTY), keys)
+        drained = rebuild(tier, keep, None, partial(self._core.fetch_many, touch=True))
+        with self._pipe.lock:
+            self._core.put_dirty(drained)
+        self._core.stats.count_on_demand_rebuild()

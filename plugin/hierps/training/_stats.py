@@ -21,6 +21,7 @@ class PassStats:
     _pass: int = 0
     _t0: float = 0.0
     _ssd0: tuple[int, int] = (0, 0)
+    on_demand_rebuilds: int = 0  # times rows fetched on demand overflowed the device tier (all passes)
 
     def begin_pass(self, index: int) -> None:
         self._pass, self._t0 = index, time.perf_counter()
@@ -31,6 +32,9 @@ class PassStats:
         c[0] += ram
         c[1] += ssd
         c[2] += new
+
+    def count_on_demand_rebuild(self) -> None:
+        self.on_demand_rebuilds += 1
 
     def end_pass(self, ssd: SsdTier, memory: MemoryTier, tables: list[str]) -> dict[str, Any]:
         ram = sum(c[0] for c in self._loads.values())

@@ -191,14 +191,47 @@ class SparseTrainer:
         info = self._core.info(table)
         if info.admission.filters:
             return self._gather_filtered(info, keys, requires_grad, counts)
+        if not requires_grad:
+            return self.read_weights(table, keys)
         slots = self._passes.resident_slots(table, keys)
-        if requires_grad:
-            self._features.count_seen(info, slots, counts)
-        weights = self._core.device_tier.weights(table, slots, info.dim)
-        if requires_grad:
-            weights.requires_grad_(True)
-            self.pending.append(_Pending(table, keys, slots, self._core.device_tier.generation, weights))
+        self._features.count_seen(info, slots, counts)
+        self._core.device_tier.touch(table, slots)
+        weights = self._core.device_tier.weights(table, slots, info.dim).requires_grad_(True)
+        self.pending.append(_Pending(table, keys, slots, self._core.device_tier.generation, weights))
         return weights
+
+    def read_weights(self, table: str, keys: torch.Tensor) -> torch.Tensor:
+        """keys: (U,) sorted unique int64 on the device -> (U, dim) float32 current weights, no gradient.
+
+        The read of a forward that does not train (under ``torch.no_grad()`` or ``model.eval()``):
+        rows resident in the device tier are copied from it; the others are read from RAM, SSD or
+        the initializer in pieces of at most the device budget's rows, and enter no tier. So an
+        evaluation batch may need more rows than the device tier holds, with the outputs of a
+        forward whose rows were all resident, and it leaves the training working set as it was.
+        """
+        info = self._core.info(table)
+        tier = self._core.device_tier
+        found, slots = tier.resolve(table, keys)
+        weights = torch.empty((keys.numel(), info.dim), dtype=torch.float32, device=self._core.device)
+        found_np = found.cpu().numpy()
+        if found_np.any():
+            weights[found] = tier.weights(table, slots[found], info.dim)
+        rest = np.flatnonzero(~found_np)
+        if len(rest):
+            self._pipe_wait()
+            piece = max(1, tier.budget // tier.row_bytes(table))
+            keys_np = keys.cpu().numpy()
+            for start in range(0, len(rest), piece):
+                at = rest[start : start + piece]
+                rows = self._core.fetch(table, keys_np[at], touch=False)[:, : info.dim]
+                weights[torch.from_numpy(at).to(self._core.device)] = torch.from_numpy(rows).to(
+                    self._core.device
+                )
+        return weights
+
+    def _pipe_wait(self) -> None:
+        """Rows on their way down to RAM are in no tier for a moment: wait for them."""
+        self._core.pipe.wait_writebacks()
 
     def _gather_filtered(
         self, info: TableInfo, keys: torch.Tensor, requires_grad: bool, counts: torch.Tensor | None
@@ -237,8 +270,11 @@ class SparseTrainer:
             ).to(self._core.device)
         at = torch.from_numpy(np.flatnonzero(has)).to(self._core.device)
         slots = at
-        if len(at):
+        if len(at) and not training:
+            weights[at] = self.read_weights(table, keys[at])
+        elif len(at):
             slots = self._passes.resident_slots(table, keys[at])
+            self._core.device_tier.touch(table, slots)
             if training:
                 seen = torch.from_numpy((n_seen + prior)[has].astype(np.float32)).to(self._core.device)
                 self._features.count_seen(info, slots, seen)
@@ -264,9 +300,10 @@ class SparseTrainer:
             seen.index_add_(0, inverse, counts.to(torch.float32))
         if info.admission.filters:
             return self._filtered_rows(info, uniq, seen is not None, seen)[0][inverse]
+        if seen is None:  # not training: read in pieces, whatever the device tier holds
+            return self.read_weights(table, uniq)[inverse]
         slots = self._passes.resident_slots(table, uniq)
-        if seen is not None:
-            self._features.count_seen(info, slots, seen)
+        self._features.count_seen(info, slots, seen)
         return self._core.device_tier.rows(table)[slots, : info.dim][inverse]
 
     def step(self) -> None:
@@ -277,6 +314,7 @@ class SparseTrainer:
         before changing any row when a gradient is NaN/inf.
         """
         self._core.check_open()
+        self._core.device_tier.tick()
         pending = [p for p in self.pending if p.leaf.grad is not None]
         self.pending = []
         if not pending:
