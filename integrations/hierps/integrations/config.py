@@ -28,6 +28,7 @@ from torch import nn
 from hierps.config import InitializerConfig, OptimizerConfig, StoreSettings, parse_setting
 from hierps.errors import ConfigError
 from hierps.integrations.horovod import launched_by_horovodrun
+from hierps.integrations.loader import parse_batch_ids
 
 __all__ = [
     "SECTION",
@@ -80,13 +81,12 @@ def _modules(value: Any) -> Any:
 def _batch_ids(value: Any) -> Any:
     if value is None:
         return value
-    if not isinstance(value, Mapping) or not all(
-        isinstance(k, str) and isinstance(v, (str, int)) and not isinstance(v, bool) for k, v in value.items()
-    ):
+    if not isinstance(value, Mapping) or not all(isinstance(k, str) for k in value):
         raise ConfigError(
             f'batch_ids: expected a mapping of module name to batch key, like {{"user": '
             f'"user_ids"}}. Got {value!r} instead.'
         )
+    parse_batch_ids(value)  # each place checked here, used by PassLoader
     return dict(value)
 
 
@@ -132,8 +132,10 @@ class HierarchicalPSConfig(BaseModel):
     """Read the next pass ahead and write the last one back in the background (same parameters as false)."""
     max_segments: Annotated[int, Setting] = _DEFAULTS.max_segments
     """SSD segments per table before background compaction merges them (bounds the files a read opens)."""
-    batch_ids: Annotated[dict[str, str | int] | None, BeforeValidator(_batch_ids)] = None
-    """For PassLoader on dict / tuple batches: module name -> batch key holding that module's ids."""
+    batch_ids: Annotated[dict[str, Any] | None, BeforeValidator(_batch_ids)] = None
+    """Module name -> where its ids are in a batch: a key ("user_ids", 0), a path ([0, "user"]), or
+    {"path": [0], "columns": [3, 4]}. For PassLoader and the loader of training_data; without it they
+    find the places from the first batches."""
 
     @model_validator(mode="after")
     def _path_when_enabled(self) -> HierarchicalPSConfig:

@@ -24,10 +24,15 @@ When the config has an enabled ``"hierarchical_ps"`` section it:
    over Horovod when ``dense_allreduce`` resolves to ``horovod``). Either way it opens at the
    latest checkpoint of the directory committed for all ranks, resharded when another number of
    ranks wrote it (one process can take over what many trained);
-3. builds the engine with ``deepspeed.initialize`` and extends its class with
+3. logs one line saying which embedding modules went into the store and which stayed dense, and
+   why (``engine.hierps_swap``), warning when ``"auto"`` left one dense; the old modules' weights
+   become :class:`~hierps.integrations.swap.StaleWeight`, which raise ``StaleWeightError`` when used;
+4. builds the engine with ``deepspeed.initialize`` and extends its class with
    :class:`HierpsEngine`: ``step()`` runs DeepSpeed's step and then, when that step was an
    accumulation boundary, the store's sparse step; ``save_checkpoint`` / ``load_checkpoint``
-   also checkpoint / restore the store.
+   also checkpoint / restore the store. The loader of ``training_data`` comes back as a
+   :class:`PassLoader`: it loads each pass's rows before its batches run (ids found through
+   ``batch_ids``, or from the first batches).
 
 Why the sparse step sits on ``engine.step``: the engine calls the dense optimizer (a client
 optimizer as-is under ZeRO 0, DeepSpeed's ZeRO optimizer wrapping it under ZeRO 1 / 2) only at
@@ -216,6 +221,8 @@ def _initialize_with_store(
         raise
     retire_weights(chosen, {name: getattr(t, "table", name) for name, t in twins.items()})
     log_dist(report.line(), ranks=[0])
+    if loader is not None and twins:  # DeepSpeed's loader of training_data, made pass-aware
+        loader = PassLoader(loader, None, engine)
     return engine, optimizer, loader, scheduler
 
 

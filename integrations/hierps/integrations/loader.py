@@ -13,19 +13,36 @@ loader, a list) to do exactly that::
         engine.step()
 
 Without it, training is still correct: rows are fetched on demand, one mini-batch at a time.
+
+Where a module's ids are in a batch is said by a function, by ``{module: key}`` (``batch[key]``;
+a :class:`BatchIds` spec reaches deeper: a path of keys, and a column range of a 2-D tensor,
+cast to int64 as models do with ``X[:, 3:4].long()``), or found by the loader itself: given an
+engine and no ids, it yields the first batches as they are, watches the ids each swapped module
+receives in their training forward, and looks for the one place in the batch that holds exactly
+those ids (:func:`infer_batch_ids`). From then on it loads passes; the store checks each
+mini-batch's ids against the announced ones, so a wrong guess costs speed, never correctness.
 """
 
 from __future__ import annotations
 
 import itertools
+import logging
+import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass
 from typing import Any
+
+import torch
+from torch import nn
 
 from hierps._store import Store
 from hierps.errors import ConfigError, StoreClosedError
 from hierps.sharding._sharded import ShardedStore
 
-__all__ = ["PassLoader"]
+__all__ = ["BatchIds", "PassLoader", "infer_batch_ids", "parse_batch_ids"]
+
+_log = logging.getLogger("hierps.loader")
+_INFER_BATCHES = 3  # batches watched at most before the ids' places must be unique
 
 IdsFn = Callable[[Any], Mapping[str, Any]]
 _DEFAULT_PASS_BATCHES = 16
@@ -67,20 +84,35 @@ class PassLoader:
         if isinstance(pass_batches, bool) or not isinstance(pass_batches, int) or pass_batches < 1:
             raise ConfigError(f"pass_batches: expected an int >= 1. Got {pass_batches!r} instead.")
         self.pass_batches = pass_batches
+        self.modules: dict[str, nn.Module] = dict(getattr(target, "hierps_modules", None) or {})
         if ids is None:
             ids = section.batch_ids if section is not None else None
-            if ids is None:
+            if ids is None and not self.modules:
                 raise ConfigError(
                     "PassLoader: no ids given. Pass a function batch -> {module_name: ids}, a mapping "
                     '{module_name: batch key}, or set "batch_ids" in the hierarchical_ps section.'
                 )
-        self.ids_of: IdsFn = ids if callable(ids) else _by_key(dict(ids))
+        self.ids_of: IdsFn | None = None  # None: found from the first batches (infer_batch_ids)
+        if ids is not None:
+            self.ids_of = ids if callable(ids) else _by_key(parse_batch_ids(ids))
 
     def __len__(self) -> int:
         return len(self.loader)  # type: ignore[arg-type]
 
+    def __getattr__(self, name: str) -> Any:
+        # What else the wrapped loader offers (DeepSpeed's loader: data_sampler, ...) stays reachable.
+        if name == "loader":
+            raise AttributeError(name)
+        return getattr(self.loader, name)
+
     def __iter__(self) -> Iterator[Any]:
-        batches = iter(self.loader)
+        # One iterator for the whole epoch, even over a loader whose __iter__ starts it again (DeepSpeed's).
+        batches = (b for b in self.loader)
+        if self.ids_of is None:
+            yield from self._infer(batches)
+            if self.ids_of is None:  # not found: the rest runs on demand
+                yield from batches
+                return
         prefetch = getattr(self.store, "prefetch", None)
         group = self._read(batches)
         in_pass = False
@@ -105,7 +137,45 @@ class PassLoader:
 
     def _read(self, batches: Iterator[Any]) -> list[tuple[Any, Mapping[str, Any]]]:
         """The next ``pass_batches`` batches (fewer at the end), each with its ids."""
-        return [(b, self.ids_of(b)) for b in itertools.islice(batches, self.pass_batches)]
+        ids_of = self.ids_of
+        assert ids_of is not None
+        return [(b, ids_of(b)) for b in itertools.islice(batches, self.pass_batches)]
+
+    def _infer(self, batches: Iterator[Any]) -> Iterator[Any]:
+        """Yield up to ``_INFER_BATCHES`` batches unchanged (rows fetched on demand), watching the ids
+        the swapped modules get, until each module's ids have one place in the batch."""
+        seen: dict[str, list[torch.Tensor]] = {}
+        found: dict[str, list[BatchIds]] | None = None
+        hooks = [m.register_forward_pre_hook(_Recorder(name, seen)) for name, m in self.modules.items()]
+        try:
+            for _ in range(_INFER_BATCHES):
+                batch = next(batches, _END)
+                if batch is _END:
+                    return
+                seen.clear()
+                yield batch
+                found = infer_batch_ids(batch, seen, found, names=self.modules)
+                if found is None or all(len(c) == 1 for c in found.values()):
+                    break
+        finally:
+            for h in hooks:
+                h.remove()
+        if found is None or any(not c for c in found.values()):
+            missing = sorted(n for n in self.modules if found is None or not found.get(n))
+            warnings.warn(
+                f"PassLoader: could not find where the ids of {missing} are in a batch (each module must "
+                "be called once per training batch with ids that are a tensor of the batch, or a column "
+                'range of one); batches run without passes, rows fetched on demand. Set "batch_ids" in the '
+                "hierarchical_ps section, or give PassLoader a function batch -> {module: ids}.",
+                stacklevel=2,
+            )
+            return
+        chosen = {name: c[0] for name, c in found.items()}
+        _log.info(
+            "PassLoader: batch_ids found from the first batches: %s",
+            {n: b.to_json() for n, b in chosen.items()},
+        )
+        self.ids_of = _by_key(chosen)
 
 
 def _store_of(target: Any) -> Store | ShardedStore:
@@ -120,19 +190,161 @@ def _store_of(target: Any) -> Store | ShardedStore:
     )
 
 
-def _by_key(mapping: dict[str, Any]) -> IdsFn:
-    """``{module: key}`` -> ``batch -> {module: batch[key]}``, with an error naming a missing key."""
+def _by_key(mapping: Mapping[str, BatchIds]) -> IdsFn:
+    """``{module: BatchIds}`` -> ``batch -> {module: ids}``, with an error naming a missing key."""
 
     def ids_of(batch: Any) -> dict[str, Any]:
         out = {}
-        for module, key in mapping.items():
+        for module, where in mapping.items():
             try:
-                out[module] = batch[key]
+                out[module] = where(batch)
             except (KeyError, IndexError, TypeError):
                 raise ConfigError(
-                    f"batch_ids: module {module!r} reads batch[{key!r}], which this batch does not have "
-                    f"(a {type(batch).__name__}). Map each module to a key of the batch."
+                    f"batch_ids: module {module!r} reads batch{where.describe()}, which this batch does not "
+                    f"have (a {type(batch).__name__}). Map each module to a key of the batch."
                 ) from None
         return out
 
     return ids_of
+
+
+_END = object()
+Key = str | int
+
+
+@dataclass(frozen=True)
+class BatchIds:
+    """Where a module's ids are in a batch: ``batch[path[0]][path[1]]...``, then columns ``[a, b)`` of
+    that 2-D tensor when ``columns`` is set; cast to int64 (models index with ``X[:, a:b].long()``).
+
+    In the config: ``"user_ids"`` or ``0`` (one key), ``[0, "user"]`` (a path), or
+    ``{"path": [0], "columns": [3, 4]}``.
+    """
+
+    path: tuple[Key, ...]
+    columns: tuple[int, int] | None = None
+
+    def __call__(self, batch: Any) -> Any:
+        leaf = batch
+        for key in self.path:
+            leaf = leaf[key]
+        if self.columns is not None:
+            leaf = leaf[:, self.columns[0] : self.columns[1]]
+        if isinstance(leaf, torch.Tensor) and leaf.dtype.is_floating_point:
+            leaf = leaf.long()
+        return leaf
+
+    def describe(self) -> str:
+        cols = f"[:, {self.columns[0]}:{self.columns[1]}]" if self.columns is not None else ""
+        return "".join(f"[{k!r}]" for k in self.path) + cols
+
+    def to_json(self) -> Any:
+        if self.columns is not None:
+            return {"path": list(self.path), "columns": list(self.columns)}
+        return self.path[0] if len(self.path) == 1 else list(self.path)
+
+
+def parse_batch_ids(mapping: Mapping[str, Any]) -> dict[str, BatchIds]:
+    """``{module: key | path | {"path", "columns"} | BatchIds}`` -> ``{module: BatchIds}``; ``ConfigError`` naming a bad one."""
+    return {module: _parse_one(module, spec) for module, spec in mapping.items()}
+
+
+def _parse_one(module: str, spec: Any) -> BatchIds:
+    if isinstance(spec, BatchIds):
+        return spec
+    path, columns = spec, None
+    if isinstance(spec, Mapping) and set(spec) <= {"path", "columns"} and "path" in spec:
+        path, columns = spec["path"], spec.get("columns")
+    if not isinstance(path, (list, tuple)):
+        path = [path]
+    good_path = bool(path) and all(isinstance(k, (str, int)) and not isinstance(k, bool) for k in path)
+    good_cols = columns is None or (
+        isinstance(columns, (list, tuple))
+        and len(columns) == 2
+        and all(isinstance(c, int) and not isinstance(c, bool) for c in columns)
+        and 0 <= columns[0] < columns[1]
+    )
+    if not (good_path and good_cols):
+        raise ConfigError(
+            f'batch_ids.{module}: expected a batch key ("user_ids", 0), a path of keys ([0, "user"]), or '
+            f'{{"path": [0], "columns": [3, 4]}} for columns 3..3 of a 2-D tensor. Got {spec!r} instead.'
+        )
+    return BatchIds(tuple(path), tuple(columns) if columns is not None else None)
+
+
+class _Recorder:
+    """Forward pre-hook: the ids a module gets in each training forward."""
+
+    def __init__(self, name: str, seen: dict[str, list[torch.Tensor]]) -> None:
+        self.name, self.seen = name, seen
+
+    def __call__(self, module: nn.Module, args: tuple[Any, ...]) -> None:
+        if module.training and torch.is_grad_enabled() and args and isinstance(args[0], torch.Tensor):
+            self.seen.setdefault(self.name, []).append(args[0].detach().reshape(-1).cpu())
+
+
+def infer_batch_ids(
+    batch: Any,
+    seen: Mapping[str, list[torch.Tensor]],
+    candidates: dict[str, list[BatchIds]] | None = None,
+    names: Iterable[str] | None = None,
+) -> dict[str, list[BatchIds]] | None:
+    """The places in ``batch`` that hold exactly the ids each module got (``seen``: module -> ids of
+    each call), narrowed down from ``candidates`` (the places found on earlier batches).
+
+    A place is a tensor at most two keys deep (dict keys, tuple / list indexes), whole or a range of
+    columns of a 2-D one, cast to int64. ``names``: the modules to place (default: those in
+    ``seen``). None when one of them did not run exactly once in the batch.
+    """
+    out: dict[str, list[BatchIds]] = {}
+    for name in list(names) if names is not None else list(seen):
+        calls = seen.get(name, [])
+        if len(calls) != 1:
+            return None
+        ids = calls[0]
+        pool = candidates[name] if candidates is not None else list(_places(batch, ids))
+        out[name] = [p for p in pool if _holds(p, batch, ids)]
+    return out
+
+
+def _leaves(
+    batch: Any, path: tuple[Key, ...] = (), depth: int = 2
+) -> Iterator[tuple[tuple[Key, ...], torch.Tensor]]:
+    if isinstance(batch, torch.Tensor):
+        yield path, batch
+    elif depth and isinstance(batch, Mapping):
+        for k, v in batch.items():
+            if isinstance(k, str):
+                yield from _leaves(v, (*path, k), depth - 1)
+    elif depth and isinstance(batch, (list, tuple)):
+        for i, v in enumerate(batch):
+            yield from _leaves(v, (*path, i), depth - 1)
+
+
+def _places(batch: Any, ids: torch.Tensor) -> Iterator[BatchIds]:
+    """Every place in ``batch`` of as many values as ``ids``: whole tensors, column ranges of 2-D ones."""
+    n = ids.numel()
+    for path, leaf in _leaves(batch):
+        if leaf.is_floating_point() or leaf.dtype in (
+            torch.int64,
+            torch.int32,
+            torch.int16,
+            torch.uint8,
+            torch.int8,
+        ):
+            if leaf.numel() == n:
+                yield BatchIds(path)
+            if leaf.dim() == 2 and leaf.shape[0] and n % leaf.shape[0] == 0:
+                width = n // leaf.shape[0]
+                for a in range(0, leaf.shape[1] - width + 1) if 0 < width < leaf.shape[1] else ():
+                    yield BatchIds(path, (a, a + width))
+
+
+def _holds(place: BatchIds, batch: Any, ids: torch.Tensor) -> bool:
+    try:
+        got = place(batch)
+    except (KeyError, IndexError, TypeError):
+        return False
+    if not isinstance(got, torch.Tensor) or got.numel() != ids.numel():
+        return False
+    return bool(torch.equal(got.detach().reshape(-1).cpu().to(torch.int64), ids.to(torch.int64)))

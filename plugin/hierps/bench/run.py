@@ -106,6 +106,10 @@ def _worker(spec: dict[str, Any]) -> dict[str, Any]:
         from hierps.bench.scale import run_phase
 
         return run_phase(spec)
+    if spec["task"] == "dropin":  # one variant of hierps bench --dropin
+        from hierps.bench.dropin import run_phase as run_dropin_phase
+
+        return run_dropin_phase(spec)
     if spec["task"] == "serving":  # one phase of hierps bench --serving
         from hierps.bench.serving import run_phase as run_serving_phase
 
@@ -314,6 +318,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "against the minimum, and per-rank CPU time and bytes per example at 1, 2 and 4 ranks "
         "(hierps.bench.dist; also python -m hierps.bench_dist)",
     )
+    a(
+        "--dropin",
+        action="store_true",
+        help="instead: a plain-PyTorch model (nn.Embedding per field) trained through hierps.deepspeed.initialize "
+        "with a device tier smaller than its tables, on demand and with the loader of training_data, against "
+        "plain PyTorch (hierps.bench.dropin)",
+    )
     a("--cache-bytes", help="with --serving: the row cache of hierps.serving.open (default 64MiB)")
     a(
         "--sizes",
@@ -387,6 +398,10 @@ def run_from_args(args: argparse.Namespace) -> int:
         if args.json:
             Path(args.json).write_text(json.dumps(results, indent=1), encoding="utf-8")
         return 0
+    if args.dropin:
+        from hierps.bench.dropin import run_from_args as run_dropin
+
+        return run_dropin(args)
     cfg = config_from_args(args)
     unknown = sorted(set(cfg.variants) - set(ALL_VARIANTS))
     if unknown:
