@@ -52,7 +52,9 @@ def movielens_100k(limit: int | None = None) -> tuple[dict[str, np.ndarray], np.
     at = np.array([user_row[u] for u in user])
     for name in ("gender", "age", "occupation", "zip_code"):
         cols[name] = np.asarray(users.column(name).to_pylist(), dtype=object)[at]
-    codes = {name: np.unique(cols[name].astype(str), return_inverse=True)[1].astype(np.int64) for name in FIELDS}
+    codes = {
+        name: np.unique(cols[name].astype(str), return_inverse=True)[1].astype(np.int64) for name in FIELDS
+    }
     labels = (ratings.column("rating").to_numpy()[order] >= 4).astype(np.float32)
     return codes, labels
 
@@ -64,7 +66,9 @@ def build_model(codes: dict[str, np.ndarray], seed: int = 1024) -> Any:
     from deepctr_torch.models import DeepFM
 
     columns = [SparseFeat(name, int(codes[name].max()) + 1, embedding_dim=4) for name in FIELDS]
-    return DeepFM(columns, columns, task="binary", l2_reg_embedding=0.0, l2_reg_linear=0.0, seed=seed, device="cpu")
+    return DeepFM(
+        columns, columns, task="binary", l2_reg_embedding=0.0, l2_reg_linear=0.0, seed=seed, device="cpu"
+    )
 
 
 def as_tensors(codes: dict[str, np.ndarray], labels: np.ndarray) -> torch.utils.data.TensorDataset:
@@ -86,7 +90,9 @@ def one_rank() -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0"
+    )
 
 
 def train_hierps(
