@@ -303,3 +303,17 @@ def test_recent_rows_are_those_of_the_latest_steps(tmp_path):
     assert {t: k.tolist() for t, k in tier.recent(row).items()} == {"a": [9], "b": []}
     assert {t: k.tolist() for t, k in tier.recent(3 * row).items()} == {"a": [9], "b": [2, 3]}
     assert {t: k.tolist() for t, k in tier.recent(10 * row).items()} == {"a": [1, 5, 9], "b": [2, 3]}
+
+
+def test_a_pass_too_large_for_the_device_tier_makes_the_next_ones_smaller(make_store):
+    row_bytes = (DIM * 2 + 5) * 4 + 25  # adagrad: weights, state, counters, bookkeeping
+    store = make_store(device_budget=50 * row_bytes)
+    store.table("t", DIM)
+    batches = [{"ids": torch.arange(20 * i, 20 * i + 20)} for i in range(12)]  # 20 new rows each
+    sizes = []
+    begin = store.begin_pass
+    store.begin_pass = lambda b: (sizes.append(len(b)), begin(b))[1]
+    seen = [int(b["ids"][0]) for b in PassLoader(batches, {"t": "ids"}, store, pass_batches=4)]
+    assert seen == list(range(0, 240, 20))
+    # 4 batches are 80 rows, more than the 50 the tier holds: split in groups; then passes of 2 (40 rows).
+    assert sizes == [4, 2, 2, 2, 2]

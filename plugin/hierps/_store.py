@@ -212,6 +212,11 @@ class Store:
         """A pass as :meth:`begin_pass` takes it -> one ``{table: (n,) int64 ids}`` per mini-batch, checked."""
         return self._passes.parse_batches(batches)
 
+    @property
+    def pass_groups(self) -> int:
+        """Groups the current pass was split into to fit the device budget (1: it loaded whole; 0: none)."""
+        return len(self._passes.plan.groups)
+
     def end_pass(self) -> None:
         """Close the pass: see :meth:`PassRunner.end_pass`."""
         self._passes.end_pass()

@@ -66,7 +66,9 @@ class PassLoader:
     ``store.prefetch`` (so their rows are read in the background while this pass trains; a
     store without ``prefetch`` skips that); the pass's batches are yielded one by one; and
     ``store.end_pass`` runs when the batch after them is asked for (so after the last one's
-    optimizer step), or when iteration stops. At most ``2 * pass_batches`` batches are held.
+    optimizer step), or when iteration stops. At most ``2 * pass_batches`` batches are held. A pass
+    whose rows exceed the device budget is loaded group by group, without read-ahead; the loader
+    then halves its passes (down to one batch) until they load whole.
     """
 
     def __init__(
@@ -84,6 +86,7 @@ class PassLoader:
         if isinstance(pass_batches, bool) or not isinstance(pass_batches, int) or pass_batches < 1:
             raise ConfigError(f"pass_batches: expected an int >= 1. Got {pass_batches!r} instead.")
         self.pass_batches = pass_batches
+        self.size = pass_batches  # batches of the next pass: fewer once a pass did not fit the device tier
         self.modules: dict[str, nn.Module] = dict(getattr(target, "hierps_modules", None) or {})
         if ids is None:
             ids = section.batch_ids if section is not None else None
@@ -120,6 +123,10 @@ class PassLoader:
             while group:
                 self.store.begin_pass([ids for _, ids in group])
                 in_pass = True
+                if getattr(self.store, "pass_groups", 1) > 1:
+                    # The pass did not fit the device tier (it loads group by group, nothing read ahead
+                    # or translated): make the next ones smaller until they load whole.
+                    self.size = max(1, self.size // 2)
                 upcoming = self._read(batches)
                 if upcoming and prefetch is not None:
                     prefetch([ids for _, ids in upcoming])
@@ -136,10 +143,10 @@ class PassLoader:
                     pass
 
     def _read(self, batches: Iterator[Any]) -> list[tuple[Any, Mapping[str, Any]]]:
-        """The next ``pass_batches`` batches (fewer at the end), each with its ids."""
+        """The next ``size`` batches (fewer at the end), each with its ids."""
         ids_of = self.ids_of
         assert ids_of is not None
-        return [(b, ids_of(b)) for b in itertools.islice(batches, self.pass_batches)]
+        return [(b, ids_of(b)) for b in itertools.islice(batches, self.size)]
 
     def _infer(self, batches: Iterator[Any]) -> Iterator[Any]:
         """Yield up to ``_INFER_BATCHES`` batches unchanged (rows fetched on demand), watching the ids
