@@ -376,6 +376,7 @@ class SparseTrainer:
         its gradients summed per row already: the fused step of :meth:`step` (the owner's side of a
         sharded step). Each table's step count advances, rows or not."""
         self._core.check_open()
+        self._core.device_tier.tick()
         for table, _, _ in updates:
             self._core.tables[table].step += 1
         self._apply_steps([u for u in updates if u[1].numel()])
