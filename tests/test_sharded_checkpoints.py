@@ -19,6 +19,7 @@ from thread_world import ThreadTransport, run_ranks
 
 import hierps
 import hierps.serving
+from hierps.cli import main
 from hierps.errors import ConfigError, StoreFormatError
 from hierps.lifecycle._export import export_store
 from hierps.lifecycle._inspection import inspect_path
@@ -30,10 +31,12 @@ SETTINGS: dict[str, Any] = {"device": "cpu", "memory_budget": "2KiB"}
 
 
 def state(store: hierps.ShardedStore) -> dict[str, Any]:
-    """What this rank holds: full rows of the keys it owns, its keys pending admission, passes."""
+    """What this rank holds: full rows of the keys it owns that have one, its keys pending
+    admission, passes."""
     owned = ALL_KEYS[owner_of(ALL_KEYS, store.world_size) == store.rank]
+    held = {t: owned[store.local.has_rows(t, owned)] for t in TABLES}
     return {
-        "rows": {t: dict(zip(owned.tolist(), store.local.read_rows(t, owned))) for t in TABLES},
+        "rows": {t: dict(zip(held[t].tolist(), store.local.read_rows(t, held[t]))) for t in TABLES},
         "pending": {t: store.local.pending_keys[t].arrays() for t in TABLES},
         "passes": store.local.passes,
         "steps": {t: store.tables[t].step for t in TABLES},
@@ -182,3 +185,16 @@ def test_ranks_that_do_not_share_the_directory_are_told_so(tmp_path):
 
     messages = run_ranks(2, reopen)
     assert all("the ranks found different checkpoints" in m and "shared file system" in m for m in messages)
+
+
+def test_cli_shrink_of_rank_stores_commits_one_checkpoint_for_all_ranks(trained, tmp_path, capsys):
+    root = copy_of(trained, tmp_path)
+    assert main(["shrink", str(root), "--ttl-passes", "1"]) == 0
+    assert "rows deleted" in capsys.readouterr().out
+    assert [(s.world_size, s.tag) for s in snapshots(root)][-1] == (2, "shrink")
+    # The oracle: the two ranks shrinking the same copy themselves.
+    (tmp_path / "ranks").mkdir()
+    other = copy_of(trained, tmp_path / "ranks")
+    ref = merged(on_ranks(other, 2, lambda s: (s.shrink(ttl_passes=1), s.checkpoint("shrink"), state(s))[2]))
+    assert sum(len(r) for r in ref["rows"].values()) < sum(len(r) for r in trained[1]["rows"].values())
+    assert_same(merged(on_ranks(root, 2, state)), ref)

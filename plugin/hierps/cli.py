@@ -6,8 +6,9 @@ import argparse
 import json
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
-from hierps.errors import HierpsError
+from hierps.errors import ConfigError, HierpsError
 
 __all__ = ["main"]
 
@@ -73,25 +74,31 @@ def _export(args: argparse.Namespace) -> int:
 def _shrink(args: argparse.Namespace) -> int:
     from hierps._store import Store
     from hierps.lifecycle._export import store_dirs
+    from hierps.sharding._commits import update_each_rank
 
-    for path in store_dirs(args.path):
-        with Store(path, device="cpu") as store:
-            if args.table is not None and args.table not in store.tables:
-                print(f"{path}: no table {args.table!r}; it has {sorted(store.tables)}", file=sys.stderr)
-                return 2
-            deleted = store.shrink(
-                args.table, ttl_passes=args.ttl_passes, min_decayed_count=args.min_decayed_count
+    def shrink(path: Path, store: Store) -> None:
+        if args.table is not None and args.table not in store.tables:
+            raise ConfigError(f"{path}: no table {args.table!r}; it has {sorted(store.tables)}")
+        deleted = store.shrink(
+            args.table, ttl_passes=args.ttl_passes, min_decayed_count=args.min_decayed_count
+        )
+        for name, n in deleted.items():
+            active = args.ttl_passes is not None or args.min_decayed_count is not None
+            rule = (
+                ""
+                if active or store.tables[name].eviction.active
+                else (" (no eviction settings: pass --ttl-passes or --min-decayed-count)")
             )
+            print(f"{path}: {name}: {n} rows deleted, {store.ssd.num_rows(name)} left{rule}")
+
+    root = Path(args.path)
+    if store_dirs(root) == [root]:
+        with Store(root, device="cpu") as store:
+            shrink(root, store)
             ckpt = store.checkpoint("shrink")
-            for name, n in deleted.items():
-                active = args.ttl_passes is not None or args.min_decayed_count is not None
-                rule = (
-                    ""
-                    if active or store.tables[name].eviction.active
-                    else (" (no eviction settings: pass --ttl-passes or --min-decayed-count)")
-                )
-                print(f"{path}: {name}: {n} rows deleted, {store.ssd.num_rows(name)} left{rule}")
-            print(f"{path}: checkpoint {ckpt}")
+    else:  # every rank's store, committed as one checkpoint of the ranks
+        ckpt = update_each_rank(root, lambda rank, store: shrink(store.path, store), "shrink", device="cpu")
+    print(f"{root}: checkpoint {ckpt}")
     return 0
 
 

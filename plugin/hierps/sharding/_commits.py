@@ -259,3 +259,28 @@ class ShardCheckpoints:
                 f"{self.root}: the ranks found different checkpoints for {what} (ids {values}, by rank). "
                 "Every rank must see the same store directory (a shared file system) and the same files."
             )
+
+
+def update_each_rank(
+    root: str | Path, work: Callable[[int, Store], None], tag: str, **store_kwargs: Any
+) -> int:
+    """Run ``work(rank, store)`` on each rank's store at the latest checkpoint of a sharded directory,
+    one rank after another in this process (e.g. ``hierps shrink``), and commit what they hold
+    then as one checkpoint, as the ranks would; returns its id. The directory must not be open
+    elsewhere. A crash before the commit leaves the previous checkpoint as the latest."""
+    root = Path(root)
+    latest = find_snapshot(root, None)
+    if latest is None:
+        raise ConfigError(f"{root}: no checkpoint committed for all ranks; nothing to update.")
+    parts = []
+    for rank in range(latest.world_size):
+        with Store(rank_dir(root, rank), **store_kwargs) as store:
+            part = latest.parts[rank]
+            if store.checkpoint_id != part or store.catalog.latest() != part:
+                store.rollback(part)  # a part newer than the commit never committed
+            work(rank, store)
+            extra = {"world_size": latest.world_size, "rank": rank}
+            parts.append(store.checkpoint(tag, extra=extra, retire=latest.world_size == 1))
+    if latest.world_size > 1:
+        write_record(root, parts, tag)
+    return parts[0]
