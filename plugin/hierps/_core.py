@@ -43,9 +43,6 @@ from hierps.errors import (
 )
 from hierps.lifecycle._admission import PendingKeys
 from hierps.rows import _ids
-from hierps.rows._counters import initial_counters
-from hierps.rows._initializers import initial_rows
-from hierps.rows._optim import initial_state
 from hierps.rows._table import TableInfo
 from hierps.storage._checkpoint import MARKER, CheckpointCatalog, StoreMarker, check_marker, write_marker
 from hierps.tiers import DeviceTier, MemoryTier, SsdTier
@@ -235,16 +232,16 @@ class StoreCore:
     def register(self, info: TableInfo, pending: PendingKeys | None = None) -> None:
         """Give table ``info`` its place in every tier (and its keys pending admission)."""
         self.tables[info.name] = info
-        self.ssd.add_table(info.name, info.width)
-        self.memory.add_table(info.name, info.width)
-        self.device_tier.add_table(info.name, info.width)
+        self.ssd.add_table(info.name, info.words)
+        self.memory.add_table(info.name, info.words)
+        self.device_tier.add_table(info.name, info.words)
         self.pending_keys[info.name] = (
             pending if pending is not None else PendingKeys(info.admission.max_pending)
         )
 
     # -- reading rows through the tiers -------------------------------------------------------
     def fetch(self, table: str, keys: np.ndarray, *, touch: bool, ahead: bool = False) -> np.ndarray:
-        """Rows of sorted unique ``keys`` from RAM, else SSD, else the initializer: (n, width) float32."""
+        """Rows of sorted unique ``keys`` from RAM, else SSD, else the initializer: (n, words) stored."""
         return self.fetch_many({table: keys}, touch=touch, ahead=ahead)[table]
 
     def fetch_many(
@@ -254,7 +251,7 @@ class StoreCore:
         out, hits, rests = {}, {}, {}
         with self.pipe.lock:
             for table, keys in requests.items():
-                out[table] = np.empty((len(keys), self.tables[table].width), dtype=np.float32)
+                out[table] = np.empty((len(keys), self.tables[table].words), dtype=np.float32)
                 hit, ram_rows = self.memory.get(table, keys, touch=touch)
                 out[table][hit] = ram_rows
                 hits[table], rests[table] = hit, np.flatnonzero(~hit)
@@ -267,9 +264,7 @@ class StoreCore:
                 rows[rest[found]] = ssd_rows
             new = rest[~found] if len(found) else rest
             if len(new):
-                rows[new, : info.dim] = initial_rows(keys[new], info.dim, info.salt, info.initializer)
-                rows[new, info.dim : info.state_end] = initial_state(info.optimizer, len(new), info.dim)
-                rows[new, info.state_end :] = initial_counters(len(new), self.passes)
+                rows[new] = info.fresh_rows(keys[new], self.passes)
             if touch:
                 self.stats.count_load(
                     table, ram=int(hits[table].sum()), ssd=int(found.sum()), new=len(new), ahead=ahead
@@ -277,24 +272,25 @@ class StoreCore:
         return out
 
     def unique_rows(self, table: str, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """keys (n,) int64 -> (sorted unique keys (u,), inverse (n,), their rows (u, width) float32),
-        read from the device tier, else RAM, SSD or the initializer, without changing any tier."""
+        """keys (n,) int64 -> (sorted unique keys (u,), inverse (n,), their decoded rows (u, width)
+        float32), read from the device tier, else RAM, SSD or the initializer, without changing any tier."""
         self.check_open()
         self.info(table)
         self.pipe.wait_writebacks()
         uniq, inverse = np.unique(keys, return_inverse=True)
         found, slots = self.device_tier.resolve(table, torch.from_numpy(uniq).to(self.device))
         found_np = found.cpu().numpy()
-        out = np.empty((len(uniq), self.tables[table].width), dtype=np.float32)
+        info = self.tables[table]
+        out = np.empty((len(uniq), info.words), dtype=np.float32)
         if found_np.any():
             out[found_np] = self.device_tier.rows(table)[slots[found]].cpu().numpy()
         rest = np.flatnonzero(~found_np)
         if len(rest):
             out[rest] = self.fetch(table, uniq[rest], touch=False)
-        return uniq, inverse.reshape(-1), out
+        return uniq, inverse.reshape(-1), info.layout.decode_np(out)
 
     def whole_rows(self, table: str, keys: Any) -> np.ndarray:
-        """Rows of int64 ``keys`` (n,) wherever they live: (n, width) float32 copy."""
+        """Decoded rows of int64 ``keys`` (n,) wherever they live: (n, width) float32 copy."""
         _, inverse, rows = self.unique_rows(table, _ids.as_int64_array(keys, what="keys"))
         return rows[inverse]
 

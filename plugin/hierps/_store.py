@@ -43,6 +43,7 @@ from hierps.config import (
     InitializerConfig,
     OptimizerConfig,
     StoreSettings,
+    parse_dtype,
 )
 from hierps.errors import ConfigError, StoreFormatError, TableMismatchError
 from hierps.interface import Batches, run_pass
@@ -50,9 +51,7 @@ from hierps.lifecycle._admission import PENDING_ARRAYS, PendingKeys
 from hierps.lifecycle._features import Features
 from hierps.lifecycle._lifecycle import FeatureLifeCycle
 from hierps.rows import _ids
-from hierps.rows._counters import initial_counters
 from hierps.rows._initializers import table_salt
-from hierps.rows._optim import initial_state
 from hierps.rows._table import TableInfo
 from hierps.storage._checkpoint import FORMAT_VERSION, MAX_DIM, CheckpointCatalog, table_name_problem
 from hierps.tiers import DeviceTier, MemoryTier, SsdTier
@@ -338,8 +337,17 @@ class Store:
         initializer: Any = None,
         admission: Any = None,
         eviction: Any = None,
+        weights_dtype: str | None = None,
+        state_dtype: str | None = None,
     ) -> TableInfo:
-        """Create table ``name`` with rows of ``dim`` floats, or reopen it (checking dim and optimizer).
+        """Create table ``name`` with rows of ``dim`` floats, or reopen it (checking dim, optimizer
+        and precisions).
+
+        ``weights_dtype`` (``"fp32"``, the default, ``"bf16"`` or ``"fp16"``) and ``state_dtype``
+        (``"fp32"`` or ``"bf16"``: the per-coordinate optimizer state) are the precisions rows are
+        stored in, in every tier; training computes in float32 and rounds stochastically on write
+        (:mod:`hierps.rows._layout`). They are fixed when the table is created: reopening it with
+        others raises :class:`~hierps.errors.TableMismatchError`.
 
         ``admission`` (:class:`~hierps.config.AdmissionConfig` or a mapping like ``{"min_count": 3}``)
         says when a new key gets a row; ``eviction`` (:class:`~hierps.config.EvictionConfig` or a
@@ -364,6 +372,8 @@ class Store:
         )
         adm = AdmissionConfig.parse(admission) if admission is not None else None
         evict = EvictionConfig.parse(eviction) if eviction is not None else None
+        wdt = parse_dtype(weights_dtype, "weights_dtype") if weights_dtype is not None else None
+        sdt = parse_dtype(state_dtype, "state_dtype") if state_dtype is not None else None
         info = self._core.tables.get(name)
         if info is not None:
             if info.dim != dim:
@@ -371,6 +381,16 @@ class Store:
                     f"table {name!r}: the store holds it with dim {info.dim}, asked for dim {dim}. "
                     "Use another table name or another store directory."
                 )
+            for what, asked, held in (
+                ("weights_dtype", wdt, info.weights_dtype),
+                ("state_dtype", sdt, info.state_dtype),
+            ):
+                if asked is not None and asked != held:
+                    raise TableMismatchError(
+                        f"table {name!r}: the store holds its rows with {what} {held!r}, asked for "
+                        f"{asked!r}. Rows keep the precision they were created with: pass {held!r} "
+                        "(or nothing), or use another table name or another store directory."
+                    )
             if optimizer is not None and info.optimizer != opt:
                 if info.optimizer.type != opt.type:
                     raise TableMismatchError(
@@ -392,6 +412,8 @@ class Store:
             table_salt(self._core.seed, name),
             admission=adm or AdmissionConfig(),
             eviction=evict or EvictionConfig(),
+            weights_dtype=wdt or "fp32",
+            state_dtype=sdt or "fp32",
         )
         self._core.tables[name] = info
         self._core.register(info)
@@ -412,7 +434,8 @@ class Store:
         return torch.from_numpy(weights[inverse]).reshape(*shape, info.dim).to(self._core.device)
 
     def read_rows(self, table: str, keys: np.ndarray) -> np.ndarray:
-        """Weights and optimizer state of int64 ``keys``: (n, dim + state) float32 (counters: :meth:`counters`)."""
+        """Weights and optimizer state of int64 ``keys``, decoded: (n, dim + state) float32 (counters:
+        :meth:`counters`)."""
         return self._core.whole_rows(table, keys)[:, : self._core.info(table).state_end]
 
     def write(self, table: str, keys: Any, weights: Any) -> None:
@@ -434,14 +457,7 @@ class Store:
         self._pipe.drain()
         order = np.argsort(keys, kind="stable")
         keys = keys[order]
-        rows = np.concatenate(
-            [
-                w[order].astype(np.float32),
-                initial_state(info.optimizer, len(keys), info.dim),
-                initial_counters(len(keys), self._core.passes),
-            ],
-            axis=1,
-        )
+        rows = info.fresh_rows(keys, self._core.passes, w[order].astype(np.float32))
         self._core.pending_keys[table].remove(keys)
         key_t = torch.from_numpy(keys).to(self._core.device)
         found, slots = self._core.device_tier.resolve(table, key_t)
@@ -458,9 +474,11 @@ class Store:
             )
 
     def write_rows(self, table: str, keys: np.ndarray, rows: np.ndarray) -> None:
-        """Set whole rows (weights and optimizer state), e.g. when resharding a checkpoint.
+        """Set whole rows (weights, optimizer state, counters), e.g. when resharding a checkpoint.
 
-        keys: (n,) int64 unique; rows: (n, width) float32.
+        keys: (n,) int64 unique; rows: (n, width) float32 decoded rows (as
+        :meth:`CheckpointReader.iter_rows` gives them), stored in the table's precisions (rounded to
+        nearest: a decoded row of this table is stored back unchanged).
         """
         self._core.check_open()
         info = self._core.info(table)
@@ -477,7 +495,10 @@ class Store:
         for start in range(0, len(keys), step):
             part = slice(start, start + step) if order is None else order[start : start + step]
             self._core.memory.put(
-                table, keys[part], np.ascontiguousarray(rows[part], dtype=np.float32), dirty=True
+                table,
+                keys[part],
+                info.layout.encode_np(np.ascontiguousarray(rows[part], dtype=np.float32)),
+                dirty=True,
             )
 
     def reset_table(self, table: str) -> None:
@@ -618,7 +639,7 @@ class Store:
         for name in set(self._core.tables) - set(manifest["tables"]):  # created after that checkpoint
             self._core.tables[name].step = 0
             self._core.pending_keys[name] = PendingKeys(self._core.tables[name].admission.max_pending)
-            self._core.ssd.load_segments(name, self._core.tables[name].width, {})
+            self._core.ssd.load_segments(name, self._core.tables[name].words, {})
         self._core.seed = int(manifest["seed"])
         self._core.passes = int(manifest.get("passes", 0))
         self._core.memory.tick = self._core.passes
@@ -627,27 +648,14 @@ class Store:
 
     def _load_tables(self, ckpt: int, manifest: dict[str, Any]) -> None:
         for name, meta in manifest["tables"].items():
-            info = TableInfo(
-                name,
-                int(meta["dim"]),
-                OptimizerConfig.parse(meta["optimizer"]),
-                InitializerConfig.parse(meta["initializer"]),
-                table_salt(int(manifest["seed"]), name),
-                int(meta["step"]),
-                AdmissionConfig.parse(meta["admission"]),
-                EvictionConfig.parse(meta["eviction"]),
-            )
-            if info.width != int(meta["width"]):
-                raise StoreFormatError(
-                    f"{self.path}: checkpoint {ckpt} table {name!r} has an inconsistent width."
-                )
+            info = TableInfo.from_json(name, meta, int(manifest["seed"]))
             self._core.tables[name] = info
             pending = PendingKeys.from_arrays(
                 info.admission.max_pending,
                 self._core.catalog.read_extra(ckpt, name, PENDING_ARRAYS, int(meta["pending"])),
             )
             self._core.register(info, pending)
-            self._core.ssd.load_segments(name, info.width, self._core.catalog.segments(ckpt, name))
+            self._core.ssd.load_segments(name, info.words, self._core.catalog.segments(ckpt, name))
 
     def list_checkpoints(self) -> list[dict[str, Any]]:
         """``[{"id", "tag", "created"}, ...]`` of the restorable checkpoints, oldest first."""

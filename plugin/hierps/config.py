@@ -19,12 +19,15 @@ from hierps.errors import ConfigError
 __all__ = [
     "DEFAULT_KEEP_CHECKPOINTS",
     "EVICTION_POLICIES",
+    "STATE_DTYPES",
     "UNADMITTED_VALUES",
+    "WEIGHTS_DTYPES",
     "AdmissionConfig",
     "EvictionConfig",
     "InitializerConfig",
     "OptimizerConfig",
     "StoreSettings",
+    "parse_dtype",
     "parse_setting",
     "parse_size",
 ]
@@ -97,6 +100,23 @@ def _check_number(
     return float(value)
 
 
+WEIGHTS_DTYPES = ("fp32", "bf16", "fp16")
+"""Precisions a table's weights may be stored in (``weights_dtype``)."""
+STATE_DTYPES = ("fp32", "bf16")
+"""Precisions of per-coordinate optimizer state (``state_dtype``); fp16's range (6e-8 .. 65504)
+loses squared gradients, so it is not offered."""
+
+
+def parse_dtype(value: Any, key: str) -> str:
+    """A row precision: ``key`` is ``"weights_dtype"`` or ``"state_dtype"`` (or ends with one, as in
+    ``"hierarchical_ps.tables.user.weights_dtype"``)."""
+    allowed = STATE_DTYPES if key.endswith("state_dtype") else WEIGHTS_DTYPES
+    if value not in allowed:
+        hint = " (fp16 cannot hold small squared gradients)" if value == "fp16" else ""
+        raise ConfigError(f"{key}: expected one of {', '.join(allowed)}. Got {value!r} instead{hint}.")
+    return str(value)
+
+
 # Hyper-parameters each sparse optimizer takes, with torch's defaults (sgd has no default lr
 # in torch either). Names and meaning follow torch.optim.SGD / Adagrad / SparseAdam.
 _OPTIMIZER_PARAMS: dict[str, dict[str, Any]] = {
@@ -104,6 +124,9 @@ _OPTIMIZER_PARAMS: dict[str, dict[str, Any]] = {
     "adagrad": {"lr": 0.01, "lr_decay": 0.0, "eps": 1e-10, "initial_accumulator_value": 0.0},
     "rowwise_adagrad": {"lr": 0.01, "eps": 1e-10, "initial_accumulator_value": 0.0},
     "adam": {"lr": 0.001, "betas": (0.9, 0.999), "eps": 1e-08},
+    "partial_rowwise_adam": {"lr": 0.001, "betas": (0.9, 0.999), "eps": 1e-08},
+    # FTRL-Proximal (McMahan et al. 2013): per-coordinate rate alpha / (beta + sqrt(n)), L1 and L2.
+    "ftrl": {"alpha": 0.05, "beta": 1.0, "lambda1": 0.0, "lambda2": 0.0},
 }
 
 
@@ -128,9 +151,15 @@ class OptimizerConfig:
                 f"it takes {', '.join(allowed)}."
             )
         merged = {**allowed, **self.params}
-        if merged["lr"] is None:
+        if "lr" in merged and merged["lr"] is None:
             raise ConfigError("optimizer.params.lr: sgd needs a learning rate (like torch.optim.SGD).")
-        _check_number("optimizer.params.lr", merged["lr"], low=0.0)
+        if "lr" in merged:
+            _check_number("optimizer.params.lr", merged["lr"], low=0.0)
+        if "alpha" in merged:
+            _check_number("optimizer.params.alpha", merged["alpha"], low=0.0, low_open=True)
+        for name in ("beta", "lambda1", "lambda2"):
+            if name in merged:
+                _check_number(f"optimizer.params.{name}", merged[name], low=0.0)
         if "eps" in merged:
             _check_number("optimizer.params.eps", merged["eps"], low=0.0)
         if "lr_decay" in merged:

@@ -62,7 +62,7 @@ class Features:
         record_seen(
             self._core.device_tier.rows(info.name),
             slots,
-            info.state_end,
+            info.counter_word,
             n,
             self._core.passes,
             info.eviction.decay,
@@ -75,7 +75,7 @@ class Features:
         self._core.write_back()
         if not rule.active:
             return 0
-        name, cols = info.name, slice(info.state_end, info.width)
+        name, cols = info.name, slice(info.counter_word, info.words)
         mem_keys, mem_counters = self._core.memory.columns(name, cols)
         doomed = [mem_keys[condemned(mem_counters, self._core.passes, rule)]]
         for keys, block in self._core.ssd.scan(name, cols):

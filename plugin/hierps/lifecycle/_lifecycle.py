@@ -99,7 +99,7 @@ class FeatureLifeCycle:
         slots = self._slots.resident_slots(table, torch.from_numpy(uniq[has]).to(self._core.device))
         resident = self._core.device_tier.rows(table)
         for column, values in zip((SHOW, CLICK), summed):
-            resident[:, info.state_end + column].index_add_(
+            resident[:, info.counter_word + column].index_add_(
                 0, slots, torch.from_numpy(values[has]).to(self._core.device)
             )
         self._core.device_tier.mark_dirty(table, slots)

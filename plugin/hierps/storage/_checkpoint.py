@@ -49,7 +49,8 @@ __all__ = [
 # 4: each chunk's checksum is bound to what the chunk is (store, array, position); the marker holds the
 #    store's id and whether a checkpoint was ever committed; manifests hold keep_checkpoints and
 #    every table's count of keys pending admission; a checkpoint of several ranks counts once a
-#    commit record names every rank's part.
+#    commit record names every rank's part; rows are laid out per table (weights_dtype,
+#    state_dtype: fields of 4-byte words), recorded in every checkpoint's table entry.
 FORMAT_VERSION = 4
 MARKER = "hierps.json"
 MAX_DIM = 65536  # floats per row: a row must fit a segment chunk of a few pages
@@ -132,8 +133,9 @@ _MOVE_ROWS = (
 _MIGRATE: dict[object, str] = {
     2: "Version 2 (hierps 0.1) kept a whole key index in RAM and in every checkpoint. " + _MOVE_ROWS,
     3: (
-        "Version 3 checksummed chunks without binding them to their place in the store, and committed "
-        "the checkpoint of each rank of a sharded store on its own. "
+        "Version 3 checksummed chunks without binding them to their place in the store, committed "
+        "the checkpoint of each rank of a sharded store on its own, and did not record how rows are laid "
+        "out (weights_dtype 'fp32', the default, keeps its rows exact). "
         + _MOVE_ROWS
         + " For a directory of rank-NNNNN stores, read every rank's rows (at the same checkpoint tag) "
         "into one new store at <new directory>/rank-00000: a ShardedStore of any number of ranks "

@@ -1,6 +1,7 @@
 """Device tier: the working set of the current pass, as torch tensors on the training device.
 
-Rows of every table of one width live in one ``(capacity, width)`` float32 *arena* tensor, so a
+Rows of every table of one width (in 4-byte words: rows are stored as their table's layout says,
+:mod:`hierps.rows._layout`) live in one ``(capacity, width)`` float32 *arena* tensor, so a
 training step updates the rows of all its tables with one gather, one optimizer call and one
 scatter. Per table, a sorted key tensor and its slot tensor (both on the device) translate a
 mini-batch's ids into arena slots with one ``searchsorted``. :func:`rebuild` lays each table out
@@ -25,6 +26,7 @@ import torch
 
 from hierps._tensors import joined
 from hierps.rows._counters import record_seen
+from hierps.rows._layout import RowLayout
 
 __all__ = ["DeviceTier", "DrainedRows", "Moves", "Snapshot", "apply_moves", "plan_moves", "rebuild"]
 
@@ -145,9 +147,16 @@ class DeviceTier:
         """The arena of ``table``'s rows (shared with every table of its width)."""
         return self._tables[table].arena
 
-    def weights(self, table: str, slots: torch.Tensor, dim: int) -> torch.Tensor:
-        """slots (U,) int64 -> (U, dim) float32 copy of the first ``dim`` columns of those rows."""
-        return self._tables[table].arena.rows[:, :dim].index_select(0, slots)
+    def weights(self, table: str, slots: torch.Tensor, layout: RowLayout) -> torch.Tensor:
+        """slots (U,) int64 -> (U, dim) float32 copy of those rows' weights, decoded with ``layout``."""
+        return layout.gather_weights(self._tables[table].arena.rows, slots)
+
+    def keys_at(self, table: str, slots: torch.Tensor) -> torch.Tensor:
+        """slots (U,) int64 of resident rows of ``table`` -> (U,) int64 their keys (on the device)."""
+        r = self._tables[table]
+        by_slot = torch.argsort(r.sslots)
+        at = torch.searchsorted(r.sslots[by_slot], slots)
+        return r.skeys[by_slot[at]]
 
     def resolve(self, table: str, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """ids: (n,) int64 on the device -> (found (n,) bool, slots (n,) int64; valid where found)."""

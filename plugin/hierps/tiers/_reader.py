@@ -24,6 +24,7 @@ import numpy as np
 from hierps.errors import CheckpointRetiredError, ConfigError, CorruptStoreError, StoreFormatError
 from hierps.lifecycle._admission import PENDING_ARRAYS
 from hierps.rows._counters import NUM_COUNTERS
+from hierps.rows._table import TableInfo
 from hierps.storage._checkpoint import FORMAT_VERSION, MARKER, CheckpointCatalog, check_marker
 from hierps.tiers._ssd import SsdTier
 
@@ -74,8 +75,13 @@ class CheckpointReader:
             )
         self.close()
         self._ssd = SsdTier(self.path / "segments", store_id=self.marker.uid)
+        self.infos: dict[str, TableInfo] = {}
         for name, meta in self.manifest["tables"].items():
-            self._ssd.load_segments(name, int(meta["width"]), self.catalog.segments(ckpt, name))
+            try:
+                info = self.infos[name] = TableInfo.from_json(name, meta, int(self.manifest["seed"]))
+            except StoreFormatError as exc:
+                raise StoreFormatError(f"{self.path}: checkpoint {ckpt}: {exc}") from None
+            self._ssd.load_segments(name, info.words, self.catalog.segments(ckpt, name))
 
     def close(self) -> None:
         """Close the segment files this reader keeps open (also done by ``with``)."""
@@ -105,7 +111,8 @@ class CheckpointReader:
 
     @property
     def tables(self) -> dict[str, dict[str, Any]]:
-        """``{name: {"dim", "width", "optimizer", "initializer", "step", "rows", "segments"}}``."""
+        """``{name: {"dim", "width", "weights_dtype", "state_dtype", "layout", "optimizer", "initializer",
+        "step", "rows", "segments", ...}}``: the manifest's table entries."""
         return self.manifest["tables"]
 
     def keys(self, table: str) -> np.ndarray:
@@ -134,20 +141,20 @@ class CheckpointReader:
         return self.catalog.read_extra(self.checkpoint_id, table, PENDING_ARRAYS, rows)
 
     def read(self, table: str, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """keys (n,) int64 sorted unique -> (found (n,) bool, rows (found.sum(), width) float32).
+        """keys (n,) int64 sorted unique -> (found (n,) bool, decoded rows (found.sum(), width) float32).
 
         Raises :class:`CheckpointRetiredError` when the checkpoint was retired during the read.
         """
         try:
-            out = self.ssd.read(self._check(table), np.asarray(keys, dtype=np.int64))
+            found, rows = self.ssd.read(self._check(table), np.asarray(keys, dtype=np.int64))
         except CorruptStoreError:
             self._check_alive()  # a file that vanished because the checkpoint was retired
             raise
         self._check_alive()
-        return out
+        return found, self.infos[table].layout.decode_np(rows)
 
     def iter_rows(self, table: str) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-        """Yield ``(keys (b,) int64, rows (b, width) float32)`` over every stored row, by key, in
+        """Yield ``(keys (b,) int64, decoded rows (b, width) float32)`` over every stored row, by key, in
         bounded memory (a buffer per segment). Raises :class:`CheckpointRetiredError` when the
         checkpoint was retired during the scan."""
         rows_iter = self.ssd.iter_rows(self._check(table))
@@ -160,7 +167,7 @@ class CheckpointReader:
             self._check_alive()
             if part is None:
                 return
-            yield part
+            yield part[0], self.infos[table].layout.decode_np(part[1])
 
     def _check(self, table: str) -> str:
         if table not in self.manifest["tables"]:

@@ -173,8 +173,8 @@ class PassBatches:
     batches: list[Batch | None]
     generation: int  # the device tier's generation the slots belong to
     cursor: dict[str, int] = field(default_factory=dict)
-    # by (mini-batch index, arena, dim): the tables of a mini-batch that pool together
-    fused: dict[tuple[int, int, int], FusedBags] = field(default_factory=dict)
+    # by (mini-batch index, arena, dim, weights dtype): the tables of a mini-batch that pool together
+    fused: dict[tuple[int, int, int, str], FusedBags] = field(default_factory=dict)
     fuse: bool = True  # off once a mini-batch's tables did not pool alike
     left: list[int] = field(init=False)  # tables of each mini-batch that have not run it yet
 

@@ -32,6 +32,7 @@ from hierps._faults import fault_point
 from hierps._tensors import joined
 from hierps.errors import ConfigError, NonFiniteGradientError
 from hierps.lifecycle._features import Features
+from hierps.rows._layout import rounding_bits
 from hierps.rows._optim import apply_step
 from hierps.rows._table import TableInfo
 from hierps.training._batchplan import Batch, BatchPlan, FusedBags, pool_bags
@@ -91,9 +92,9 @@ class SparseTrainer:
         info = self._core.tables[table]
         tier = self._core.device_tier
         tier.defer_seen(
-            table, plan.slots, plan.counts, info.state_end, self._core.passes, info.eviction.decay
+            table, plan.slots, plan.counts, info.counter_word, self._core.passes, info.eviction.decay
         )
-        weights = tier.weights(table, plan.slots, info.dim).requires_grad_(True)
+        weights = tier.weights(table, plan.slots, info.layout).requires_grad_(True)
         self.pending.append(_Pending(table, plan.keys, plan.slots, tier.generation, weights))
         return weights, plan
 
@@ -118,7 +119,7 @@ class SparseTrainer:
         k, plan = found
         info = self._core.tables[table]
         tier = self._core.device_tier
-        group = (k, id(tier.arena(table)), info.dim)
+        group = (k, id(tier.arena(table)), info.dim, info.weights_dtype)
         fused = batches.fused.get(group)
         if fused is None:
             for done in [g for g in batches.fused if g[0] < k]:  # earlier mini-batches: let them go
@@ -141,7 +142,7 @@ class SparseTrainer:
             del batches.fused[group]  # every member has its piece; the pieces keep what they need
         batches.ran(table, k)
         tier.defer_seen(
-            table, plan.slots, plan.counts, info.state_end, self._core.passes, info.eviction.decay
+            table, plan.slots, plan.counts, info.counter_word, self._core.passes, info.eviction.decay
         )
         self.pending.append(
             _Pending(table, plan.keys, plan.slots, tier.generation, fused.leaf, fused.rows[table])
@@ -149,14 +150,18 @@ class SparseTrainer:
         return fused.pieces[table]
 
     def _fuse(self, batch: Batch, table: str, offsets: torch.Tensor, mode: str) -> FusedBags:
-        """Gather and pool in one go the tables of ``batch`` that share ``table``'s arena and dim and
-        have as many ids (so that ``offsets``, checked against ``table``'s ids, fit each of them)."""
-        tier, dim = self._core.device_tier, self._core.tables[table].dim
+        """Gather and pool in one go the tables of ``batch`` that share ``table``'s arena, dim and
+        weights dtype and have as many ids (so that ``offsets``, checked against ``table``'s ids, fit
+        each of them)."""
+        tier, info = self._core.device_tier, self._core.tables[table]
         arena, n = tier.arena(table), batch.plans[table].ids.numel()
         members = [
             t
             for t, p in batch.plans.items()
-            if tier.arena(t) is arena and self._core.tables[t].dim == dim and p.ids.numel() == n
+            if tier.arena(t) is arena
+            and (self._core.tables[t].dim, self._core.tables[t].weights_dtype)
+            == (info.dim, info.weights_dtype)
+            and p.ids.numel() == n
         ]
         plans = [batch.plans[t] for t in members]
         if len(members) == len(batch.plans):
@@ -167,7 +172,7 @@ class SparseTrainer:
             local = torch.cat([p.local + s for p, s in zip(plans, starts)])
         ends = np.cumsum([p.ids.numel() for p in plans]).tolist()
         bags = torch.cat([offsets] + [offsets + e for e in ends[:-1]])
-        leaf = arena.rows[:, :dim].index_select(0, slots).requires_grad_(True)
+        leaf = info.layout.gather_weights(arena.rows, slots).requires_grad_(True)
         rows, at = {}, 0
         for t, p in zip(members, plans):
             rows[t] = slice(at, at + p.keys.numel())
@@ -196,7 +201,7 @@ class SparseTrainer:
         slots = self._passes.resident_slots(table, keys)
         self._features.count_seen(info, slots, counts)
         self._core.device_tier.touch(table, slots)
-        weights = self._core.device_tier.weights(table, slots, info.dim).requires_grad_(True)
+        weights = self._core.device_tier.weights(table, slots, info.layout).requires_grad_(True)
         self.pending.append(_Pending(table, keys, slots, self._core.device_tier.generation, weights))
         return weights
 
@@ -215,7 +220,7 @@ class SparseTrainer:
         weights = torch.empty((keys.numel(), info.dim), dtype=torch.float32, device=self._core.device)
         found_np = found.cpu().numpy()
         if found_np.any():
-            weights[found] = tier.weights(table, slots[found], info.dim)
+            weights[found] = tier.weights(table, slots[found], info.layout)
         rest = np.flatnonzero(~found_np)
         if len(rest):
             self._pipe_wait()
@@ -223,10 +228,10 @@ class SparseTrainer:
             keys_np = keys.cpu().numpy()
             for start in range(0, len(rest), piece):
                 at = rest[start : start + piece]
-                rows = self._core.fetch(table, keys_np[at], touch=False)[:, : info.dim]
-                weights[torch.from_numpy(at).to(self._core.device)] = torch.from_numpy(rows).to(
-                    self._core.device
-                )
+                rows = torch.from_numpy(self._core.fetch(table, keys_np[at], touch=False))
+                weights[torch.from_numpy(at).to(self._core.device)] = info.layout.gather_weights(
+                    rows, torch.arange(len(at))
+                ).to(self._core.device)
         return weights
 
     def _pipe_wait(self) -> None:
@@ -278,7 +283,7 @@ class SparseTrainer:
             if training:
                 seen = torch.from_numpy((n_seen + prior)[has].astype(np.float32)).to(self._core.device)
                 self._features.count_seen(info, slots, seen)
-            weights[at] = self._core.device_tier.rows(table)[slots, : info.dim]
+            weights[at] = info.layout.gather_weights(self._core.device_tier.rows(table), slots)
         return weights, at, slots
 
     def serve(self, table: str, keys: torch.Tensor, counts: torch.Tensor | None) -> torch.Tensor:
@@ -304,7 +309,7 @@ class SparseTrainer:
             return self.read_weights(table, uniq)[inverse]
         slots = self._passes.resident_slots(table, uniq)
         self._features.count_seen(info, slots, seen)
-        return self._core.device_tier.rows(table)[slots, : info.dim][inverse]
+        return info.layout.gather_weights(self._core.device_tier.rows(table), slots)[inverse]
 
     def step(self) -> None:
         """One optimizer step for every row touched since the last step (gradients summed per row).
@@ -333,13 +338,13 @@ class SparseTrainer:
         by_table: dict[str, list[tuple[_Pending, torch.Tensor]]] = {}
         for p, g in zip(pending, grads):
             by_table.setdefault(p.table, []).append((p, g))
-        fused: list[tuple[str, torch.Tensor, torch.Tensor]] = []
+        fused: list[tuple[str, torch.Tensor, torch.Tensor, torch.Tensor]] = []
         for table, items in by_table.items():
             first = items[0][0]
             if len(items) == 1 and first.generation == self._core.device_tier.generation:
                 self._core.tables[table].step += 1
                 if first.keys.numel():
-                    fused.append((table, first.slots, items[0][1]))  # the common case: slots still valid
+                    fused.append((table, first.keys, first.slots, items[0][1]))  # slots still valid
             else:
                 self.apply_gradients(
                     table, torch.cat([p.keys for p, _ in items]), torch.cat([g for _, g in items])
@@ -361,14 +366,14 @@ class SparseTrainer:
         uniq, inverse = torch.unique(keys, return_inverse=True)
         summed = torch.zeros((uniq.numel(), info.dim), dtype=torch.float32, device=self._core.device)
         summed.index_add_(0, inverse, grads)
-        self._apply_step(table, self._passes.resident_slots(table, uniq), summed)
+        self._apply_steps([(table, uniq, self._passes.resident_slots(table, uniq), summed)])
 
     def count_sightings(self, table: str, slots: torch.Tensor, counts: torch.Tensor) -> None:
         """Count ``counts`` (U,) float32 sightings into the counters of the resident rows at unique
         ``slots`` (U,), later and fused with the others (the owner's side of a sharded mini-batch)."""
         info = self._core.tables[table]
         self._core.device_tier.defer_seen(
-            table, slots, counts, info.state_end, self._core.passes, info.eviction.decay
+            table, slots, counts, info.counter_word, self._core.passes, info.eviction.decay
         )
 
     def apply_slot_gradients(self, updates: list[tuple[str, torch.Tensor, torch.Tensor]]) -> None:
@@ -379,35 +384,49 @@ class SparseTrainer:
         self._core.device_tier.tick()
         for table, _, _ in updates:
             self._core.tables[table].step += 1
-        self._apply_steps([u for u in updates if u[1].numel()])
+        self._apply_steps([(t, None, slots, grads) for t, slots, grads in updates if slots.numel()])
         self._core.device_tier.flush_seen()
 
-    def _apply_step(self, table: str, slots: torch.Tensor, grad: torch.Tensor) -> None:
-        """Apply the table's optimizer (its step count already advanced) to resident ``slots``."""
-        self._apply_steps([(table, slots, grad)])
+    def _apply_steps(
+        self, updates: list[tuple[str, torch.Tensor | None, torch.Tensor, torch.Tensor]]
+    ) -> None:
+        """Apply each table's optimizer (step counts already advanced) to ``(table, keys, slots, grads)``
+        (keys None: the keys resident at ``slots``, looked up only for compact rows, which need them).
 
-    def _apply_steps(self, updates: list[tuple[str, torch.Tensor, torch.Tensor]]) -> None:
-        """Apply each table's optimizer (step counts already advanced) to ``(table, slots, grads)``.
-
-        Tables sharing a device-tier arena, optimizer, dim and step count go through one gather,
-        one :func:`~hierps.rows._optim.apply_step` and one scatter: the same arithmetic row by row.
+        Tables sharing a device-tier arena, optimizer, row layout and step count go through one
+        gather, one decode, one :func:`~hierps.rows._optim.apply_step`, one encode and one scatter:
+        the same arithmetic row by row. Compact rows are rounded stochastically with bits drawn
+        from (table salt ^ key, step, column) (:mod:`hierps.rows._layout`).
         """
-        groups: list[tuple[tuple[Any, ...], list[tuple[torch.Tensor, torch.Tensor]]]] = []
-        for table, slots, grad in updates:
+        groups: list[
+            tuple[tuple[Any, ...], list[tuple[TableInfo, torch.Tensor | None, torch.Tensor, torch.Tensor]]]
+        ] = []
+        for table, keys, slots, grad in updates:
             info = self._core.tables[table]
-            key = (self._core.device_tier.arena(table), info.optimizer, info.dim, info.step)
+            key = (self._core.device_tier.arena(table), info.optimizer, info.layout, info.step)
             for k, items in groups:
                 if k[0] is key[0] and k[1:] == key[1:]:
-                    items.append((slots, grad))
+                    items.append((info, keys, slots, grad))
                     break
             else:
-                groups.append((key, [(slots, grad)]))
-        for (arena, opt, _, step), items in groups:
-            slots = joined([s for s, _ in items])
-            grad = joined([g for _, g in items])
-            rows = arena.rows.index_select(0, slots)
+                groups.append((key, [(info, keys, slots, grad)]))
+        for (arena, opt, layout, step), items in groups:
+            slots = joined([s for _, _, s, _ in items])
+            grad = joined([g for _, _, _, g in items])
+            rows = layout.decode(arena.rows.index_select(0, slots))
             apply_step(opt, rows, grad, step)
-            arena.rows.index_copy_(0, slots, rows)
+            bits = None
+            if layout.compact:
+                tier = self._core.device_tier
+                seeds = joined(
+                    [
+                        (k if k is not None else tier.keys_at(i.name, s))
+                        ^ int(np.uint64(i.salt).view(np.int64))
+                        for i, k, s, _ in items
+                    ]
+                )
+                bits = rounding_bits(seeds, step, layout.rounded_columns)
+            arena.rows.index_copy_(0, slots, layout.encode(rows, bits))
             arena.dirty.index_fill_(0, slots, True)
 
     def zero_grad(self) -> None:
