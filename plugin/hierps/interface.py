@@ -56,8 +56,11 @@ class StoreInterface(Protocol):
         initializer: Any = None,
         admission: Any = None,
         eviction: Any = None,
+        weights_dtype: str | None = None,
+        state_dtype: str | None = None,
     ) -> TableInfo:
-        """Create table ``name`` with rows of ``dim`` floats, or reopen it (checking dim and optimizer)."""
+        """Create table ``name`` with rows of ``dim`` floats, or reopen it (checking dim, optimizer and
+        the precisions ``weights_dtype`` / ``state_dtype`` its rows are stored in)."""
         ...
 
     def write(self, table: str, keys: Any, weights: Any) -> None:

@@ -17,6 +17,9 @@ Example::
 ``admission`` and ``eviction`` (per table; see :class:`hierps.config.AdmissionConfig` and
 :class:`hierps.config.EvictionConfig`) say when a new id gets a trained row and when a row is
 deleted; by default every id gets a row at first sight and none is ever deleted.
+``weights_dtype`` (``"fp32"``, ``"bf16"``, ``"fp16"``) and ``state_dtype`` (``"fp32"``, ``"bf16"``)
+are the precisions the table's rows are stored in (see :meth:`hierps.Store.table`); forwards and
+gradients stay float32.
 """
 
 from __future__ import annotations
@@ -71,6 +74,8 @@ class _StoreEmbedding(nn.Module):
         initializer: Any,
         admission: Any,
         eviction: Any,
+        weights_dtype: str | None,
+        state_dtype: str | None,
     ) -> None:
         super().__init__()
         if max_norm is not None:
@@ -96,6 +101,8 @@ class _StoreEmbedding(nn.Module):
             initializer=initializer,
             admission=admission,
             eviction=eviction,
+            weights_dtype=weights_dtype,
+            state_dtype=state_dtype,
         )
         if self._created and padding_idx is not None:
             self._store.write(self.table, [padding_idx], torch.zeros(1, embedding_dim))
@@ -160,6 +167,8 @@ class Embedding(_StoreEmbedding):
         initializer: Any = None,
         admission: Any = None,
         eviction: Any = None,
+        weights_dtype: str | None = None,
+        state_dtype: str | None = None,
     ) -> None:
         super().__init__(
             num_embeddings,
@@ -173,6 +182,8 @@ class Embedding(_StoreEmbedding):
             initializer,
             admission,
             eviction,
+            weights_dtype,
+            state_dtype,
         )
         if _freeze:
             raise ConfigError(
@@ -193,6 +204,8 @@ class Embedding(_StoreEmbedding):
         overwrite: bool | None = None,
         admission: Any = None,
         eviction: Any = None,
+        weights_dtype: str | None = None,
+        state_dtype: str | None = None,
     ) -> Embedding:
         """A hierps ``Embedding`` whose rows 0..N-1 are ``module.weight`` (kept if the store has the table)."""
         out = cls(
@@ -207,6 +220,8 @@ class Embedding(_StoreEmbedding):
             initializer=initializer,
             admission=admission,
             eviction=eviction,
+            weights_dtype=weights_dtype,
+            state_dtype=state_dtype,
         )
         out._load_rows(module.weight, overwrite)
         return out
@@ -260,6 +275,8 @@ class EmbeddingBag(_StoreEmbedding):
         initializer: Any = None,
         admission: Any = None,
         eviction: Any = None,
+        weights_dtype: str | None = None,
+        state_dtype: str | None = None,
     ) -> None:
         if mode not in ("sum", "mean", "max"):
             raise ConfigError(f"mode: expected 'sum', 'mean' or 'max'. Got {mode!r} instead.")
@@ -275,6 +292,8 @@ class EmbeddingBag(_StoreEmbedding):
             initializer,
             admission,
             eviction,
+            weights_dtype,
+            state_dtype,
         )
         self.mode = mode
         self.include_last_offset = include_last_offset
@@ -293,6 +312,8 @@ class EmbeddingBag(_StoreEmbedding):
         overwrite: bool | None = None,
         admission: Any = None,
         eviction: Any = None,
+        weights_dtype: str | None = None,
+        state_dtype: str | None = None,
     ) -> EmbeddingBag:
         """A hierps ``EmbeddingBag`` whose rows 0..N-1 are ``module.weight`` (kept if the store has the table)."""
         out = cls(
@@ -309,6 +330,8 @@ class EmbeddingBag(_StoreEmbedding):
             initializer=initializer,
             admission=admission,
             eviction=eviction,
+            weights_dtype=weights_dtype,
+            state_dtype=state_dtype,
         )
         out._load_rows(module.weight, overwrite)
         return out

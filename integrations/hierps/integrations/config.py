@@ -25,7 +25,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
 from torch import nn
 
-from hierps.config import InitializerConfig, OptimizerConfig, StoreSettings, parse_setting
+from hierps.config import InitializerConfig, OptimizerConfig, StoreSettings, parse_dtype, parse_setting
 from hierps.errors import ConfigError
 from hierps.integrations.horovod import launched_by_horovodrun
 from hierps.integrations.loader import parse_batch_ids
@@ -90,7 +90,13 @@ def _batch_ids(value: Any) -> Any:
     return dict(value)
 
 
+def _dtype(value: Any, info: Any) -> str:
+    """A row precision, checked where ``hierps.Store.table`` checks it (:func:`hierps.config.parse_dtype`)."""
+    return parse_dtype(value, info.field_name)
+
+
 Setting = BeforeValidator(_setting)
+Dtype = BeforeValidator(_dtype)
 StrictInt = Annotated[int, Field(strict=True)]
 
 
@@ -116,7 +122,13 @@ class HierarchicalPSConfig(BaseModel):
     pass_batches: StrictInt = Field(16, ge=1)
     """Mini-batches per pass: how far PassLoader reads ahead to load their rows at once."""
     optimizer: Annotated[OptimizerConfig, Setting] = _DEFAULTS.optimizer
-    """Sparse optimizer of the swapped tables: {"type": sgd | adagrad | rowwise_adagrad | adam, "params": {...}}."""
+    """Sparse optimizer of the swapped tables: {"type": sgd | adagrad | rowwise_adagrad | adam |
+    partial_rowwise_adam | ftrl, "params": {...}}."""
+    weights_dtype: Annotated[str, Dtype] = "fp32"
+    """Precision the swapped tables' weights are stored in: "fp32" (exact), "bf16" or "fp16" (half the
+    bytes; computed in float32, rounded stochastically on write)."""
+    state_dtype: Annotated[str, Dtype] = "fp32"
+    """Precision of their per-coordinate optimizer state: "fp32" or "bf16"."""
     initializer: Annotated[InitializerConfig, Setting] = _DEFAULTS.initializer
     """Initial rows of ids beyond the module's rows 0..N-1 (raw feature ids): normal | uniform | zeros."""
     dense_allreduce: DenseAllreduce = DenseAllreduce.AUTO

@@ -206,7 +206,15 @@ def _initialize_with_store(
     store, transport, checkpoints = _open_store(section, dense_allreduce, _training_device(kwargs["args"]))
     swaps: list[tuple[nn.Module, str, nn.Module]] = []
     try:
-        twins = swap_embeddings(model, chosen, store, optimizer=section.optimizer, undo=swaps)
+        twins = swap_embeddings(
+            model,
+            chosen,
+            store,
+            optimizer=section.optimizer,
+            weights_dtype=section.weights_dtype,
+            state_dtype=section.state_dtype,
+            undo=swaps,
+        )
         dropped = {id(p) for m in chosen.values() for p in m.parameters()}
         kwargs["model_parameters"] = _dense_parameters(kwargs["model_parameters"], dropped)
         _drop_from_optimizer(kwargs["optimizer"], dropped)
@@ -262,6 +270,8 @@ def swap_embeddings(
     store: Store | ShardedStore,
     *,
     optimizer: Any = None,
+    weights_dtype: str | None = None,
+    state_dtype: str | None = None,
     undo: list[tuple[nn.Module, str, nn.Module]] | None = None,
 ) -> dict[str, nn.Module]:
     """Replace each named ``nn.Embedding`` / ``nn.EmbeddingBag`` of ``model`` by its hierps twin.
@@ -269,8 +279,11 @@ def swap_embeddings(
     ``modules``: qualified name -> module (as :func:`select_modules` gives). Every reference to
     a module is replaced (a module shared by two parents stays shared), and the twin holds rows
     0..N-1 of its weight in table ``name`` (unless the store already holds that table: resume).
-    ``undo`` receives ``(parent, attribute, original)`` for each replacement. Returns name -> twin.
+    ``undo`` receives ``(parent, attribute, original)`` for each replacement. ``optimizer``,
+    ``weights_dtype`` and ``state_dtype`` are the tables' (see :meth:`hierps.Store.table`). Returns
+    name -> twin.
     """
+    table = {"optimizer": optimizer, "weights_dtype": weights_dtype, "state_dtype": state_dtype}
     refs: dict[int, list[tuple[nn.Module, str]]] = {}
     for parent in model.modules():
         for attr, child in parent._modules.items():  # named_children() would hide a second reference
@@ -281,9 +294,9 @@ def swap_embeddings(
         if id(module) not in made:
             twin: nn.Module
             if isinstance(module, nn.EmbeddingBag):
-                twin = EmbeddingBag.from_module(module, store=store, name=name, optimizer=optimizer)
+                twin = EmbeddingBag.from_module(module, store=store, name=name, **table)
             elif isinstance(module, nn.Embedding):
-                twin = Embedding.from_module(module, store=store, name=name, optimizer=optimizer)
+                twin = Embedding.from_module(module, store=store, name=name, **table)
             else:
                 raise ConfigError(
                     f"swap_embeddings: {name!r} is a {type(module).__name__}, not an nn.Embedding "

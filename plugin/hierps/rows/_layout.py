@@ -23,10 +23,16 @@ probability of its distance to the value below, so that small updates are kept o
 of always rounding back. The random bits are a hash of (table salt ^ key, the table's step count,
 the column of the value in the decoded row) (:func:`rounding_bits`), so a step rounds the same
 way whatever the pass, batch, rank or device: results are reproducible, and a test can hold a
-reference that rounds with the same bits. For bf16, the 16 low bits of the float32 value plus
-the top 16 random bits, truncated; for fp16, the 13 low bits plus 13 random bits in fp16's normal
-range, and ``floor(x * 2**24 + u) / 2**24`` (``u`` 24 random bits over 2**24) in its subnormal
-range; fp16 saturates at +-65504. Values written otherwise (initial rows, :meth:`hierps.Store.write`,
+reference that rounds with the same bits. With ``r`` a value's 32 random bits:
+
+- bf16: away from zero when the 16 bits a bf16 drops from the float32 value, plus ``r >> 16``,
+  reach 2**16 (probability: those bits / 2**16), else toward zero;
+- fp16, ``|x| >= 2**-14`` (its normal range): the same with the 13 dropped bits and ``r & 0x1FFF``;
+- fp16, ``|x| < 2**-14`` (a grid of 2**-24): up (toward +inf) when ``(r >> 8) / 2**24`` is below
+  the distance from ``x`` to the grid value below, in units of 2**-24, else down;
+- fp16 saturates at +-65504.
+
+Values written otherwise (initial rows, :meth:`hierps.Store.write`,
 ``write_rows``) round to nearest, so they depend on the key alone; decoding then encoding a row
 gives it back unchanged.
 """

@@ -29,7 +29,8 @@ a step with gradient ``g`` makes ``sigma = (sqrt(n + g²) - sqrt(n)) / alpha``, 
 w``, ``n += g²`` and stores the new ``w``. A fresh row starts at its initializer's weights ``w0``
 with ``n = 0`` and the ``z`` that gives back ``w0`` in closed form, ``z = -(beta / alpha +
 lambda2) * w0 - sign(w0) * lambda1``, so an embedding starts where its initializer put it (the
-paper's ``z = 0`` is the case ``w0 = 0``).
+paper's ``z = 0`` is the case ``w0 = 0``). FTRL's square roots are correctly rounded, so its
+arithmetic is IEEE float32's on every device.
 """
 
 from __future__ import annotations
@@ -81,7 +82,7 @@ def ftrl_weights(opt: OptimizerConfig, z: torch.Tensor, n: torch.Tensor) -> torc
     """FTRL-Proximal's closed-form weights of per-coordinate ``z`` and ``n`` (same shape, float32)."""
     p = opt.params
     lambda1 = _const(p["lambda1"], z)
-    denom = n.sqrt().add_(p["beta"]).div_(_const(p["alpha"], z)).add_(p["lambda2"])
+    denom = _sqrt(n).add_(p["beta"]).div_(_const(p["alpha"], z)).add_(p["lambda2"])
     w = (z - z.sign() * lambda1).neg_().div_(denom)
     return w.masked_fill_(z.abs() <= lambda1, 0.0)
 
@@ -115,7 +116,7 @@ def apply_step(opt: OptimizerConfig, rows: torch.Tensor, grads: torch.Tensor, st
         z, n = rows[:, dim : 2 * dim], rows[:, 2 * dim : 3 * dim]
         g2 = grads.pow(2)
         new_n = n + g2
-        sigma = new_n.sqrt().sub_(n.sqrt()).div_(_const(p["alpha"], w))
+        sigma = _sqrt(new_n).sub_(_sqrt(n)).div_(_const(p["alpha"], w))
         z.add_(grads - sigma * w)
         n.copy_(new_n)
         w.copy_(ftrl_weights(opt, z, n))
@@ -144,6 +145,12 @@ def _adam(p: dict[str, Any], rows: torch.Tensor, grads: torch.Tensor, step: int,
     step_size = p["lr"] * math.sqrt(bias_correction2) / bias_correction1
     w = rows[:, :dim]
     w.add_(-step_size * numer.div_(denom))
+
+
+def _sqrt(x: torch.Tensor) -> torch.Tensor:
+    """Correctly rounded float32 square roots on every device (torch's vectorised float32 ``sqrt`` on
+    CPU may be off by an ulp; the float64 root rounded to float32 is the correctly rounded one)."""
+    return x.double().sqrt_().float()
 
 
 def _const(value: float, like: torch.Tensor) -> torch.Tensor:

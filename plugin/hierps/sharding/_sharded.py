@@ -168,10 +168,19 @@ class ShardedStore:
         initializer: Any = None,
         admission: Any = None,
         eviction: Any = None,
+        weights_dtype: str | None = None,
+        state_dtype: str | None = None,
     ) -> TableInfo:
         """Create or reopen table ``name`` on every rank (see :meth:`hierps.Store.table`)."""
         return self.local.table(
-            name, dim, optimizer=optimizer, initializer=initializer, admission=admission, eviction=eviction
+            name,
+            dim,
+            optimizer=optimizer,
+            initializer=initializer,
+            admission=admission,
+            eviction=eviction,
+            weights_dtype=weights_dtype,
+            state_dtype=state_dtype,
         )
 
     def write(self, table: str, keys: Any, weights: Any) -> None:
