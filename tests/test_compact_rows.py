@@ -351,3 +351,70 @@ def test_bad_precisions_and_ftrl_settings_are_refused(make_store, kwargs, messag
     store = make_store()
     with pytest.raises(hierps.ConfigError, match=message):
         store.table("t", DIM, **kwargs)
+
+
+# -- where the precisions are named --------------------------------------------------------------------
+def test_modules_and_the_deepspeed_section_name_the_precisions(make_store):
+    from hierps.integrations.config import parse_section
+    from hierps.integrations.deepspeed import swap_embeddings
+
+    store = make_store()
+    bag = hierps.EmbeddingBag(None, DIM, store=store, name="u", weights_dtype="bf16", state_dtype="bf16")
+    assert (store.info(bag.table).weights_dtype, store.info(bag.table).state_dtype) == ("bf16", "bf16")
+    section = parse_section({"path": "/x", "weights_dtype": "fp16", "optimizer": "ftrl"})
+    original = nn.Embedding(10, DIM)
+    model = nn.Sequential(original)
+    swap_embeddings(
+        model, {"0": original}, store, optimizer=section.optimizer, weights_dtype=section.weights_dtype
+    )
+    info = store.info("0")
+    assert (info.optimizer.type, info.weights_dtype, info.state_dtype) == ("ftrl", "fp16", "fp32")
+    # Rows 0..9 of the module, stored in fp16 (rounded to nearest).
+    assert torch.equal(store.lookup("0", torch.arange(10)), original.weight.detach().half().float())
+    with pytest.raises(hierps.ConfigError, match="hierarchical_ps.state_dtype: expected one of fp32, bf16"):
+        parse_section({"path": "/x", "state_dtype": "fp16"})
+
+
+# -- exports in fp16 -------------------------------------------------------------------------------------
+def test_an_fp16_export_is_plain_zarr_and_serves_the_rounded_weights(make_store, tmp_path):
+    import zarr
+
+    from hierps import serving
+
+    store = make_store(memory_budget="4KiB")
+    store.table("t", DIM, optimizer="adagrad", weights_dtype="bf16")
+    _train_store(store, _batches(6, seed=3))
+    store.checkpoint()
+    weights = store.lookup("t", torch.arange(VOCAB)).numpy()
+    manifest = store.export(tmp_path / "full", dtype="fp16")
+    assert manifest["tables"]["t"]["dtype"] == "fp16"
+    group = zarr.open_group(str(tmp_path / "full"), mode="r")  # a plain Zarr reader
+    keys, values = group["t/keys"][:], group["t/values"][:]
+    assert values.dtype == np.float16
+    np.testing.assert_array_equal(values, weights[keys].astype(np.float16))
+    served = serving.open(tmp_path / "full").lookup("t", np.arange(VOCAB))
+    np.testing.assert_array_equal(served, weights.astype(np.float16).astype(np.float32))
+    # A delta in fp16 holds the rows whose fp16 weights changed, and serves the newest.
+    _train_store(store, _batches(2, seed=4))
+    store.checkpoint()
+    later = store.lookup("t", torch.arange(VOCAB)).numpy()
+    store.export(tmp_path / "delta", since=manifest["checkpoint"], dtype="fp16")
+    both = serving.open(tmp_path / "full", deltas=[tmp_path / "delta"])
+    np.testing.assert_array_equal(
+        both.lookup("t", np.arange(VOCAB)), later.astype(np.float16).astype(np.float32)
+    )
+    # fp32 exports are as before: values float32.
+    store.export(tmp_path / "f32")
+    assert zarr.open_group(str(tmp_path / "f32"), mode="r")["t/values"].dtype == np.float32
+
+
+def test_an_export_dtype_that_cannot_hold_the_weights_is_refused(make_store, tmp_path):
+    store = make_store()
+    store.table("t", 4, optimizer={"type": "sgd", "params": {"lr": 0.1}})
+    store.write("t", [1, 2], np.array([[1e5, 0, 0, 0], [1, 2, 3, 4]], np.float32))
+    store.checkpoint()
+    with pytest.raises(hierps.ConfigError, match="bf16 has no Zarr v3 data type"):
+        store.export(tmp_path / "a", dtype="bf16")
+    with pytest.raises(hierps.ConfigError, match="a weight of magnitude 100000 is beyond the range of fp16"):
+        store.export(tmp_path / "b", dtype="fp16")
+    assert not (tmp_path / "b").exists()

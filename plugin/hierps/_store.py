@@ -309,9 +309,12 @@ class Store:
         """Keys of ``table`` counted while waiting for admission (they have no row)."""
         return self._life.num_pending(table)
 
-    def export(self, path: str | os.PathLike[str], since: int | str | None = None) -> dict[str, Any]:
-        """Write the latest checkpoint's weights (or a delta) for serving: see :meth:`FeatureLifeCycle.export`."""
-        return self._life.export(path, since)
+    def export(
+        self, path: str | os.PathLike[str], since: int | str | None = None, dtype: str = "fp32"
+    ) -> dict[str, Any]:
+        """Write the latest checkpoint's weights (or a delta) for serving, in ``dtype`` ("fp32" or
+        "fp16"): see :meth:`FeatureLifeCycle.export`."""
+        return self._life.export(path, since, dtype)
 
     def _recover(self) -> None:
         """Drop what an interrupted run left behind and load the latest checkpoint."""

@@ -62,12 +62,12 @@ def _export(args: argparse.Namespace) -> int:
 
     since = _ref(args.since) if args.since is not None else None
     ckpt = _ref(args.checkpoint) if args.checkpoint is not None else None
-    manifest = export_store(args.path, args.out, since=since, checkpoint=ckpt)
+    manifest = export_store(args.path, args.out, since=since, checkpoint=ckpt, dtype=args.dtype)
     kind = f"delta since checkpoint {manifest['since']}" if manifest["since"] is not None else "full export"
     print(f"{args.out}: {kind} of checkpoint {manifest['checkpoint']}")
     for name, t in manifest["tables"].items():
         gone = f", {t['deleted']} deleted" if manifest["since"] is not None else ""
-        print(f"  {name}: {t['rows']} rows of dim {t['dim']}{gone}")
+        print(f"  {name}: {t['rows']} rows of dim {t['dim']} in {t['dtype']}{gone}")
     return 0
 
 
@@ -143,6 +143,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     exp.add_argument("out", help="new directory for the export")
     exp.add_argument("--since", help="checkpoint id or tag: export only what changed since it (a delta)")
     exp.add_argument("--checkpoint", help="checkpoint id or tag to export (default: the latest)")
+    exp.add_argument(
+        "--dtype",
+        default="fp32",
+        help="precision of the exported weights: fp32 (default) or fp16 (half the bytes)",
+    )
     exp.set_defaults(func=_export)
 
     shr = sub.add_parser("shrink", help="delete rows unseen for long from every tier, then checkpoint")

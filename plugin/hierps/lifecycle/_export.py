@@ -2,7 +2,7 @@
 
 The layout of an export directory (any Zarr v3 reader opens it; hierps is not needed) is
 :mod:`hierps.storage._export_format`: per table, ``keys`` (n,) int64 sorted unique, ``values``
-(n, dim) float32 (the weights: no optimizer state, no counters), ``deleted`` (m,) int64 (keys
+(n, dim) float32 or float16 (``dtype``; the weights: no optimizer state, no counters), ``deleted`` (m,) int64 (keys
 deleted since ``since``; deltas only), and what finds a key from RAM (``fences``, ``filter``); a
 ``manifest.json`` with the counts, the initializer and the checksums of every array.
 
@@ -46,7 +46,13 @@ from hierps.config import AdmissionConfig
 from hierps.errors import ConfigError, StoreFormatError
 from hierps.storage._checkpoint import MARKER, CheckpointCatalog, check_marker
 from hierps.storage._commit_log import find_snapshot, rank_dir, snapshots
-from hierps.storage._export_format import EXPORT_FORMAT, EXPORT_VERSION, MANIFEST, manifest_text
+from hierps.storage._export_format import (
+    EXPORT_DTYPES,
+    EXPORT_FORMAT,
+    EXPORT_VERSION,
+    MANIFEST,
+    manifest_text,
+)
 from hierps.storage._export_tables import TableWriter
 from hierps.storage._files import (
     disk_full_as_error,
@@ -123,13 +129,21 @@ def export_store(
     out: str | os.PathLike[str],
     since: int | str | None = None,
     checkpoint: int | str | None = None,
+    dtype: str = "fp32",
 ) -> dict[str, Any]:
     """Export a store directory (or a directory of rank stores) to ``out``; returns the manifest.
 
     ``checkpoint``: id or tag to export (default: the latest); ``since``: id or tag of an earlier
     checkpoint, for a delta. ``out`` must not exist (or be empty); it appears whole or not at all.
     A full disk raises :class:`~hierps.errors.StoreFullError` naming the path (nothing is left).
+    ``dtype``: the precision of the exported weights, ``"fp32"`` or ``"fp16"`` (half the bytes,
+    rounded to nearest; a weight beyond fp16's range, 65504, raises ``ConfigError``).
     """
+    if dtype not in EXPORT_DTYPES:
+        raise ConfigError(
+            f"dtype: expected one of {', '.join(EXPORT_DTYPES)} for an export. Got {dtype!r} instead"
+            + (" (bf16 has no Zarr v3 data type that a plain reader knows)." if dtype == "bf16" else ".")
+        )
     out = Path(out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ConfigError(
@@ -171,12 +185,14 @@ def export_store(
     tmp = temp_dir_for(out)
     shutil.rmtree(tmp, ignore_errors=True)
     try:
-        with disk_full_as_error(tmp, f"the export of checkpoint {ckpt}", _bytes(now), then=_AFTER_FULL):
+        with disk_full_as_error(
+            tmp, f"the export of checkpoint {ckpt}", _bytes(now, dtype), then=_AFTER_FULL
+        ):
             tmp.mkdir(parents=True)
             zstore = LocalStore(str(tmp))
             zarr.open_group(zstore, mode="w", attributes={"format": EXPORT_FORMAT})
             for name, meta in _tables(now).items():
-                manifest["tables"][name] = _export_table(zstore, name, meta, now, old, manifest["uid"])
+                manifest["tables"][name] = _export_table(zstore, name, meta, now, old, manifest["uid"], dtype)
             (tmp / MANIFEST).write_text(manifest_text(manifest), encoding="utf-8")
             fsync_tree(tmp)
         if out.exists():
@@ -192,10 +208,11 @@ def export_store(
 _AFTER_FULL = "export again; nothing of this export was left behind."
 
 
-def _bytes(readers: list[CheckpointReader]) -> int:
+def _bytes(readers: list[CheckpointReader], dtype: str) -> int:
     """About the bytes a full export of ``readers``' tables takes: keys and weights of every row."""
+    value_bytes = np.dtype(EXPORT_DTYPES[dtype]).itemsize
     return sum(
-        int(meta["rows"]) * (8 + 4 * int(meta["dim"]))
+        int(meta["rows"]) * (8 + value_bytes * int(meta["dim"]))
         for r in readers
         for meta in r.manifest["tables"].values()
     )
@@ -208,20 +225,23 @@ def _export_table(
     now: list[CheckpointReader],
     old: list[CheckpointReader] | None,
     export_id: str,
+    dtype: str,
 ) -> dict[str, Any]:
-    """Write table ``name`` (of ``now``, or what changed since ``old``); its manifest entry."""
+    """Write table ``name`` (of ``now``, or what changed since ``old``) in ``dtype``; its manifest entry."""
     dim = int(meta["dim"])
     gone: list[np.ndarray] = []
     if old is None:
-        sources = [_weights(r, name, dim) for r in now]
+        sources = [_weights(r, name, dim, dtype) for r in now]
     else:
-        sources = [_changed(o, r, name, dim, gone) for o, r in zip(old, now)]
-    writer = TableWriter(zstore, name, dim, export_id)
+        sources = [_changed(o, r, name, dim, dtype, gone) for o, r in zip(old, now)]
+    writer = TableWriter(zstore, name, dim, export_id, dtype)
     _write_rows(writer, now, sources)
     deleted = _deleted(now, name, gone) if old is not None else np.empty(0, np.int64)
     checks = writer.close(deleted)
     return {
         "dim": dim,
+        "dtype": dtype,
+        "weights_dtype": meta["weights_dtype"],
         "rows": writer.rows,
         "deleted": int(len(deleted)),
         "total_rows": sum(int(r.manifest["tables"][name]["rows"]) for r in now if name in r.tables),
@@ -259,20 +279,37 @@ def _tables(readers: list[CheckpointReader]) -> dict[str, dict[str, Any]]:
 Rows = Iterator[tuple[np.ndarray, np.ndarray]]
 
 
-def _weights(reader: CheckpointReader, table: str, dim: int) -> Rows:
-    """Every stored row's weights: ``(keys (b,) int64 sorted, weights (b, dim) float32)`` batches."""
+def _weights(reader: CheckpointReader, table: str, dim: int, dtype: str) -> Rows:
+    """Every stored row's weights as served in ``dtype``: ``(keys (b,) int64 sorted, weights (b, dim)
+    float32, each exactly representable in dtype)`` batches."""
     if table in reader.tables:
         for keys, rows in reader.iter_rows(table):
-            yield keys, rows[:, :dim]
+            yield keys, _served(rows[:, :dim], table, dtype)
+
+
+def _served(weights: np.ndarray, table: str, dtype: str) -> np.ndarray:
+    """weights (b, dim) float32 rounded to nearest in ``dtype`` (as float32); ``ConfigError`` for a
+    weight beyond its range (it would be served as inf)."""
+    if dtype == "fp32":
+        return weights
+    out = weights.astype(EXPORT_DTYPES[dtype])
+    if not np.all(np.isfinite(out[np.isfinite(weights)])):
+        big = float(np.abs(weights[np.isfinite(weights)]).max())
+        raise ConfigError(
+            f"table {table!r}: a weight of magnitude {big:g} is beyond the range of {dtype} "
+            f"(+-{float(np.finfo(out.dtype).max):g}); export it in fp32."
+        )
+    return out.astype(np.float32)
 
 
 def _changed(
-    old: CheckpointReader, now: CheckpointReader, table: str, dim: int, gone: list[np.ndarray]
+    old: CheckpointReader, now: CheckpointReader, table: str, dim: int, dtype: str, gone: list[np.ndarray]
 ) -> Rows:
-    """The rows of ``table`` whose weights in ``now`` differ from ``old`` (or are new), in key order;
+    """The rows of ``table`` whose weights in ``now``, as served in ``dtype``, differ from ``old`` (or are new), in key order;
     the keys ``old`` held and ``now`` does not go to ``gone``. One merge of the two checkpoints'
     rows, in bounded memory."""
-    for keys, rows, src in merged_sources([_weights(old, table, dim), _weights(now, table, dim)], dim):
+    sources = [_weights(old, table, dim, dtype), _weights(now, table, dim, dtype)]
+    for keys, rows, src in merged_sources(sources, dim):
         first = first_of_each(keys)
         paired = np.zeros(len(keys), bool)
         paired[:-1] = first[:-1] & ~first[1:]  # a key in both: now's entry (source 1) comes first

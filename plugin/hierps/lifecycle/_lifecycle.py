@@ -139,18 +139,21 @@ class FeatureLifeCycle:
         self._core.info(table)
         return len(self._core.pending_keys[table])
 
-    def export(self, path: str | os.PathLike[str], since: int | str | None = None) -> dict[str, Any]:
+    def export(
+        self, path: str | os.PathLike[str], since: int | str | None = None, dtype: str = "fp32"
+    ) -> dict[str, Any]:
         """Write the weights of the latest checkpoint for serving; returns the export's manifest.
 
         ``since`` (a checkpoint id or tag this store still keeps) makes it a delta: only rows
         changed since that checkpoint, and the keys deleted. The export is a plain Zarr v3 group
         (see :mod:`hierps.lifecycle._export`); rows trained after the latest checkpoint are not in it, so
-        call :meth:`checkpoint` first.
+        call :meth:`checkpoint` first. ``dtype="fp16"`` stores the weights in float16 (half the
+        bytes, rounded to nearest; any Zarr reader opens them); serving returns them as float32.
         """
         from hierps.lifecycle._export import export_store
 
         self._core.check_open()
-        return export_store(self._core.path, path, since=since)
+        return export_store(self._core.path, path, since=since, dtype=dtype)
 
 
 def observation(table: str, ids: Any, clicks: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -49,7 +49,7 @@ import torch
 from hierps.rows._counters import NUM_COUNTERS
 from hierps.rows._optim import state_parts
 
-__all__ = ["Field", "RowLayout", "row_layout", "rounding_bits", "stochastic_round"]
+__all__ = ["Field", "RowLayout", "as_stored", "row_layout", "rounding_bits", "stochastic_round"]
 
 _TORCH = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 _BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
@@ -194,6 +194,13 @@ def _unpack(stored: torch.Tensor, f: Field) -> torch.Tensor:
 
 def _writable(a: np.ndarray) -> np.ndarray:
     return a if a.flags.writeable and a.flags.c_contiguous else np.ascontiguousarray(a).copy()
+
+
+def as_stored(values: np.ndarray, dtype: str) -> np.ndarray:
+    """float32 ``values`` as a table of weights ``dtype`` stores them (rounded to nearest), as float32."""
+    if dtype == "fp32":
+        return values
+    return stochastic_round(torch.from_numpy(_writable(values)), dtype, None).float().numpy()
 
 
 # -- stochastic rounding -------------------------------------------------------------------------

@@ -19,6 +19,7 @@ import numpy as np
 from hierps.config import InitializerConfig
 from hierps.errors import StoreFormatError
 from hierps.rows._initializers import initial_rows, table_salt
+from hierps.rows._layout import as_stored
 from hierps.storage._export_format import ExportManifest
 from hierps.storage._export_tables import ExportTable
 from hierps.storage._files import OpenFiles
@@ -68,10 +69,13 @@ class ServedTable:
         return out
 
     def unknown_rows(self, ids: np.ndarray) -> np.ndarray:
-        """(k,) int64 -> (k, dim) float32: what keys without a row read as."""
+        """(k,) int64 -> (k, dim) float32: what keys without a row read as (the initializer's rows at
+        the precision of the store's weights, then of the export's values)."""
         if self.unknown == "zeros":
             return np.zeros((len(ids), self.dim), np.float32)
-        return initial_rows(ids, self.dim, self.salt, self.initializer)
+        entry = self.layers[-1].entry
+        rows = as_stored(initial_rows(ids, self.dim, self.salt, self.initializer), entry.weights_dtype)
+        return as_stored(rows, entry.dtype)
 
     def keys(self) -> np.ndarray:
         """(n,) int64 sorted: every key with a row. Reads every layer's keys: O(n) memory."""

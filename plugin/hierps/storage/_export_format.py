@@ -5,8 +5,9 @@ Layout of an export directory::
     manifest.json          written last (the export is then renamed into place): see below
     zarr.json              the root group
     <table>/keys           (n,) int64, sorted, unique; inner chunks of R keys
-    <table>/values         (n, dim) float32: the weights; inner chunks of R rows, page-aligned, so that
-                           chunk i of ``keys`` and chunk i of ``values`` hold the same rows
+    <table>/values         (n, dim) float32, or float16 for an export with dtype "fp16": the weights;
+                           inner chunks of R rows, page-aligned, so that chunk i of ``keys`` and
+                           chunk i of ``values`` hold the same rows
     <table>/fences         (ceil(n / R),) int64: the first key of each chunk (``keys[::R]``)
     <table>/deleted        (m,) int64, sorted, unique: keys deleted since ``since`` (empty in a full export)
     <table>/deleted_fences the first key of each chunk of ``deleted``
@@ -15,19 +16,23 @@ Layout of an export directory::
 Every array is one shard of small inner chunks, each with its crc32c and a binding tag naming the
 export (its ``uid``), the array and the chunk's position (:mod:`hierps.storage._arrays`): an array,
 chunk or manifest of another export copied over this one's is refused.
-``R`` is the most rows of ``dim`` floats that fit a 4 KiB page with their checksum and binding tag (63 at dim 16;
-at least 16), so that finding a row reads one page of values and about one of keys, and the fences
+``R`` is the most rows of ``dim`` values that fit a 4 KiB page with their checksum and binding tag (63
+at dim 16 in float32, more in float16; at least 16), so that finding a row reads one page of values and about one of keys, and the fences
 and filter, the only part kept in RAM, take under 2 bytes per key.
 
 ``manifest.json``::
 
     {"format": "hierps-export", "format_version": 3, "checkpoint": 7, "since": null, "seed": 0,
      "ranks": 1, "source": "/ssd/store", "created": 1700000000.0, "uid": "9f0c...",
-     "tables": {"user": {"dim": 16, "rows": 1000, "deleted": 0, "total_rows": 1000,
+     "tables": {"user": {"dim": 16, "dtype": "fp32", "weights_dtype": "fp32", "rows": 1000,
+                         "deleted": 0, "total_rows": 1000,
                          "initializer": {"type": "normal", "params": {...}}, "unknown": "initializer",
                          "checks": {"keys": 123, "values": 456, ...}}},
      "crc32": 789}
 
+``dtype`` is the values' precision, ``"fp32"`` or ``"fp16"`` (``"fp32"`` when absent: exports
+written before it existed); ``weights_dtype`` the precision the store kept the table's weights in
+(unknown keys are served as its initializer's rows at that precision, as the store reads them);
 ``rows`` and ``deleted`` count the arrays; ``total_rows`` is the table's rows as of ``checkpoint``
 (what a server holding this export and everything before it serves). ``checks`` holds the crc32c
 of the content of each array (its rows' bytes, little endian, in order), ``crc32`` the CRC-32 of
@@ -44,7 +49,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from hierps.config import UNADMITTED_VALUES, InitializerConfig
+from hierps.config import UNADMITTED_VALUES, WEIGHTS_DTYPES, InitializerConfig
 from hierps.errors import ConfigError, CorruptStoreError, StoreFormatError
 from hierps.storage._arrays import TRAILER
 from hierps.storage._checkpoint import valid_table_name
@@ -52,6 +57,7 @@ from hierps.storage._checkpoint import valid_table_name
 __all__ = [
     "ARRAYS",
     "BULK_CHUNK_ROWS",
+    "EXPORT_DTYPES",
     "DELETED_CHUNK_ROWS",
     "EXPORT_FORMAT",
     "EXPORT_VERSION",
@@ -82,6 +88,9 @@ ARRAYS = {
     "deleted_fences": ("int64", 1),
     "filter": ("uint64", 1),
 }
+# Precisions of exported values: name -> Zarr data type. bf16 has no Zarr v3 data type that a plain
+# reader knows, so it is not offered.
+EXPORT_DTYPES = {"fp32": "float32", "fp16": "float16"}
 # Bounds of manifest fields: far above any real table, low enough that no shape built from them
 # asks for absurd memory before the arrays' own metadata is compared with them.
 MAX_DIM = 1 << 16
@@ -103,11 +112,11 @@ _V2 = (
 _OLDER: dict[object, str] = {1: _V1, 2: _V2}
 
 
-def chunk_rows_for(dim: int) -> int:
-    """Rows per inner chunk of ``values`` (and ``keys``) for rows of ``dim`` float32: as many as fit
-    a page with the chunk's checksum and binding tag, or, for rows so wide that fewer than 16 fit,
-    the most that fit the fewest whole pages holding 16."""
-    row = 4 * dim
+def chunk_rows_for(dim: int, value_bytes: int = 4) -> int:
+    """Rows per inner chunk of ``values`` (and ``keys``) for rows of ``dim`` values of ``value_bytes``
+    each: as many as fit a page with the chunk's checksum and binding tag, or, for rows so wide that
+    fewer than 16 fit, the most that fit the fewest whole pages holding 16."""
+    row = value_bytes * dim
     pages = math.ceil((_MIN_CHUNK_ROWS * row + TRAILER) / PAGE)
     return (pages * PAGE - TRAILER) // row
 
@@ -124,6 +133,8 @@ class TableEntry:
 
     name: str
     dim: int
+    dtype: str  # "fp32" or "fp16": the precision of values
+    weights_dtype: str  # the precision of the table's weights in the store
     rows: int
     deleted: int
     total_rows: int
@@ -135,6 +146,11 @@ class TableEntry:
     def identity(self, array: str) -> str:
         """What ``array`` of this table is, for the binding tags of its chunks."""
         return array_identity(self.export_id, self.name, array)
+
+    @property
+    def arrays(self) -> dict[str, tuple[str, int]]:
+        """The table's arrays with their data type and number of dimensions."""
+        return {**ARRAYS, "values": (EXPORT_DTYPES[self.dtype], 2)}
 
 
 def array_identity(export_id: str, table: str, array: str) -> str:
@@ -249,6 +265,12 @@ def _parse(export: Path, path: Path, body: dict[str, Any]) -> ExportManifest:
 def _table(f: _Fields, name: str, meta: dict[str, Any], since: int | None, uid: str) -> TableEntry:
     field = f"tables.{name}"
     dim = f.int(meta, "dim", f"{field}.dim", 1, MAX_DIM)
+    dtype = meta.get("dtype", "fp32")
+    if dtype not in EXPORT_DTYPES:
+        raise f.bad(f"{field}.dtype", f"one of {tuple(EXPORT_DTYPES)}", dtype)
+    weights_dtype = meta.get("weights_dtype", "fp32")
+    if weights_dtype not in WEIGHTS_DTYPES:
+        raise f.bad(f"{field}.weights_dtype", f"one of {WEIGHTS_DTYPES}", weights_dtype)
     rows = f.int(meta, "rows", f"{field}.rows", 0, MAX_ROWS)
     deleted = f.int(meta, "deleted", f"{field}.deleted", 0, MAX_ROWS if since is not None else 0)
     total = f.int(meta, "total_rows", f"{field}.total_rows", rows, MAX_ROWS if since is not None else rows)
@@ -263,4 +285,6 @@ def _table(f: _Fields, name: str, meta: dict[str, Any], since: int | None, uid: 
         raise f.bad(f"{field}.checks", f"a check of each of {sorted(ARRAYS)}", sorted(checks))
     for array in ARRAYS:
         f.int(checks, array, f"{field}.checks.{array}", 0, _MAX_U32)
-    return TableEntry(name, dim, rows, deleted, total, initializer, meta["unknown"], dict(checks), uid)
+    return TableEntry(
+        name, dim, dtype, weights_dtype, rows, deleted, total, initializer, meta["unknown"], dict(checks), uid
+    )

@@ -25,9 +25,9 @@ from zarr.storage import LocalStore
 from hierps.errors import CorruptStoreError
 from hierps.storage._arrays import Array, ArrayWriter, open_array
 from hierps.storage._export_format import (
-    ARRAYS,
     BULK_CHUNK_ROWS,
     DELETED_CHUNK_ROWS,
+    EXPORT_DTYPES,
     PAGE,
     TableEntry,
     array_identity,
@@ -58,10 +58,12 @@ def _write(
 class TableWriter:
     """Writes one table of an export from runs of rows appended in increasing key order."""
 
-    def __init__(self, zstore: LocalStore, name: str, dim: int, export_id: str) -> None:
-        self.name, self.dim = name, dim
+    def __init__(self, zstore: LocalStore, name: str, dim: int, export_id: str, dtype: str = "fp32") -> None:
+        """``dtype``: the precision of values, ``"fp32"`` or ``"fp16"`` (appended values are cast to it)."""
+        self.name, self.dim, self.dtype = name, dim, dtype
         self._export_id = export_id
-        self.chunk_rows = chunk_rows_for(dim)
+        value_type = np.dtype(EXPORT_DTYPES[dtype])
+        self.chunk_rows = chunk_rows_for(dim, value_type.itemsize)
         self._zstore = zstore
         zarr.create_group(zstore, path=name)  # so that a plain Zarr reader finds the table's arrays
         rows = self.chunk_rows
@@ -79,7 +81,7 @@ class TableWriter:
             zstore,
             f"{name}/values",
             (dim,),
-            "float32",
+            value_type.name,
             rows,
             align=PAGE,
             checksum=True,
@@ -96,7 +98,8 @@ class TableWriter:
         return self._keys.n
 
     def append(self, keys: np.ndarray, values: np.ndarray) -> None:
-        """keys (k,) int64, strictly increasing and above those appended before; values (k, dim) float32."""
+        """keys (k,) int64, strictly increasing and above those appended before; values (k, dim) float32
+        (exactly representable in the export's dtype)."""
         if len(keys) == 0:
             return
         if (self._last is not None and keys[0] <= self._last) or np.any(keys[1:] <= keys[:-1]):
@@ -104,7 +107,7 @@ class TableWriter:
         first = -self._keys.n % self.chunk_rows  # the first of these keys that starts a chunk
         self._fences.append(np.array(keys[first :: self.chunk_rows], np.int64))
         self._keys.append(keys)
-        self._values.append(values)
+        self._values.append(values.astype(EXPORT_DTYPES[self.dtype], copy=False))
         self._last = int(keys[-1])
 
     def close(self, deleted: np.ndarray) -> dict[str, int]:
@@ -191,7 +194,7 @@ class ExportTable:
             name: open_array(
                 zstore, path, f"{entry.name}/{name}", dtype, ndim, files, identity=entry.identity(name)
             )
-            for name, (dtype, ndim) in ARRAYS.items()
+            for name, (dtype, ndim) in entry.arrays.items()
         }
         table = cls(
             path,
@@ -281,7 +284,8 @@ class ExportTable:
     def resolve(
         self, probe: Probe, keys: np.ndarray, values: np.ndarray, deleted: np.ndarray
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """What the reads of ``probe`` say: (held (k,) bool, their rows (h, dim) float32, deleted (k,) bool).
+        """What the reads of ``probe`` say: (held (k,) bool, their rows (h, dim) in the export's dtype,
+        deleted (k,) bool).
 
         The keys read are checked: sorted, unique, and each chunk's first key its fence, its last key
         below the next chunk's fence."""
