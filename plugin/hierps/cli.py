@@ -67,7 +67,8 @@ def _export(args: argparse.Namespace) -> int:
     print(f"{args.out}: {kind} of checkpoint {manifest['checkpoint']}")
     for name, t in manifest["tables"].items():
         gone = f", {t['deleted']} deleted" if manifest["since"] is not None else ""
-        print(f"  {name}: {t['rows']} rows of dim {t['dim']} in {t['dtype']}{gone}")
+        dtype = f" in {t['dtype']}" if t["dtype"] != "fp32" else ""
+        print(f"  {name}: {t['rows']} rows of dim {t['dim']}{dtype}{gone}")
     return 0
 
 

@@ -49,6 +49,8 @@ ALL_VARIANTS = (
     "deepspeed-dense",
     "mmap",
     *(f"hierps-ram{pct}-{mode}" for pct in (100, 25, 5) for mode in ("pipe", "sync")),
+    "hierps-ram25-pipe-compact",
+    "hierps-ram5-pipe-compact",
 )
 FULL_VARIANTS = ("deepspeed-dense", "hierps-ram100-pipe")
 
@@ -339,6 +341,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="with --scale / --serving: keep the stores and exports (under --tmp)",
     )
     a("--phases", help="with --scale: comma-separated phases to run (default all; write is required)")
+    a(
+        "--precision",
+        action="store_true",
+        help="instead: AUC of compact rows and FTRL against fp32 Adagrad on the demo data, MovieLens-100k and "
+        "Adult over several seeds, and bytes per row (hierps.bench.precision)",
+    )
+    a(
+        "--precision-datasets",
+        default="demo,movielens,adult",
+        help="with --precision: comma-separated data sets among demo, movielens, adult (default all)",
+    )
+    a(
+        "--precision-settings",
+        help="with --precision: comma-separated settings (default all; see hierps.bench.precision)",
+    )
+    a("--seeds", type=_count, default=3, help="with --precision: seeds per setting (default 3)")
     a("--json", metavar="PATH", help="write the results as JSON here")
     a("--plot", metavar="PATH", help="write a PNG chart here")
 
@@ -402,6 +420,10 @@ def run_from_args(args: argparse.Namespace) -> int:
         from hierps.bench.dropin import run_from_args as run_dropin
 
         return run_dropin(args)
+    if args.precision:
+        from hierps.bench.precision import run_from_args as run_precision
+
+        return run_precision(args)
     cfg = config_from_args(args)
     unknown = sorted(set(cfg.variants) - set(ALL_VARIANTS))
     if unknown:

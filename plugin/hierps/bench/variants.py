@@ -15,6 +15,8 @@ deepspeed-dense     the same model as torch-dense, trained by a DeepSpeed engine
 mmap                rows ``[w | g2sum]`` in a numpy memmap per table, Adagrad applied with numpy
 hierps-ramN-pipe    ``hierps.EmbeddingBag`` over a store with a RAM budget of N% of the table
 hierps-ramN-sync    the same without the pass pipeline
+hierps-ramN-pipe-   hierps-ramN-pipe with compact rows: bf16 weights and Adagrad state (84 bytes a
+compact             row at dim 16 instead of 148), the same RAM budget in bytes (N% of the fp32 table)
 mlp-only            no embedding work at all (fixed embedding outputs): the ceiling of any store
 ==================  ==========================================================================
 """
@@ -41,6 +43,7 @@ import hierps
 from hierps.demo.app import DemoConfig, build_model, table_names
 from hierps.demo.data import CriteoData, CriteoSpec, generate
 from hierps.demo.models import ClickModel, make_model, remap_ids
+from hierps.rows._layout import row_layout
 
 __all__ = ["PROFILER", "VARIANTS", "Workload", "make_workload", "peak_rss_bytes", "run_variant"]
 
@@ -435,15 +438,23 @@ def _hierps(work: Workload, cfg: dict[str, Any], tmp: Path, params: dict[str, An
         seed=cfg["seed"],
     )
     try:
+        dtype = params.get("dtype", "fp32")
         model = build_model(
             store,
             DemoConfig(embedding_dim=cfg["dim"], seed=cfg["seed"], lr_sparse=cfg["lr_sparse"]),
             kind=cfg["model"],
+            weights_dtype=dtype,
+            state_dtype=dtype,
         )
         names = table_names(len(work.spec.resolved_vocab_sizes))
-        # The table: every row the workload creates, at what the RAM tier charges per row (floats
-        # of weights, optimizer state and counters, plus its bookkeeping). Set before any row exists.
-        table_bytes = work.distinct_ids * store.memory.row_bytes(names[0])
+        # The table: every row the workload creates, at what the RAM tier charges per fp32 row (floats
+        # of weights, optimizer state and counters, plus its bookkeeping), whatever the rows' precision:
+        # compact rows get the same bytes of RAM. Set before any row exists.
+        info = store.info(names[0])
+        fp32_row = row_layout(info.optimizer.type, info.dim).row_bytes
+        table_bytes = work.distinct_ids * (
+            store.memory.row_bytes(names[0]) - info.layout.row_bytes + fp32_row
+        )
         budget = int(params["budget"] * table_bytes)
         store.memory.budget = budget
         dense_opt = torch.optim.Adam(model.parameters(), lr=cfg["lr_dense"])
@@ -472,6 +483,7 @@ def _hierps(work: Workload, cfg: dict[str, Any], tmp: Path, params: dict[str, An
             else 0.0,
             rows_memory=sum(store.memory.num_rows(t) for t in names),
             rows_ssd=sum(store.ssd.num_rows(t) for t in names),
+            row_bytes=info.layout.row_bytes,
         )
         return record
     finally:
@@ -488,6 +500,10 @@ VARIANTS: dict[str, tuple[Callable[..., dict[str, Any]], dict[str, Any]]] = {
         f"hierps-ram{pct}-{mode}": (_hierps, {"budget": pct / 100, "pipeline": mode == "pipe"})
         for pct in (100, 25, 5)
         for mode in ("pipe", "sync")
+    },
+    **{
+        f"hierps-ram{pct}-pipe-compact": (_hierps, {"budget": pct / 100, "pipeline": True, "dtype": "bf16"})
+        for pct in (25, 5)
     },
 }
 

@@ -59,17 +59,33 @@ def load_data(cfg: DemoConfig) -> tuple[CriteoData, CriteoData]:
 
 
 def build_model(
-    store: hierps.Store, cfg: DemoConfig, n_dense: int = 13, n_sparse: int = 26, kind: str = "dlrm"
+    store: hierps.Store,
+    cfg: DemoConfig,
+    n_dense: int = 13,
+    n_sparse: int = 26,
+    kind: str = "dlrm",
+    optimizer: Any = None,
+    weights_dtype: str = "fp32",
+    state_dtype: str = "fp32",
 ) -> ClickModel:
     """The model (``"dlrm"`` or ``"wide"``, see :mod:`hierps.demo.models`) with each ``tables.i`` a
-    ``hierps.EmbeddingBag`` keyed by raw feature ids."""
+    ``hierps.EmbeddingBag`` keyed by raw feature ids, its rows stored in ``weights_dtype`` /
+    ``state_dtype`` and trained by ``optimizer`` (default: Adagrad at ``cfg.lr_sparse``)."""
     torch.manual_seed(cfg.seed)
     model = make_model(kind, [1] * n_sparse, cfg.embedding_dim, n_dense=n_dense)
     init = {"type": "uniform", "params": {"low": -0.01, "high": 0.01}}
-    opt = {"type": "adagrad", "params": {"lr": cfg.lr_sparse}}
+    opt = optimizer if optimizer is not None else {"type": "adagrad", "params": {"lr": cfg.lr_sparse}}
     for i, name in enumerate(table_names(n_sparse)):
         model.tables[i] = hierps.EmbeddingBag(
-            None, cfg.embedding_dim, mode="sum", store=store, name=name, optimizer=opt, initializer=init
+            None,
+            cfg.embedding_dim,
+            mode="sum",
+            store=store,
+            name=name,
+            optimizer=opt,
+            initializer=init,
+            weights_dtype=weights_dtype,
+            state_dtype=state_dtype,
         )
     return model.to(store.device)
 
