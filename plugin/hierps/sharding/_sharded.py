@@ -427,9 +427,12 @@ class ShardedStore:
         )
         return {name: int(n) for name, n in zip(names, total.tolist())}
 
-    def export(self, path: str | os.PathLike[str], since: int | str | None = None) -> dict[str, Any]:
+    def export(
+        self, path: str | os.PathLike[str], since: int | str | None = None, dtype: str = "fp32"
+    ) -> dict[str, Any]:
         """One export of every rank's latest checkpoint (or a delta ``since`` a checkpoint), merged,
-        for :mod:`hierps.serving`; returns its manifest (collective; see :meth:`hierps.Store.export`)."""
+        weights in ``dtype`` ("fp32" or "fp16"), for :mod:`hierps.serving`; returns its manifest
+        (collective; see :meth:`hierps.Store.export`)."""
         from hierps.lifecycle._export import export_store
 
         self.transport.barrier()  # every rank's checkpoint is complete before rank 0 reads them
@@ -437,7 +440,7 @@ class ShardedStore:
         failure: BaseException | None = None
         if self.rank == 0:
             try:
-                manifest = export_store(self.root, path, since=since)
+                manifest = export_store(self.root, path, since=since, dtype=dtype)
             except Exception as exc:  # raised below, once every rank knows
                 failure = exc
         failed = self.transport.all_reduce_sum(torch.tensor([float(failure is not None)]))
