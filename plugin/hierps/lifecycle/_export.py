@@ -292,7 +292,8 @@ def _served(weights: np.ndarray, table: str, dtype: str) -> np.ndarray:
     weight beyond its range (it would be served as inf)."""
     if dtype == "fp32":
         return weights
-    out = weights.astype(EXPORT_DTYPES[dtype])
+    with np.errstate(over="ignore"):  # checked just below
+        out = weights.astype(EXPORT_DTYPES[dtype])
     if not np.all(np.isfinite(out[np.isfinite(weights)])):
         big = float(np.abs(weights[np.isfinite(weights)]).max())
         raise ConfigError(
