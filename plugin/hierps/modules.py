@@ -94,16 +94,9 @@ class _StoreEmbedding(nn.Module):
         self.table = name if name is not None else f"{type(self).__name__.lower()}_{len(self._store.tables)}"
         # A table the store already holds (a resumed run) keeps its rows; a new one is filled.
         self._created = self.table not in self._store.tables
-        self._store.table(
-            self.table,
-            embedding_dim,
-            optimizer=optimizer,
-            initializer=initializer,
-            admission=admission,
-            eviction=eviction,
-            weights_dtype=weights_dtype,
-            state_dtype=state_dtype,
-        )
+        settings = {"optimizer": optimizer, "initializer": initializer, "admission": admission}
+        settings |= {"eviction": eviction, "weights_dtype": weights_dtype, "state_dtype": state_dtype}
+        self._store.table(self.table, embedding_dim, **settings)
         if self._created and padding_idx is not None:
             self._store.write(self.table, [padding_idx], torch.zeros(1, embedding_dim))
 

@@ -172,16 +172,9 @@ class ShardedStore:
         state_dtype: str | None = None,
     ) -> TableInfo:
         """Create or reopen table ``name`` on every rank (see :meth:`hierps.Store.table`)."""
-        return self.local.table(
-            name,
-            dim,
-            optimizer=optimizer,
-            initializer=initializer,
-            admission=admission,
-            eviction=eviction,
-            weights_dtype=weights_dtype,
-            state_dtype=state_dtype,
-        )
+        settings = {"optimizer": optimizer, "initializer": initializer, "admission": admission}
+        settings |= {"eviction": eviction, "weights_dtype": weights_dtype, "state_dtype": state_dtype}
+        return self.local.table(name, dim, **settings)
 
     def write(self, table: str, keys: Any, weights: Any) -> None:
         """Set weights of ``keys``; every rank passes the same keys and keeps those it owns."""
