@@ -51,9 +51,12 @@ class Setting:
     state_dtype: str = "fp32"
 
 
+# The demo's Adagrad; Adam at a rate that trains these models in one or two epochs; FTRL with a small
+# beta: embedding gradients are small, so the paper's beta = 1 (for logistic regression on raw
+# features) makes its steps tiny (MovieLens AUC 0.67 instead of 0.78).
 _ADAGRAD = {"type": "adagrad", "params": {"lr": 0.05}}
 _ADAM = {"type": "adam", "params": {"lr": 0.002}}
-_FTRL = {"type": "ftrl", "params": {"alpha": 0.05, "beta": 1.0, "lambda1": 0.0, "lambda2": 0.0}}
+_FTRL = {"type": "ftrl", "params": {"alpha": 0.05, "beta": 0.01, "lambda1": 0.0, "lambda2": 0.0}}
 SETTINGS: dict[str, Setting] = {
     BASELINE: Setting(_ADAGRAD),
     "bf16-adagrad": Setting(_ADAGRAD, "bf16"),
