@@ -418,3 +418,32 @@ def test_an_export_dtype_that_cannot_hold_the_weights_is_refused(make_store, tmp
     with pytest.raises(hierps.ConfigError, match="a weight of magnitude 100000 is beyond the range of fp16"):
         store.export(tmp_path / "b", dtype="fp16")
     assert not (tmp_path / "b").exists()
+
+
+def test_a_sharded_store_resharded_keeps_the_precisions_and_the_rows(tmp_path):
+    from thread_world import ThreadTransport, run_ranks
+
+    keys = np.arange(-40, 40, dtype=np.int64) * 7919
+    weights = np.random.default_rng(5).normal(0, 1, (len(keys), DIM)).astype(np.float32)
+
+    def write(transport: ThreadTransport) -> None:
+        store = hierps.ShardedStore(tmp_path / "s", transport, device="cpu")
+        try:
+            store.table("t", DIM, optimizer="adam", weights_dtype="fp16", state_dtype="bf16")
+            store.write("t", keys, weights)
+            store.checkpoint("two")
+        finally:
+            store.close()
+
+    def reopen(transport: ThreadTransport) -> tuple[tuple[str, str], np.ndarray]:
+        store = hierps.ShardedStore(tmp_path / "s", transport, device="cpu")
+        try:
+            info = store.table("t", DIM)
+            return (info.weights_dtype, info.state_dtype), store.lookup("t", keys).numpy()
+        finally:
+            store.close()
+
+    run_ranks(2, write)
+    for dtypes, got in run_ranks(3, reopen):  # three ranks: every row moves to its new owner
+        assert dtypes == ("fp16", "bf16")
+        np.testing.assert_array_equal(got, weights.astype(np.float16).astype(np.float32))

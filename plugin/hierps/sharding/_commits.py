@@ -201,6 +201,8 @@ class ShardCheckpoints:
                 initializer=tm["initializer"],
                 admission=tm.get("admission"),
                 eviction=tm.get("eviction"),
+                weights_dtype=tm["weights_dtype"],
+                state_dtype=tm["state_dtype"],
             )
             self.local.reset_table(name)
             # The parts read stay on disk while this rank rewrites its store: no part is retired
