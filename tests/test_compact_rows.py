@@ -447,3 +447,64 @@ def test_a_sharded_store_resharded_keeps_the_precisions_and_the_rows(tmp_path):
     for dtypes, got in run_ranks(3, reopen):  # three ranks: every row moves to its new owner
         assert dtypes == ("fp16", "bf16")
         np.testing.assert_array_equal(got, weights.astype(np.float16).astype(np.float32))
+
+
+def test_the_sharded_fast_path_trains_compact_rows_as_one_process(tmp_path):
+    from thread_world import ThreadTransport, run_ranks
+
+    keys = (np.arange(120, dtype=np.int64) - 40) * 7919
+    rng = np.random.default_rng(7)
+    batches = [{t: keys[(rng.zipf(1.3, 12) - 1) % len(keys)] for t in "abc"} for _ in range(8)]
+    # a and b pool together in bf16; c shares their row width in fp32 words but not their layout.
+    tables = {
+        "a": {"weights_dtype": "bf16", "state_dtype": "bf16"},
+        "b": {"weights_dtype": "bf16", "state_dtype": "bf16"},
+        "c": {"weights_dtype": "fp32", "state_dtype": "fp32"},
+    }
+    dims = {"a": 8, "b": 8, "c": 8}  # bf16 adagrad at dim 8: 4 + 4 + 5 words; fp32 sgd: 8 + 5
+
+    def train(store, rank: int, world: int) -> dict[str, np.ndarray]:
+        opt = {"a": "adagrad", "b": "adagrad", "c": "sgd"}
+        bags = {
+            t: hierps.EmbeddingBag(
+                None,
+                dims[t],
+                mode="sum",
+                store=store,
+                name=t,
+                optimizer={"type": opt[t], "params": {"lr": 0.3}},
+                **tables[t],
+            )
+            for t in tables
+        }
+        share = 12 // world
+        mine = [{t: v[rank * share : (rank + 1) * share] for t, v in b.items()} for b in batches]
+        for p in range(0, len(mine), 4):
+            store.begin_pass(mine[p : p + 4])
+            for batch in mine[p : p + 4]:
+                offsets = torch.arange(share)
+                outs = [bags[t](torch.from_numpy(batch[t]), offsets) for t in tables]
+                x = torch.cat([outs[0] * outs[1], outs[2]], dim=1)
+                (x.sum(1) + 0.5 * x.pow(2).sum(1)).mean().backward()
+                store.step()
+            store.end_pass()
+        return {t: store.lookup(t, torch.from_numpy(keys)).numpy() for t in tables}
+
+    with hierps.Store(tmp_path / "one", device="cpu", memory_budget="4KiB") as one:
+        ref = train(one, 0, 1)
+        assert one.info("a").words == one.info("c").words  # one arena holds both layouts
+
+    def rank_main(transport: ThreadTransport) -> dict[str, np.ndarray]:
+        store = hierps.ShardedStore(tmp_path / "many", transport, device="cpu", memory_budget="4KiB")
+        try:
+            return train(store, transport.rank, 2)
+        finally:
+            store.close()
+
+    for got in run_ranks(2, rank_main):
+        for t in tables:
+            # Sums in another order can move a value by one float32 ulp, and its stochastic rounding
+            # then (rarely) by one bf16 ulp; everything else is equal.
+            differ = got[t] != ref[t]
+            assert differ.mean() < 0.02, t
+            np.testing.assert_allclose(got[t], ref[t], rtol=2.0**-7, atol=1e-6, err_msg=t)

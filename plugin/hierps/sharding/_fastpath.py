@@ -366,15 +366,16 @@ class PassRouter:
     def _rows(self, fp: _FastPass, serving: Serving, slots: torch.Tensor, dim: int) -> torch.Tensor:
         """(n, dim) weights of the rows at ``slots``, the tables of ``serving`` in sending order."""
         tier = self.local.device_tier
-        arenas = {id(tier.arena(t)) for t in serving.tables}
-        if len(arenas) == 1:
-            return tier.arena(serving.tables[0]).rows[:, :dim].index_select(0, slots)
+        layouts = {t: self.local.info(t).layout for t in serving.tables}
+        if len({(id(tier.arena(t)), layouts[t].weights) for t in serving.tables}) == 1:
+            t = serving.tables[0]
+            return layouts[t].gather_weights(tier.arena(t).rows, slots)
         out = torch.empty((slots.numel(), dim), dtype=torch.float32, device=self.device)
         owned = fp.routed.owned
         for t in serving.tables:
             first = owned.start[t]
             mine = (serving.at >= first) & (serving.at < first + len(owned.keys[t]))
-            out[mine] = tier.arena(t).rows[:, :dim].index_select(0, slots[mine])
+            out[mine] = layouts[t].gather_weights(tier.arena(t).rows, slots[mine])
         return out
 
     def _count(self, t: torch.Tensor, counts: list[int]) -> None:
