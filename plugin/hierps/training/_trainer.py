@@ -338,7 +338,7 @@ class SparseTrainer:
         by_table: dict[str, list[tuple[_Pending, torch.Tensor]]] = {}
         for p, g in zip(pending, grads):
             by_table.setdefault(p.table, []).append((p, g))
-        fused: list[tuple[str, torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        fused: list[tuple[str, torch.Tensor | None, torch.Tensor, torch.Tensor]] = []
         for table, items in by_table.items():
             first = items[0][0]
             if len(items) == 1 and first.generation == self._core.device_tier.generation:
