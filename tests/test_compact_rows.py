@@ -305,6 +305,10 @@ def test_the_manifest_records_the_precisions(make_store, tmp_path):
     meta = hierps.CheckpointReader(tmp_path / "store").tables["t"]
     assert (meta["weights_dtype"], meta["state_dtype"]) == ("fp16", "bf16")
     assert meta["layout"]["words"] == 8 + 16 + 5
+    from hierps.lifecycle._inspection import format_report, inspect_path
+
+    text = format_report(inspect_path(tmp_path / "store"))
+    assert "(53 floats a row, stored in 116 bytes: weights fp16, state bf16)" in text, text
 
 
 @pytest.mark.parametrize(

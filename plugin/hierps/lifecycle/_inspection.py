@@ -68,6 +68,9 @@ def _inspect_store(store: Path, counts: bool, ckpt: int | None) -> dict[str, Any
         table: dict[str, Any] = {
             "dim": int(meta["dim"]),
             "width": int(meta["width"]),
+            "weights_dtype": meta["weights_dtype"],
+            "state_dtype": meta["state_dtype"],
+            "row_bytes": 4 * int(meta["layout"]["words"]),
             "optimizer": meta["optimizer"]["type"],
             "steps": int(meta["step"]),
             "rows_ssd": int(meta["rows"]),
@@ -114,7 +117,8 @@ def format_report(report: dict[str, Any]) -> str:
         lines.append(f"  latest: {s['checkpoint']} after {s['passes']} passes")
         for name, t in s["tables"].items():
             lines.append(
-                f"  table {name}: dim {t['dim']}, {t['optimizer']} ({t['width']} floats a row), "
+                f"  table {name}: dim {t['dim']}, {t['optimizer']} ({t['width']} floats a row, stored in "
+                f"{t['row_bytes']} bytes: weights {t['weights_dtype']}, state {t['state_dtype']}), "
                 f"{t['steps']} steps"
             )
             lines.append(
