@@ -227,6 +227,9 @@ class PassRouter:
             if self._worker is not None:
                 self._worker.shutdown(wait=True)
                 self._worker = None
+            # Let the companion's process group go now, while the caller's groups still exist, not in
+            # the interpreter's teardown, where destroying it can abort the process.
+            self._channel = None
 
     # -- forwards ------------------------------------------------------------------------------
     def _agree(self, ok: bool) -> bool:
