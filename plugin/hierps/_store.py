@@ -45,7 +45,7 @@ from hierps.config import (
     StoreSettings,
     parse_dtype,
 )
-from hierps.errors import ConfigError, StoreFormatError, TableMismatchError
+from hierps.errors import ConfigError, TableMismatchError
 from hierps.interface import Batches, run_pass
 from hierps.lifecycle._admission import PENDING_ARRAYS, PendingKeys
 from hierps.lifecycle._features import Features
@@ -632,12 +632,7 @@ class Store:
         """Load checkpoint ``ckpt``; None: no checkpoint, every table empty as in a new store."""
         manifest: dict[str, Any] = {"tables": {}, "seed": self._core.seed, "next_segment": 1}
         if ckpt is not None:
-            manifest = self._core.catalog.manifest(ckpt)
-            if manifest.get("format_version") != FORMAT_VERSION:
-                raise StoreFormatError(
-                    f"{self.path}: checkpoint {ckpt} has format version {manifest.get('format_version')!r}; "
-                    f"this hierps reads {FORMAT_VERSION}."
-                )
+            manifest = self._core.catalog.manifest(ckpt)  # checked, its format version included
             self._load_tables(ckpt, manifest)
         for name in set(self._core.tables) - set(manifest["tables"]):  # created after that checkpoint
             self._core.tables[name].step = 0

@@ -39,6 +39,7 @@ __all__ = [
     "CheckpointCatalog",
     "StoreMarker",
     "check_marker",
+    "require_format_version",
     "table_name_problem",
     "valid_table_name",
     "write_marker",
@@ -144,6 +145,15 @@ _MIGRATE: dict[object, str] = {
 }
 
 
+def require_format_version(path: Path, what: str, found: object) -> None:
+    """``StoreFormatError`` unless ``found`` (a file's ``format_version``) is this hierps' version."""
+    if found != FORMAT_VERSION:
+        raise StoreFormatError(
+            f"{path}: {what} has format version {found!r}; this hierps reads {FORMAT_VERSION}. "
+            "Open it with a matching hierps release."
+        )
+
+
 def _check_manifest(path: Path, ckpt: int, body: dict[str, Any]) -> None:
     """Every field a manifest must have, with its type; ``CorruptStoreError`` naming the field."""
 
@@ -156,11 +166,7 @@ def _check_manifest(path: Path, ckpt: int, body: dict[str, Any]) -> None:
             "The manifest is damaged or was not written by hierps."
         )
 
-    if body.get("format_version") != FORMAT_VERSION:
-        raise StoreFormatError(
-            f"{path}: checkpoint {ckpt} has format version {body.get('format_version')!r}; this hierps reads "
-            f"{FORMAT_VERSION}. Open it with a matching hierps release."
-        )
+    require_format_version(path, f"checkpoint {ckpt}", body.get("format_version"))
     if not _is_int(body.get("id")) or body["id"] != ckpt:
         raise bad("id", f"the checkpoint id {ckpt} of the file name")
     if body.get("tag") is not None and not isinstance(body.get("tag"), str):

@@ -22,7 +22,13 @@ from pathlib import Path
 from typing import Any
 
 from hierps.errors import CorruptStoreError, StoreFormatError
-from hierps.storage._checkpoint import FORMAT_VERSION, MARKER, CheckpointCatalog, check_marker
+from hierps.storage._checkpoint import (
+    FORMAT_VERSION,
+    MARKER,
+    CheckpointCatalog,
+    check_marker,
+    require_format_version,
+)
 from hierps.storage._files import read_json_checked, write_json_atomic
 
 __all__ = [
@@ -75,11 +81,7 @@ def _read_record(path: Path) -> Snapshot:
     body = read_json_checked(path)
     if body.get("format") != RECORD_FORMAT:
         raise StoreFormatError(f"{path}: is not a commit record of hierps (format={body.get('format')!r}).")
-    if body.get("format_version") != FORMAT_VERSION:
-        raise StoreFormatError(
-            f"{path}: written by store format version {body.get('format_version')!r}; this hierps reads "
-            f"version {FORMAT_VERSION}. Open the store with a matching hierps release."
-        )
+    require_format_version(path, "commit record", body.get("format_version"))
 
     def bad(field: str, expected: str) -> CorruptStoreError:
         return CorruptStoreError(
