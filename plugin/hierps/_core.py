@@ -247,7 +247,12 @@ class StoreCore:
     def fetch_many(
         self, requests: dict[str, np.ndarray], *, touch: bool, ahead: bool = False
     ) -> dict[str, np.ndarray]:
-        """:meth:`fetch` for many tables at once: the SSD reads of all of them go out together."""
+        """:meth:`fetch` for many tables at once: the SSD reads of all of them go out together.
+
+        The core walks the hierarchy: each tier answers for itself and knows no other. Writes go
+        the same way, from the core down (:meth:`put_dirty`); the RAM tier's evictions reach the
+        SSD tier through the sink the core gave it (:class:`hierps.tiers._memory.RowSink`).
+        """
         out, hits, rests = {}, {}, {}
         with self.pipe.lock:
             for table, keys in requests.items():
@@ -316,8 +321,9 @@ class StoreCore:
     def put_dirty(self, drained: dict[str, DrainedRows]) -> None:
         """Hand dirty rows that left the device tier to the RAM tier, every table even if one fails.
 
-        The RAM tier keeps rows it could not evict to a full disk, so nothing is lost; the first
-        error (:class:`StoreFullError` for a full disk) is raised once every table's rows are in RAM.
+        The RAM tier keeps the rows its sink (the SSD tier) refused, over budget, so nothing is
+        lost; the first error (:class:`StoreFullError` for a full disk) is raised once every
+        table's rows are in RAM.
         """
         fault_point("pass.write_back")
         failed: OSError | None = None

@@ -9,7 +9,7 @@ import torch
 
 from hierps.errors import InvalidIdsError
 
-__all__ = ["as_int64_array", "check_ids_tensor", "same_device", "strictly_increasing"]
+__all__ = ["as_int64_array", "check_ids_tensor", "find_sorted", "same_device", "strictly_increasing"]
 
 _INT_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
 _INT64_MAX = np.iinfo(np.int64).max
@@ -80,3 +80,16 @@ def as_int64_array(ids: Any, what: str = "ids") -> np.ndarray:
 def strictly_increasing(keys: np.ndarray) -> bool:
     """keys (n,) int64 sorted and unique (as a segment and the RAM tier's index need them)."""
     return len(keys) < 2 or bool(np.all(keys[1:] > keys[:-1]))
+
+
+def find_sorted(sorted_keys: np.ndarray, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Where ``keys`` (n,) stand in ``sorted_keys`` (m,) ascending: (found (n,) bool, at (n,) int64).
+
+    ``at`` is a valid index into ``sorted_keys`` (clamped to its last row; 0 when it is empty), so
+    ``sorted_keys[at[found]] == keys[found]`` and ``rows[at[found]]`` gathers what was found.
+    """
+    at = np.searchsorted(sorted_keys, keys)
+    if len(sorted_keys) == 0:
+        return np.zeros(len(keys), bool), np.zeros(len(keys), np.int64)
+    at = np.minimum(at, len(sorted_keys) - 1)
+    return sorted_keys[at] == keys, at

@@ -1,14 +1,18 @@
 """The three tiers of the store, from fastest to largest (the paper's HBM-PS, MEM-PS, SSD-PS).
 
-- :class:`DeviceTier`: the working set of the current pass, on the training device;
+- :class:`DeviceTier`: the working set of the current pass, on the training device; how it moves
+  from one pass's working set to the next is worked out apart (:mod:`hierps.tiers._working_set`);
 - :class:`MemoryTier`: a bounded RAM cache of rows (mmap-backed slabs, LRU / LFU by pass);
 - :class:`SsdTier`: every row, in append-only segments on disk, with the key index;
 - :class:`CheckpointReader`: a read-only view of the SSD tier as of one checkpoint.
+
+No tier holds another: the store (:class:`hierps._core.StoreCore`) reads them one after the other,
+and hands the RAM tier the sink its dirty rows leave through (:class:`RowSink`: the SSD tier).
 """
 
 from hierps.tiers._device import DeviceTier
-from hierps.tiers._memory import MemoryTier
+from hierps.tiers._memory import MemoryTier, RowSink
 from hierps.tiers._reader import CheckpointReader
 from hierps.tiers._ssd import SsdTier
 
-__all__ = ["CheckpointReader", "DeviceTier", "MemoryTier", "SsdTier"]
+__all__ = ["CheckpointReader", "DeviceTier", "MemoryTier", "RowSink", "SsdTier"]

@@ -4,9 +4,10 @@ Rows of every table of one width (in 4-byte words: rows are stored as their tabl
 :mod:`hierps.rows._layout`) live in one ``(capacity, width)`` float32 *arena* tensor, so a
 training step updates the rows of all its tables with one gather, one optimizer call and one
 scatter. Per table, a sorted key tensor and its slot tensor (both on the device) translate a
-mini-batch's ids into arena slots with one ``searchsorted``. :func:`rebuild` lays each table out
-contiguously and in key order (see :meth:`DeviceTier.layout`), so the slots of a pass's ids can
-be computed ahead, off the training thread. The byte budget is shared by all tables. Draining
+mini-batch's ids into arena slots with one ``searchsorted``. :meth:`DeviceTier.rebuild` lays each
+table out contiguously and in key order (see :meth:`DeviceTier.layout`), so the slots of a pass's
+ids can be computed ahead, off the training thread, and so can the moves from one pass's working
+set to the next (:mod:`hierps.tiers._working_set`). The byte budget is shared by all tables. Draining
 the tier (end of a pass) hands rows back to the store and bumps ``generation``, which
 invalidates slots held by callers.
 
@@ -18,17 +19,18 @@ tier or is read whole.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from hierps._tensors import joined
 from hierps.rows._counters import record_seen
+from hierps.rows._ids import find_sorted
 from hierps.rows._layout import RowLayout
+from hierps.tiers._working_set import Relayout, ResidentKeys
 
-__all__ = ["DeviceTier", "DrainedRows", "Moves", "Snapshot", "apply_moves", "plan_moves", "rebuild"]
+__all__ = ["DeviceTier", "DrainedRows"]
 
 # Bytes per resident row besides its floats: sorted key (8) + slot (8) + host key (8) + dirty (1).
 ROW_OVERHEAD = 25
@@ -302,184 +304,96 @@ class DeviceTier:
         self.generation += 1
         self.version += 1
 
+    # -- the working set between passes (see :mod:`hierps.tiers._working_set`) -----------------
     def layout(self, sizes: dict[str, int]) -> dict[str, int]:
-        """First arena slot of each table when :func:`rebuild` makes ``sizes[t]`` rows resident."""
-        return self.snapshot().layout(sizes)
+        """First arena slot of each table when :meth:`rebuild` makes ``sizes[t]`` rows resident."""
+        return self.resident_keys().layout(sizes)
 
-    def snapshot(self) -> Snapshot:
-        """What is resident now, for planning the next pass's moves off the training thread."""
-        return Snapshot(self.version, [(t, r.width, r.keys, r.slots) for t, r in self._tables.items()])
+    def resident_keys(self) -> ResidentKeys:
+        """What is resident now, for working out the next pass's relayout off the training thread."""
+        return ResidentKeys(self.version, [(t, r.width, r.keys, r.slots) for t, r in self._tables.items()])
 
+    def rebuild(
+        self,
+        keep: dict[str, np.ndarray],
+        prepared: dict[str, tuple[np.ndarray, np.ndarray]] | None,
+        fetch: Callable[[dict[str, np.ndarray]], dict[str, np.ndarray]],
+    ) -> dict[str, DrainedRows]:
+        """Make the working set exactly ``keep`` (sorted unique keys per table), moving as little as possible.
 
-@dataclass
-class Snapshot:
-    """The resident keys of each table (in the order tables were added) at tier ``version``.
-
-    The arrays are the tier's own; the tier replaces them instead of changing them in place.
-    """
-
-    version: int
-    tables: list[tuple[str, int, np.ndarray, np.ndarray]]  # (table, width, keys, their slots)
-
-    def layout(self, sizes: dict[str, int]) -> dict[str, int]:
-        """First arena slot of each table when ``sizes[t]`` of its rows are made resident.
-
-        Tables follow in the order they were added, each in key order, within its width's arena.
+        Rows already resident are carried over; the others come from ``prepared`` (``{table: (sorted
+        keys, rows)}`` read ahead in the background) or else from one ``fetch({table: keys})`` for
+        all tables. Returns the rows that leave the tier, with their dirty bits, for write-back.
+        Nothing changes if ``fetch`` fails.
         """
-        nxt: dict[int, int] = {}
-        out = {}
-        for table, width, _, _ in self.tables:
-            out[table] = nxt.get(width, 0)
-            nxt[width] = out[table] + sizes.get(table, 0)
+        self.flush_seen()
+        relayout = self.resident_keys().relayout_to(keep)
+        rows, lacking = {}, {}
+        for table, missing in relayout.missing.items():
+            got = np.empty((len(missing), self._tables[table].width), dtype=np.float32)
+            have = np.zeros(len(missing), bool)
+            if prepared is not None and table in prepared:
+                pk, pr = prepared[table]
+                have, at = find_sorted(pk, missing)
+                got[have] = pr[at[have]]
+            rows[table] = got
+            if not have.all():
+                lacking[table] = np.flatnonzero(~have)
+        if lacking:
+            fetched = fetch({t: relayout.missing[t][at] for t, at in lacking.items()})
+            for table, at in lacking.items():
+                rows[table][at] = fetched[table]
+        return self.apply_relayout(relayout, rows)
+
+    def apply_relayout(self, relayout: Relayout, rows: dict[str, np.ndarray]) -> dict[str, DrainedRows]:
+        """Carry out ``relayout`` (worked out at the tier's current version) with ``rows[t]``, the rows
+        of ``relayout.missing[t]``. A few whole-arena copies; returns the rows that leave, for write-back."""
+        if relayout.version != self.version:
+            raise RuntimeError("device tier changed since the relayout was worked out")  # callers check first
+        self.flush_seen()
+        arenas = {}
+        out: dict[str, DrainedRows] = {}
+        for width, old in self._arenas.items():
+            arenas[width] = new = _Arena(width, self.device, relayout.capacity.get(width, 0), self.clock)
+            new.n = new.rows.shape[0]
+            out.update(self._leaving(old, relayout, width))
+            stay = relayout.stay_from.get(width, _EMPTY)
+            if len(stay):
+                src = torch.from_numpy(stay).to(self.device)
+                dst = torch.from_numpy(relayout.stay_to[width]).to(self.device)
+                new.rows.index_copy_(0, dst, old.rows.index_select(0, src))
+                new.dirty.index_copy_(0, dst, old.dirty.index_select(0, src))
+                new.used.index_copy_(0, dst, old.used.index_select(0, src))
+            fresh = relayout.new_to.get(width, _EMPTY)
+            if len(fresh):
+                dst = torch.from_numpy(fresh).to(self.device)
+                loaded = np.concatenate([rows[t] for t in relayout.new_tables[width]])
+                new.rows.index_copy_(0, dst, torch.from_numpy(loaded).to(self.device))
+                new.dirty.index_fill_(0, dst, False)
+        tables = {}
+        for table, r in self._tables.items():
+            resident = _Resident(arenas[r.width])
+            want, first = relayout.keep.get(table, _EMPTY), relayout.first_slot[table]
+            resident.keys = want
+            resident.slots = np.arange(first, first + len(want), dtype=np.int64)
+            resident.skeys = torch.from_numpy(want).to(self.device)
+            resident.sslots = torch.from_numpy(resident.slots).to(self.device)
+            tables[table] = resident
+        self._arenas, self._tables = arenas, tables
+        self.generation += 1
+        self.version += 1
         return out
 
-
-@dataclass
-class Moves:
-    """How the tier goes from a :class:`Snapshot` to a new working set (see :func:`plan_moves`).
-
-    Per width (arena): the slots of rows that stay and where they go, where the rows of missing
-    keys go, and the slots of rows that leave; index arrays joined over the arena's tables.
-    """
-
-    version: int
-    keep: dict[str, np.ndarray]
-    base: dict[str, int]
-    missing: dict[str, np.ndarray]  # per table: sorted keys to read from the tiers below
-    capacity: dict[int, int] = field(default_factory=dict)
-    stay_from: dict[int, np.ndarray] = field(default_factory=dict)
-    stay_to: dict[int, np.ndarray] = field(default_factory=dict)
-    new_to: dict[int, np.ndarray] = field(default_factory=dict)
-    new_tables: dict[int, list[str]] = field(default_factory=dict)
-    leave_from: dict[int, np.ndarray] = field(default_factory=dict)
-    leave_keys: dict[int, list[tuple[str, np.ndarray]]] = field(default_factory=dict)
-
-
-def plan_moves(snap: Snapshot, keep: dict[str, np.ndarray]) -> Moves:
-    """Plan making the working set exactly ``keep`` (sorted unique keys per table): pure numpy.
-
-    Rows already resident stay (never re-read: they may be newer than every tier below); each
-    table ends up at the slots :meth:`Snapshot.layout` gives, in key order.
-    """
-    base = snap.layout({t: len(k) for t, k in keep.items()})
-    moves = Moves(snap.version, {}, base, {})
-    parts: dict[int, dict[str, list[Any]]] = {}
-    for table, width, keys, slots in snap.tables:
-        want = keep.get(table, _EMPTY)
-        moves.keep[table] = want
-        p = parts.setdefault(width, {"stay_from": [], "stay_to": [], "new_to": [], "leave": []})
-        moves.capacity[width] = moves.capacity.get(width, 0) + len(want)
-        moves.new_tables.setdefault(width, [])
-        moves.leave_keys.setdefault(width, [])
-        # Positions in ``want`` of the resident keys (both unique; want sorted): stay or leave.
-        at = np.minimum(np.searchsorted(want, keys), max(len(want) - 1, 0))
-        carry = want[at] == keys if len(want) else np.zeros(len(keys), bool)
-        if not carry.all():
-            leave = np.flatnonzero(~carry)
-            p["leave"].append(slots[leave])
-            moves.leave_keys[width].append((table, keys[leave]))
-        stay_at = at[carry]
-        p["stay_from"].append(slots[carry])
-        p["stay_to"].append(base[table] + stay_at)
-        is_missing = np.ones(len(want), bool)
-        is_missing[stay_at] = False
-        missing_at = np.flatnonzero(is_missing)
-        if len(missing_at):
-            moves.missing[table] = want[missing_at]
-            moves.new_tables[width].append(table)
-            p["new_to"].append(base[table] + missing_at)
-    for width, p in parts.items():
-        moves.stay_from[width] = _cat(p["stay_from"])
-        moves.stay_to[width] = _cat(p["stay_to"])
-        moves.new_to[width] = _cat(p["new_to"])
-        moves.leave_from[width] = _cat(p["leave"])
-    return moves
-
-
-def _cat(arrays: list[np.ndarray]) -> np.ndarray:
-    return np.concatenate(arrays).astype(np.int64, copy=False) if arrays else _EMPTY
-
-
-def apply_moves(tier: DeviceTier, moves: Moves, rows: dict[str, np.ndarray]) -> dict[str, DrainedRows]:
-    """Carry out ``moves`` (planned at the tier's current version) with ``rows[t]``, the rows of
-    ``moves.missing[t]``. A few whole-arena copies; returns the rows that leave, for write-back."""
-    if moves.version != tier.version:
-        raise RuntimeError("device tier changed since the moves were planned")  # callers check first
-    tier.flush_seen()
-    dev = tier.device
-    out: dict[str, DrainedRows] = {}
-    arenas = {}
-    for width, old in tier._arenas.items():
-        new = _Arena(width, dev, moves.capacity.get(width, 0), tier.clock)
-        new.n = new.rows.shape[0]
-        arenas[width] = new
-        leave = moves.leave_from.get(width, _EMPTY)
-        if len(leave):
-            idx = torch.from_numpy(leave).to(dev)
-            left, dirty = (
-                old.rows.index_select(0, idx).cpu().numpy(),
-                old.dirty.index_select(0, idx).cpu().numpy(),
-            )
-            at = 0
-            for table, keys in moves.leave_keys[width]:
-                out[table] = DrainedRows(keys, left[at : at + len(keys)], dirty[at : at + len(keys)])
-                at += len(keys)
-        stay = moves.stay_from.get(width, _EMPTY)
-        if len(stay):
-            src, dst = torch.from_numpy(stay).to(dev), torch.from_numpy(moves.stay_to[width]).to(dev)
-            new.rows.index_copy_(0, dst, old.rows.index_select(0, src))
-            new.dirty.index_copy_(0, dst, old.dirty.index_select(0, src))
-            new.used.index_copy_(0, dst, old.used.index_select(0, src))
-        fresh = moves.new_to.get(width, _EMPTY)
-        if len(fresh):
-            dst = torch.from_numpy(fresh).to(dev)
-            loaded = np.concatenate([rows[t] for t in moves.new_tables[width]])
-            new.rows.index_copy_(0, dst, torch.from_numpy(loaded).to(dev))
-            new.dirty.index_fill_(0, dst, False)
-    tables = {}
-    for table, r in tier._tables.items():
-        fresh_r = _Resident(arenas[r.width])
-        want, first = moves.keep.get(table, _EMPTY), moves.base[table]
-        fresh_r.keys = want
-        fresh_r.slots = np.arange(first, first + len(want), dtype=np.int64)
-        fresh_r.skeys = torch.from_numpy(want).to(dev)
-        fresh_r.sslots = torch.from_numpy(fresh_r.slots).to(dev)
-        tables[table] = fresh_r
-    tier._arenas, tier._tables = arenas, tables
-    tier.generation += 1
-    tier.version += 1
-    return out
-
-
-def rebuild(
-    tier: DeviceTier,
-    keep: dict[str, np.ndarray],
-    prepared: dict[str, tuple[np.ndarray, np.ndarray]] | None,
-    fetch: Callable[[dict[str, np.ndarray]], dict[str, np.ndarray]],
-) -> dict[str, DrainedRows]:
-    """Make the working set exactly ``keep`` (sorted unique keys per table), moving as little as possible.
-
-    Rows already resident are carried over; the others come from ``prepared`` (``{table: (sorted
-    keys, rows)}`` read ahead in the background) or else from one ``fetch({table: keys})`` for
-    all tables. Returns the rows that leave the tier, with their dirty bits, for write-back.
-    Nothing changes if ``fetch`` fails.
-    """
-    tier.flush_seen()
-    moves = plan_moves(tier.snapshot(), keep)
-    rows, lacking = {}, {}
-    for table, missing in moves.missing.items():
-        got = np.empty((len(missing), tier._tables[table].width), dtype=np.float32)
-        have = np.zeros(len(missing), bool)
-        if prepared is not None and table in prepared:
-            pk, pr = prepared[table]
-            at = np.minimum(np.searchsorted(pk, missing), max(len(pk) - 1, 0))
-            have = (pk[at] == missing) if len(pk) else have
-            got[have] = pr[at[have]]
-        rows[table] = got
-        if not have.all():
-            lacking[table] = np.flatnonzero(~have)
-    if lacking:
-        fetched = fetch({t: moves.missing[t][at] for t, at in lacking.items()})
-        for table, at in lacking.items():
-            rows[table][at] = fetched[table]
-    return apply_moves(tier, moves, rows)
+    def _leaving(self, arena: _Arena, relayout: Relayout, width: int) -> dict[str, DrainedRows]:
+        """The rows of ``arena`` that ``relayout`` lets go, per table, copied to the host."""
+        leave = relayout.leave_from.get(width, _EMPTY)
+        if not len(leave):
+            return {}
+        idx = torch.from_numpy(leave).to(self.device)
+        left = arena.rows.index_select(0, idx).cpu().numpy()
+        dirty = arena.dirty.index_select(0, idx).cpu().numpy()
+        out, at = {}, 0
+        for table, keys in relayout.leave_keys[width]:
+            out[table] = DrainedRows(keys, left[at : at + len(keys)], dirty[at : at + len(keys)])
+            at += len(keys)
+        return out

@@ -3,25 +3,40 @@
 Each table has a slab (an anonymous ``mmap`` viewed as a ``(capacity, width)`` float32 array)
 and a vectorised key index (sorted keys -> slot). The byte budget is shared by all tables;
 when it is exceeded, the least recently (``lru``: by pass) or least frequently (``lfu``) used
-rows of all tables are evicted in one batch, dirty ones written down to the SSD tier in one
-sorted segment per table. Rows that do not fit even in an empty cache go straight through.
+rows of all tables are evicted in one batch, dirty ones handed to the tier's *sink* in one sorted
+batch per table. Rows that do not fit even in an empty cache go straight through to it.
+
+The tier knows nothing below it: the store gives it the sink (:class:`RowSink`, the SSD tier) when
+it builds the hierarchy, just as it reads the tiers one after the other itself
+(:meth:`hierps._core.StoreCore.fetch_many`). A sink takes a batch whole or raises ``OSError`` and
+takes none of it; the rows of a batch it refused stay here, dirty, over budget if need be, and the
+error reaches the caller: a full disk loses no row.
 """
 
 from __future__ import annotations
 
 import mmap
+from typing import Protocol
 
 import numpy as np
 
 from hierps._faults import fault_point
-from hierps.tiers._ssd import SsdTier
+from hierps.rows._ids import find_sorted
 
-__all__ = ["MemoryTier"]
+__all__ = ["MemoryTier", "RowSink"]
 
 # Bytes of bookkeeping per cached row besides its floats: key (8) + slot (8) + score (8) + dirty (1).
 _ROW_OVERHEAD = 25
 # Evict down to this fraction of the budget, so eviction runs in batches, not per row.
 _EVICT_TO = 0.875
+
+
+class RowSink(Protocol):
+    """Where the RAM tier's dirty rows go when they leave it or are flushed (the SSD tier)."""
+
+    def write(self, table: str, keys: np.ndarray, rows: np.ndarray, at: np.ndarray | None = None) -> None:
+        """Take rows of unique ``keys`` (n,) int64: ``rows`` (n, width) float32, or with ``at`` (n,)
+        int64 ``rows[at]``. All of them, or raise ``OSError`` having taken none."""
 
 
 class _Slab:
@@ -43,11 +58,8 @@ class _Slab:
         return len(self.keys)
 
     def find(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        at = np.searchsorted(self.keys, keys)
-        if len(self.keys) == 0:
-            return np.zeros(len(keys), bool), at
-        at_c = np.minimum(at, len(self.keys) - 1)
-        return (at < len(self.keys)) & (self.keys[at_c] == keys), at_c
+        """keys (n,) int64 -> (cached (n,) bool, index position (n,) int64; valid where cached)."""
+        return find_sorted(self.keys, keys)
 
     def _grow(self, need: int) -> None:
         cap = max(need, 2 * self.capacity, 64)
@@ -90,11 +102,11 @@ class _Slab:
 
 
 class MemoryTier:
-    """Byte-bounded row cache over an :class:`SsdTier`."""
+    """Byte-bounded row cache; its dirty rows leave through ``sink`` (see :class:`RowSink`)."""
 
-    def __init__(self, budget_bytes: int, lower: SsdTier, policy: str = "lru") -> None:
+    def __init__(self, budget_bytes: int, sink: RowSink, policy: str = "lru") -> None:
         self.budget = int(budget_bytes)
-        self.lower = lower
+        self._sink = sink
         self.policy = policy
         self._slabs: dict[str, _Slab] = {}
         self.tick = 0  # advanced per pass by the store; the LRU clock
@@ -149,9 +161,10 @@ class MemoryTier:
 
     # -- writes -------------------------------------------------------------------------------
     def put(self, table: str, keys: np.ndarray, rows: np.ndarray, dirty: bool = True) -> None:
-        """Cache rows (newer than the SSD tier when ``dirty``), evicting others to stay in budget.
+        """Cache rows (newer than the sink's when ``dirty``), evicting others to stay in budget.
 
-        keys: (n,) int64 sorted unique; rows: (n, width) float32.
+        keys: (n,) int64 sorted unique; rows: (n, width) float32. When the sink refuses rows
+        (``OSError``, e.g. a full disk), every row given stays cached and the error is raised.
         """
         slab = self._slabs[table]
         hit, at = slab.find(keys)
@@ -172,10 +185,10 @@ class MemoryTier:
                 self._evict(overflow + int((1 - _EVICT_TO) * self.budget))
             fit = min(n_new, max(0, self.budget - self.bytes_used) // row_bytes)
             if fit < n_new and dirty:
-                # More than the cache holds: the surplus goes straight to the SSD tier.
-                self.lower.write(table, new_keys[fit:], new_rows[fit:])
+                # More than the cache holds: the surplus goes straight to the sink.
+                self._sink.write(table, new_keys[fit:], new_rows[fit:])
         except OSError:
-            # The SSD tier took nothing (e.g. the disk is full): keep every row here, over budget,
+            # The sink took nothing (e.g. the disk is full): keep every row here, over budget,
             # so that none is lost, and let the caller see the error.
             self._insert(slab, new_keys, new_rows, dirty)
             raise
@@ -216,18 +229,18 @@ class MemoryTier:
             dirty = slab.dirty[slots]
             if dirty.any():
                 fault_point("memory.evict")
-                self.lower.write(table, slab.keys[positions[dirty]], slab.rows, at=slots[dirty])
+                self._sink.write(table, slab.keys[positions[dirty]], slab.rows, at=slots[dirty])
         slab.remove(positions)
         self.evicted_rows += len(positions)
 
     def flush(self) -> None:
-        """Write every dirty row down to the SSD tier; rows stay cached, now clean."""
+        """Hand every dirty row to the sink; rows stay cached, now clean."""
         for table, slab in self._slabs.items():
             if not len(slab):
                 continue
             dirty = slab.dirty[slab.slots]
             if dirty.any():
-                self.lower.write(table, slab.keys[dirty], slab.rows, at=slab.slots[dirty])
+                self._sink.write(table, slab.keys[dirty], slab.rows, at=slab.slots[dirty])
                 slab.dirty[slab.slots[dirty]] = False
                 fault_point("memory.flush_table")
 

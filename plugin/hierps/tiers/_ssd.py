@@ -181,17 +181,16 @@ class SsdTier:
         with_rows: bool,
     ) -> None:
         found, holder, rows = out
-        plans = []
+        reads = []  # per segment that may hold some keys: (segment, which keys, chunks to read)
         for seg_id in newest_first:
             seg = self._segs[table][seg_id]
             maybe, chunks = seg.candidates(keys)
             if len(chunks):
-                plans.append((seg, np.flatnonzero(maybe), seg.chunk_positions(np.unique(chunks))))
-        blocks = read_arrays([(seg.rows_array, positions) for seg, _, positions in plans], self._files)
-        for (seg, which, _), block in zip(plans, blocks):
+                reads.append((seg, np.flatnonzero(maybe), seg.chunk_positions(np.unique(chunks))))
+        blocks = read_arrays([(seg.rows_array, positions) for seg, _, positions in reads], self._files)
+        for (seg, which, _), block in zip(reads, blocks):
             stored, stored_rows = split_block(block)
-            at = np.minimum(np.searchsorted(stored, keys[which]), len(stored) - 1)
-            hit = stored[at] == keys[which]
+            hit, at = _ids.find_sorted(stored, keys[which])
             fresh = hit & ~found[start + which]  # newest first: an older copy is stale
             dest = start + which[fresh]
             found[dest], holder[dest] = True, seg.seg

@@ -21,7 +21,6 @@ from hierps._faults import fault_point
 from hierps.errors import DeviceBudgetError, InvalidIdsError
 from hierps.lifecycle._features import Features
 from hierps.rows import _ids
-from hierps.tiers._device import apply_moves, rebuild
 from hierps.training._batchplan import Batch, PassBatches, same_batches, translate, union_positions
 from hierps.training._pipeline import PassPipeline
 
@@ -105,22 +104,24 @@ class PassRunner:
             # and reports its failure (e.g. a full disk) at this pass, not some later one.
             self._pipe.wait_writebacks()
             plans = None
-            if ahead is not None and ahead.moves.version == tier.version:
-                # Nothing changed in the device tier since the pass was announced: the moves
-                # planned then hold, the rows read then are exactly those missing, and the
-                # mini-batches were translated for the layout they make.
-                drained = apply_moves(tier, ahead.moves, ahead.rows)
+            if ahead is not None and ahead.relayout.version == tier.version:
+                # Nothing changed in the device tier since the pass was announced: the relayout
+                # worked out then holds, the rows read then are exactly those missing, and the
+                # mini-batches were translated for the layout it makes.
+                drained = tier.apply_relayout(ahead.relayout, ahead.rows)
                 plans = ahead.plans
             else:
                 # No write-back is pending now, so rows the read-ahead lacks are read fresh.
-                prepared = {t: (k, ahead.rows[t]) for t, k in ahead.moves.missing.items()} if ahead else None
-                drained = rebuild(tier, groups[0], prepared, fetch)
+                prepared = (
+                    {t: (k, ahead.rows[t]) for t, k in ahead.relayout.missing.items()} if ahead else None
+                )
+                drained = tier.rebuild(groups[0], prepared, fetch)
             self._pipe.submit_writeback(drained)
             self._translated(raw, groups[0], plans, positions)
         else:
             self._core.write_back()
             if len(groups) == 1:
-                rebuild(tier, groups[0], None, fetch)  # nothing is resident: nothing leaves
+                tier.rebuild(groups[0], None, fetch)  # nothing is resident: nothing leaves
                 self._translated(raw, groups[0], None, positions)
             elif groups:
                 self._load(groups[0], create=False)
@@ -167,7 +168,7 @@ class PassRunner:
             if len(groups) != 1:
                 return  # a pass split into groups is loaded group by group as training reaches them
             group = groups[0]
-        self._pipe.submit_prepare(raw, group, self._core.device_tier.snapshot())
+        self._pipe.submit_prepare(raw, group, self._core.device_tier.resident_keys())
 
     def end_pass(self) -> None:
         """Close the pass. Without the pipeline its working set is written back now; with it, when
@@ -301,6 +302,7 @@ class PassRunner:
         along with them; otherwise (rows fetched on demand, no pass announced) the tier works as
         a cache and keeps its most recently used rows (:meth:`_make_room`).
         """
+        self._core.check_open()
         tier = self._core.device_tier
         found, slots = tier.resolve(table, keys)
         if bool(found.all()):
@@ -345,7 +347,7 @@ class PassRunner:
         self._pipe.wait_writebacks()
         keep = tier.recent(max(tier.budget // 2 - need, 0))
         keep[table] = np.union1d(keep.get(table, _EMPTY), keys)
-        drained = rebuild(tier, keep, None, partial(self._core.fetch_many, touch=True))
+        drained = tier.rebuild(keep, None, partial(self._core.fetch_many, touch=True))
         with self._pipe.lock:
             self._core.put_dirty(drained)
         self._core.stats.count_on_demand_rebuild()

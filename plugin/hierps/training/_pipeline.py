@@ -22,7 +22,8 @@ from typing import Any, TypeVar
 import numpy as np
 
 from hierps._core import StoreCore
-from hierps.tiers._device import DrainedRows, Moves, Snapshot, plan_moves
+from hierps.tiers._device import DrainedRows
+from hierps.tiers._working_set import Relayout, ResidentKeys
 from hierps.training._batchplan import Batch, same_batches, translate, union_positions
 
 __all__ = ["PassPipeline", "ReadAhead"]
@@ -35,9 +36,9 @@ class ReadAhead:
     """A pass prepared in the background: everything but the copies into the device tier."""
 
     group: dict[str, np.ndarray]  # its working set: sorted distinct keys per table
-    moves: Moves  # from the device tier as it was when the pass was announced
-    rows: dict[str, np.ndarray]  # rows of moves.missing, read from RAM / SSD / the initializer
-    plans: list[Batch]  # its mini-batches, translated for moves.base
+    relayout: Relayout  # of the device tier as it was when the pass was announced
+    rows: dict[str, np.ndarray]  # rows of relayout.missing, read from RAM / SSD / the initializer
+    plans: list[Batch]  # its mini-batches, translated for relayout.first_slot
 
 
 class PassPipeline:
@@ -90,29 +91,35 @@ class PassPipeline:
 
     # -- read-ahead ----------------------------------------------------------------------------
     def submit_prepare(
-        self, batches: list[dict[str, np.ndarray]], group: dict[str, np.ndarray] | None, snapshot: Snapshot
+        self,
+        batches: list[dict[str, np.ndarray]],
+        group: dict[str, np.ndarray] | None,
+        resident: ResidentKeys,
     ) -> None:
         """Prepare the pass of ``batches`` ({table: ids} per mini-batch) in the background.
 
-        Its working set (``group``, or the union of the batches' ids), the moves of the device
-        tier from ``snapshot`` to it, the rows not resident in ``snapshot``, and the mini-batches
+        Its working set (``group``, or the union of the batches' ids), the relayout of the device
+        tier from ``resident`` to it, the rows not in ``resident``, and the mini-batches
         translated into the slots they will have: see :class:`ReadAhead`.
         """
-        self._prepared = (batches, self._submit(self._prepare, batches, group, snapshot))
+        self._prepared = (batches, self._submit(self._prepare, batches, group, resident))
 
     def _prepare(
-        self, batches: list[dict[str, np.ndarray]], group: dict[str, np.ndarray] | None, snapshot: Snapshot
+        self,
+        batches: list[dict[str, np.ndarray]],
+        group: dict[str, np.ndarray] | None,
+        resident: ResidentKeys,
     ) -> ReadAhead:
         t0 = time.perf_counter()
         positions = None
         if group is None:
             group, positions = union_positions(batches)
-        moves = plan_moves(snapshot, group)
+        relayout = resident.relayout_to(group)
         with self.lock:
-            rows = self._core.fetch_many(moves.missing, touch=True, ahead=True)
-        plans = translate(batches, group, moves.base, self._core.device, positions)
+            rows = self._core.fetch_many(relayout.missing, touch=True, ahead=True)
+        plans = translate(batches, group, relayout.first_slot, self._core.device, positions)
         self.prepare_seconds += time.perf_counter() - t0
-        return ReadAhead(group, moves, rows, plans)
+        return ReadAhead(group, relayout, rows, plans)
 
     def take(self, batches: list[dict[str, np.ndarray]]) -> ReadAhead | None:
         """The read-ahead of ``batches`` if they are the ones announced, else None (and it is dropped)."""
