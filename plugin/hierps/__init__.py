@@ -31,6 +31,7 @@ from hierps.config import (
     InitializerConfig,
     OptimizerConfig,
     StoreSettings,
+    TableSpec,
     parse_size,
 )
 from hierps.errors import (
@@ -86,6 +87,7 @@ __all__ = [
     "StoreLockedError",
     "StoreSettings",
     "TableMismatchError",
+    "TableSpec",
     "get_default_store",
     "parse_size",
     "set_default_store",

@@ -30,21 +30,14 @@ import os
 from collections.abc import Collection, Mapping, Sequence
 from contextlib import AbstractContextManager
 from pathlib import Path
-from typing import Any, cast
+from typing import Any, Unpack, cast
 
 import numpy as np
 import torch
 
 from hierps._core import StoreCore
 from hierps._faults import fault_point
-from hierps.config import (
-    AdmissionConfig,
-    EvictionConfig,
-    InitializerConfig,
-    OptimizerConfig,
-    StoreSettings,
-    parse_dtype,
-)
+from hierps.config import AdmissionConfig, EvictionConfig, StoreSettings, TableSettings, TableSpec
 from hierps.errors import ConfigError, TableMismatchError
 from hierps.interface import Batches, run_pass
 from hierps.lifecycle._admission import PENDING_ARRAYS, PendingKeys
@@ -332,19 +325,20 @@ class Store:
 
     # -- tables -------------------------------------------------------------------------------
     def table(
-        self,
-        name: str,
-        dim: int,
-        *,
-        optimizer: Any = None,
-        initializer: Any = None,
-        admission: Any = None,
-        eviction: Any = None,
-        weights_dtype: str | None = None,
-        state_dtype: str | None = None,
+        self, name: str, dim: int, spec: TableSpec | None = None, **settings: Unpack[TableSettings]
     ) -> TableInfo:
         """Create table ``name`` with rows of ``dim`` floats, or reopen it (checking dim, optimizer
         and precisions).
+
+        The table's settings come as a :class:`~hierps.config.TableSpec`, by keyword
+        (``optimizer=``, ``initializer=``, ``admission=``, ``eviction=``, ``weights_dtype=``,
+        ``state_dtype=``), or both (a keyword replaces the spec's setting); one not given (None)
+        takes the store's default on creation and keeps the stored setting on reopening.
+
+        ``optimizer`` (``"adagrad"``, or a dict / :class:`~hierps.config.OptimizerConfig`) and
+        ``initializer`` default to the store's. On reopening, an optimizer of the same type replaces
+        the stored hyper-parameters from now on; another type raises
+        :class:`~hierps.errors.TableMismatchError` (the rows carry its state).
 
         ``weights_dtype`` (``"fp32"``, the default, ``"bf16"`` or ``"fp16"``) and ``state_dtype``
         (``"fp32"`` or ``"bf16"``: the per-coordinate optimizer state) are the precisions rows are
@@ -356,6 +350,8 @@ class Store:
         says when a new key gets a row; ``eviction`` (:class:`~hierps.config.EvictionConfig` or a
         mapping like ``{"ttl_passes": 30, "every_passes": 10}``) when a row is deleted. Both default
         to keeping every key; given on reopening, they replace the stored settings.
+
+        ``ConfigError`` for a bad name, dim or setting (or an unknown keyword).
         """
         self._core.check_open()
         problem = table_name_problem(name)
@@ -367,59 +363,51 @@ class Store:
             raise ConfigError(
                 f"dim of table {name!r}: expected an int from 1 to {MAX_DIM}. Got {dim!r} instead."
             )
-        opt = OptimizerConfig.parse(optimizer) if optimizer is not None else self._core.settings.optimizer
-        init = (
-            InitializerConfig.parse(initializer)
-            if initializer is not None
-            else self._core.settings.initializer
-        )
-        adm = AdmissionConfig.parse(admission) if admission is not None else None
-        evict = EvictionConfig.parse(eviction) if eviction is not None else None
-        wdt = parse_dtype(weights_dtype, "weights_dtype") if weights_dtype is not None else None
-        sdt = parse_dtype(state_dtype, "state_dtype") if state_dtype is not None else None
+        spec = TableSpec.of(spec, **settings)
         info = self._core.tables.get(name)
-        if info is not None:
-            if info.dim != dim:
+        if info is None:
+            info = TableInfo(
+                name,
+                dim,
+                spec.optimizer or self._core.settings.optimizer,
+                spec.initializer or self._core.settings.initializer,
+                table_salt(self._core.seed, name),
+                admission=spec.admission or AdmissionConfig(),
+                eviction=spec.eviction or EvictionConfig(),
+                weights_dtype=spec.weights_dtype or "fp32",
+                state_dtype=spec.state_dtype or "fp32",
+            )
+            self._core.tables[name] = info
+            self._core.register(info)
+            return info
+        if info.dim != dim:
+            raise TableMismatchError(
+                f"table {name!r}: the store holds it with dim {info.dim}, asked for dim {dim}. "
+                "Use another table name or another store directory."
+            )
+        for what, asked, held in (
+            ("weights_dtype", spec.weights_dtype, info.weights_dtype),
+            ("state_dtype", spec.state_dtype, info.state_dtype),
+        ):
+            if asked is not None and asked != held:
                 raise TableMismatchError(
-                    f"table {name!r}: the store holds it with dim {info.dim}, asked for dim {dim}. "
+                    f"table {name!r}: the store holds its rows with {what} {held!r}, asked for "
+                    f"{asked!r}. Rows keep the precision they were created with: pass {held!r} "
+                    "(or nothing), or use another table name or another store directory."
+                )
+        opt = spec.optimizer
+        if opt is not None and info.optimizer != opt:
+            if info.optimizer.type != opt.type:
+                raise TableMismatchError(
+                    f"table {name!r}: its rows carry {info.optimizer.type} state, asked for {opt.type}. "
                     "Use another table name or another store directory."
                 )
-            for what, asked, held in (
-                ("weights_dtype", wdt, info.weights_dtype),
-                ("state_dtype", sdt, info.state_dtype),
-            ):
-                if asked is not None and asked != held:
-                    raise TableMismatchError(
-                        f"table {name!r}: the store holds its rows with {what} {held!r}, asked for "
-                        f"{asked!r}. Rows keep the precision they were created with: pass {held!r} "
-                        "(or nothing), or use another table name or another store directory."
-                    )
-            if optimizer is not None and info.optimizer != opt:
-                if info.optimizer.type != opt.type:
-                    raise TableMismatchError(
-                        f"table {name!r}: its rows carry {info.optimizer.type} state, asked for {opt.type}. "
-                        "Use another table name or another store directory."
-                    )
-                info.optimizer = opt  # same state layout; new hyper-parameters apply from now on
-            if adm is not None:
-                info.admission = adm
-                self._core.pending_keys[name].capacity = adm.max_pending
-            if evict is not None:
-                info.eviction = evict
-            return info
-        info = TableInfo(
-            name,
-            dim,
-            opt,
-            init,
-            table_salt(self._core.seed, name),
-            admission=adm or AdmissionConfig(),
-            eviction=evict or EvictionConfig(),
-            weights_dtype=wdt or "fp32",
-            state_dtype=sdt or "fp32",
-        )
-        self._core.tables[name] = info
-        self._core.register(info)
+            info.optimizer = opt  # same state layout; new hyper-parameters apply from now on
+        if spec.admission is not None:
+            info.admission = spec.admission
+            self._core.pending_keys[name].capacity = spec.admission.max_pending
+        if spec.eviction is not None:
+            info.eviction = spec.eviction
         return info
 
     def lookup(self, table: str, ids: Any) -> torch.Tensor:

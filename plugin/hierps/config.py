@@ -4,6 +4,8 @@ admission and eviction.
 :class:`StoreSettings` is the one place where the settings of a store have their defaults and
 bounds: ``hierps.Store(path, **settings)`` and the DeepSpeed ``"hierarchical_ps"`` section
 (:mod:`hierps.integrations.config`) both check them through :func:`parse_setting`.
+:class:`TableSpec` holds the six settings of one table (optimizer, initializer, admission,
+eviction, weights_dtype, state_dtype) as one value, from the modules down to the store.
 """
 
 from __future__ import annotations
@@ -11,8 +13,8 @@ from __future__ import annotations
 import math
 import re
 import warnings
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass, field, replace
+from typing import Any, TypedDict, Unpack
 
 from hierps.errors import ConfigError
 
@@ -27,6 +29,8 @@ __all__ = [
     "InitializerConfig",
     "OptimizerConfig",
     "StoreSettings",
+    "TableSettings",
+    "TableSpec",
     "parse_dtype",
     "parse_setting",
     "parse_size",
@@ -531,3 +535,82 @@ class StoreSettings:
         if unknown:
             raise ConfigError(f"unknown store setting {unknown[0]!r}; the settings are {list(_SETTINGS)}.")
         return cls(**{name: parse_setting(name, value) for name, value in settings.items()})
+
+
+# Each table setting's parser; a parser hands back a value it already parsed as it is, so a
+# setting passed down from a module to the store is checked once.
+_TABLE_SETTINGS: dict[str, Any] = {
+    "optimizer": OptimizerConfig.parse,
+    "initializer": InitializerConfig.parse,
+    "admission": AdmissionConfig.parse,
+    "eviction": EvictionConfig.parse,
+    "weights_dtype": lambda v: parse_dtype(v, "weights_dtype"),
+    "state_dtype": lambda v: parse_dtype(v, "state_dtype"),
+}
+
+
+class TableSettings(TypedDict, total=False):
+    """The settings of a table by keyword, as ``store.table(name, dim, **settings)``, the modules and
+    the DeepSpeed swap take them (each also given as a :class:`TableSpec`); None: not given."""
+
+    optimizer: OptimizerConfig | str | dict[str, Any] | None
+    initializer: InitializerConfig | str | dict[str, Any] | None
+    admission: AdmissionConfig | dict[str, Any] | None
+    eviction: EvictionConfig | dict[str, Any] | None
+    weights_dtype: str | None
+    state_dtype: str | None
+
+
+@dataclass(frozen=True)
+class TableSpec:
+    """The settings of one table, checked once: ``TableSpec.of(optimizer="adagrad", weights_dtype="bf16")``.
+
+    A setting left None is not given: a new table takes the store's default (its ``optimizer`` and
+    ``initializer``, every key admitted, no row deleted, fp32 rows), a reopened one keeps what it
+    has. ``store.table(name, dim, spec)``, ``hierps.EmbeddingBag(..., spec=spec)`` and their
+    keyword forms (``optimizer=...``) take the same settings; :meth:`of` merges the two.
+    """
+
+    optimizer: OptimizerConfig | None = None
+    """Sparse optimizer (``"adagrad"``, ``{"type": "sgd", "params": {"lr": 0.1}}``); its type is
+    fixed when the table is created (the state layout), its hyper-parameters may change."""
+    initializer: InitializerConfig | None = None
+    """How a never-seen key's row starts (``"normal"``, ``"uniform"``, ``"zeros"``)."""
+    admission: AdmissionConfig | None = None
+    """When a new key gets a trained row (a mapping like ``{"min_count": 3}``)."""
+    eviction: EvictionConfig | None = None
+    """When a row is deleted (a mapping like ``{"ttl_passes": 30, "every_passes": 10}``)."""
+    weights_dtype: str | None = None
+    """Precision the weights are stored in: ``"fp32"``, ``"bf16"`` or ``"fp16"``; fixed at creation."""
+    state_dtype: str | None = None
+    """Precision of the per-coordinate optimizer state: ``"fp32"`` or ``"bf16"``; fixed at creation."""
+
+    def __post_init__(self) -> None:
+        for name, parse in _TABLE_SETTINGS.items():
+            value = getattr(self, name)
+            if value is not None:
+                object.__setattr__(self, name, parse(value))
+
+    @classmethod
+    def of(cls, spec: TableSpec | None = None, /, **settings: Unpack[TableSettings]) -> TableSpec:
+        """``spec`` (None: nothing given) with the settings given by keyword in its place, each
+        checked (``ConfigError`` for a bad value or an unknown name); a keyword None keeps ``spec``'s.
+
+        >>> spec = TableSpec.of(optimizer="adagrad", weights_dtype="bf16")
+        >>> TableSpec.of(spec, weights_dtype="fp16", state_dtype=None).weights_dtype
+        'fp16'
+        """
+        if spec is not None and not isinstance(spec, TableSpec):
+            raise ConfigError(
+                f"spec: expected a hierps.TableSpec (or the settings by keyword, like optimizer='adagrad'). "
+                f"Got {spec!r} instead."
+            )
+        given: dict[str, Any] = {name: value for name, value in settings.items() if value is not None}
+        unknown = sorted(set(settings) - set(_TABLE_SETTINGS))
+        if unknown:  # a keyword a type checker would flag, passed anyway
+            raise ConfigError(
+                f"unknown table setting {unknown[0]!r} (value {given.get(unknown[0])!r}); the settings "
+                f"of a table are {', '.join(_TABLE_SETTINGS)}."
+            )
+        base = spec if spec is not None else cls()
+        return replace(base, **given) if given else base

@@ -15,10 +15,11 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol, Unpack, runtime_checkable
 
 import torch
 
+from hierps.config import TableSettings, TableSpec
 from hierps.rows._table import TableInfo
 
 __all__ = ["Batches", "StoreInterface", "run_pass"]
@@ -48,19 +49,12 @@ class StoreInterface(Protocol):
 
     # -- tables and rows ------------------------------------------------------------------------
     def table(
-        self,
-        name: str,
-        dim: int,
-        *,
-        optimizer: Any = None,
-        initializer: Any = None,
-        admission: Any = None,
-        eviction: Any = None,
-        weights_dtype: str | None = None,
-        state_dtype: str | None = None,
+        self, name: str, dim: int, spec: TableSpec | None = None, **settings: Unpack[TableSettings]
     ) -> TableInfo:
         """Create table ``name`` with rows of ``dim`` floats, or reopen it (checking dim, optimizer and
-        the precisions ``weights_dtype`` / ``state_dtype`` its rows are stored in)."""
+        the precisions ``weights_dtype`` / ``state_dtype`` its rows are stored in). Its settings: a
+        :class:`~hierps.config.TableSpec` and / or by keyword (``optimizer=...``), merged by
+        :meth:`TableSpec.of <hierps.config.TableSpec.of>`."""
         ...
 
     def write(self, table: str, keys: Any, weights: Any) -> None:

@@ -19,18 +19,20 @@ Example::
 deleted; by default every id gets a row at first sight and none is ever deleted.
 ``weights_dtype`` (``"fp32"``, ``"bf16"``, ``"fp16"``) and ``state_dtype`` (``"fp32"``, ``"bf16"``)
 are the precisions the table's rows are stored in (see :meth:`hierps.Store.table`); forwards and
-gradients stay float32.
+gradients stay float32. These six settings may also come as one value, ``spec=hierps.TableSpec.of(...)``,
+shared by several modules; a keyword given beside it replaces the spec's setting.
 """
 
 from __future__ import annotations
 
 import weakref
-from typing import Any
+from typing import Any, ClassVar, Self, Unpack
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hierps.config import TableSettings, TableSpec
 from hierps.errors import ConfigError, OffsetsError
 from hierps.interface import StoreInterface
 from hierps.rows._ids import check_ids_tensor, same_device
@@ -60,6 +62,14 @@ class _StoreEmbedding(nn.Module):
 
     # (weakref to the last offsets tensor that passed the checks, its version, the ids count)
     _offsets_checked: tuple[weakref.ref[torch.Tensor], int, int] | None = None
+    # What from_module copies of the torch module: the arguments that say how ids are read.
+    _TORCH_ARGUMENTS: ClassVar[tuple[str, ...]] = (
+        "num_embeddings",
+        "embedding_dim",
+        "padding_idx",
+        "max_norm",
+        "scale_grad_by_freq",
+    )
 
     def __init__(
         self,
@@ -70,12 +80,7 @@ class _StoreEmbedding(nn.Module):
         scale_grad_by_freq: bool,
         store: StoreInterface | None,
         name: str | None,
-        optimizer: Any,
-        initializer: Any,
-        admission: Any,
-        eviction: Any,
-        weights_dtype: str | None,
-        state_dtype: str | None,
+        spec: TableSpec,
     ) -> None:
         super().__init__()
         if max_norm is not None:
@@ -94,11 +99,30 @@ class _StoreEmbedding(nn.Module):
         self.table = name if name is not None else f"{type(self).__name__.lower()}_{len(self._store.tables)}"
         # A table the store already holds (a resumed run) keeps its rows; a new one is filled.
         self._created = self.table not in self._store.tables
-        settings = {"optimizer": optimizer, "initializer": initializer, "admission": admission}
-        settings |= {"eviction": eviction, "weights_dtype": weights_dtype, "state_dtype": state_dtype}
-        self._store.table(self.table, embedding_dim, **settings)
+        self._store.table(self.table, embedding_dim, spec)
         if self._created and padding_idx is not None:
             self._store.write(self.table, [padding_idx], torch.zeros(1, embedding_dim))
+
+    @classmethod
+    def from_module(
+        cls,
+        module: nn.Embedding | nn.EmbeddingBag,
+        *,
+        store: StoreInterface | None = None,
+        name: str | None = None,
+        overwrite: bool | None = None,
+        spec: TableSpec | None = None,
+        **settings: Unpack[TableSettings],
+    ) -> Self:
+        """The hierps twin of a torch module (``hierps.Embedding.from_module(nn.Embedding)``,
+        ``hierps.EmbeddingBag.from_module(nn.EmbeddingBag)``), with its arguments (mode, padding_idx,
+        ...) and its rows 0..N-1 from ``module.weight``, unless the store already holds the table (a
+        resumed run keeps its rows; ``overwrite`` True writes them anyway, False never). ``spec`` and
+        the keywords are the table's settings, as for the constructor."""
+        arguments = {attr: getattr(module, attr) for attr in cls._TORCH_ARGUMENTS}
+        out = cls(**arguments, store=store, name=name, spec=TableSpec.of(spec, **settings))
+        out._load_rows(module.weight, overwrite)
+        return out
 
     @property
     def store(self) -> StoreInterface:
@@ -140,6 +164,9 @@ class Embedding(_StoreEmbedding):
 
     ``num_embeddings`` may be None: any int64 id is a key, negative ones included.
     forward: ids (...) int64 on the store's device -> (..., embedding_dim) float32.
+    Keyword-only: ``store``, ``name`` (of the table) and the table's settings, a ``spec``
+    (:class:`hierps.TableSpec`) and / or ``optimizer=``, ``initializer=``, ``admission=``,
+    ``eviction=``, ``weights_dtype=``, ``state_dtype=`` (see :meth:`hierps.Store.table`).
     """
 
     def __init__(
@@ -156,27 +183,12 @@ class Embedding(_StoreEmbedding):
         *,
         store: StoreInterface | None = None,
         name: str | None = None,
-        optimizer: Any = None,
-        initializer: Any = None,
-        admission: Any = None,
-        eviction: Any = None,
-        weights_dtype: str | None = None,
-        state_dtype: str | None = None,
+        spec: TableSpec | None = None,
+        **settings: Unpack[TableSettings],
     ) -> None:
+        spec = TableSpec.of(spec, **settings)
         super().__init__(
-            num_embeddings,
-            embedding_dim,
-            padding_idx,
-            max_norm,
-            scale_grad_by_freq,
-            store,
-            name,
-            optimizer,
-            initializer,
-            admission,
-            eviction,
-            weights_dtype,
-            state_dtype,
+            num_embeddings, embedding_dim, padding_idx, max_norm, scale_grad_by_freq, store, name, spec
         )
         if _freeze:
             raise ConfigError(
@@ -184,40 +196,6 @@ class Embedding(_StoreEmbedding):
             )
         if _weight is not None:
             self._load_rows(_weight, overwrite=None)
-
-    @classmethod
-    def from_module(
-        cls,
-        module: nn.Embedding,
-        *,
-        store: StoreInterface | None = None,
-        name: str | None = None,
-        optimizer: Any = None,
-        initializer: Any = None,
-        overwrite: bool | None = None,
-        admission: Any = None,
-        eviction: Any = None,
-        weights_dtype: str | None = None,
-        state_dtype: str | None = None,
-    ) -> Embedding:
-        """A hierps ``Embedding`` whose rows 0..N-1 are ``module.weight`` (kept if the store has the table)."""
-        out = cls(
-            module.num_embeddings,
-            module.embedding_dim,
-            module.padding_idx,
-            module.max_norm,
-            scale_grad_by_freq=module.scale_grad_by_freq,
-            store=store,
-            name=name,
-            optimizer=optimizer,
-            initializer=initializer,
-            admission=admission,
-            eviction=eviction,
-            weights_dtype=weights_dtype,
-            state_dtype=state_dtype,
-        )
-        out._load_rows(module.weight, overwrite)
-        return out
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         ids = check_ids_tensor(input, self._store.device, what=f"ids of {self.table!r}")
@@ -247,7 +225,12 @@ class EmbeddingBag(_StoreEmbedding):
 
     forward: input (N,) int64 with offsets (B,) [or (B+1,) with include_last_offset], or input
     (B, L) without offsets -> (B, embedding_dim) float32; per_sample_weights like input (sum only).
+    Keyword-only: ``store``, ``name`` (of the table) and the table's settings, a ``spec``
+    (:class:`hierps.TableSpec`) and / or ``optimizer=``, ``initializer=``, ``admission=``,
+    ``eviction=``, ``weights_dtype=``, ``state_dtype=`` (see :meth:`hierps.Store.table`).
     """
+
+    _TORCH_ARGUMENTS = (*_StoreEmbedding._TORCH_ARGUMENTS, "mode", "include_last_offset")
 
     def __init__(
         self,
@@ -264,70 +247,19 @@ class EmbeddingBag(_StoreEmbedding):
         *,
         store: StoreInterface | None = None,
         name: str | None = None,
-        optimizer: Any = None,
-        initializer: Any = None,
-        admission: Any = None,
-        eviction: Any = None,
-        weights_dtype: str | None = None,
-        state_dtype: str | None = None,
+        spec: TableSpec | None = None,
+        **settings: Unpack[TableSettings],
     ) -> None:
         if mode not in ("sum", "mean", "max"):
             raise ConfigError(f"mode: expected 'sum', 'mean' or 'max'. Got {mode!r} instead.")
+        spec = TableSpec.of(spec, **settings)
         super().__init__(
-            num_embeddings,
-            embedding_dim,
-            padding_idx,
-            max_norm,
-            scale_grad_by_freq,
-            store,
-            name,
-            optimizer,
-            initializer,
-            admission,
-            eviction,
-            weights_dtype,
-            state_dtype,
+            num_embeddings, embedding_dim, padding_idx, max_norm, scale_grad_by_freq, store, name, spec
         )
         self.mode = mode
         self.include_last_offset = include_last_offset
         if _weight is not None:
             self._load_rows(_weight, overwrite=None)
-
-    @classmethod
-    def from_module(
-        cls,
-        module: nn.EmbeddingBag,
-        *,
-        store: StoreInterface | None = None,
-        name: str | None = None,
-        optimizer: Any = None,
-        initializer: Any = None,
-        overwrite: bool | None = None,
-        admission: Any = None,
-        eviction: Any = None,
-        weights_dtype: str | None = None,
-        state_dtype: str | None = None,
-    ) -> EmbeddingBag:
-        """A hierps ``EmbeddingBag`` whose rows 0..N-1 are ``module.weight`` (kept if the store has the table)."""
-        out = cls(
-            module.num_embeddings,
-            module.embedding_dim,
-            module.max_norm,
-            scale_grad_by_freq=module.scale_grad_by_freq,
-            mode=module.mode,
-            include_last_offset=module.include_last_offset,
-            padding_idx=module.padding_idx,
-            store=store,
-            name=name,
-            optimizer=optimizer,
-            initializer=initializer,
-            admission=admission,
-            eviction=eviction,
-            weights_dtype=weights_dtype,
-            state_dtype=state_dtype,
-        )
-        out._load_rows(module.weight, overwrite)
-        return out
 
     def forward(
         self,

@@ -56,7 +56,7 @@ import os
 import warnings
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Unpack
 
 import deepspeed
 import torch
@@ -70,6 +70,7 @@ from torch import nn
 
 from hierps._faults import fault_point
 from hierps._store import Store
+from hierps.config import TableSettings, TableSpec
 from hierps.errors import ConfigError
 from hierps.integrations.config import (
     SECTION,
@@ -210,9 +211,11 @@ def _initialize_with_store(
             model,
             chosen,
             store,
-            optimizer=section.optimizer,
-            weights_dtype=section.weights_dtype,
-            state_dtype=section.state_dtype,
+            TableSpec.of(
+                optimizer=section.optimizer,
+                weights_dtype=section.weights_dtype,
+                state_dtype=section.state_dtype,
+            ),
             undo=swaps,
         )
         dropped = {id(p) for m in chosen.values() for p in m.parameters()}
@@ -268,22 +271,21 @@ def swap_embeddings(
     model: nn.Module,
     modules: Mapping[str, nn.Module],
     store: Store | ShardedStore,
+    spec: TableSpec | None = None,
     *,
-    optimizer: Any = None,
-    weights_dtype: str | None = None,
-    state_dtype: str | None = None,
     undo: list[tuple[nn.Module, str, nn.Module]] | None = None,
+    **settings: Unpack[TableSettings],
 ) -> dict[str, nn.Module]:
     """Replace each named ``nn.Embedding`` / ``nn.EmbeddingBag`` of ``model`` by its hierps twin.
 
     ``modules``: qualified name -> module (as :func:`select_modules` gives). Every reference to
     a module is replaced (a module shared by two parents stays shared), and the twin holds rows
     0..N-1 of its weight in table ``name`` (unless the store already holds that table: resume).
-    ``undo`` receives ``(parent, attribute, original)`` for each replacement. ``optimizer``,
-    ``weights_dtype`` and ``state_dtype`` are the tables' (see :meth:`hierps.Store.table`). Returns
-    name -> twin.
+    ``undo`` receives ``(parent, attribute, original)`` for each replacement. ``spec`` and the
+    keywords (``optimizer=``, ``weights_dtype=``, ...) are the tables' settings (see
+    :meth:`hierps.Store.table`). Returns name -> twin.
     """
-    table = {"optimizer": optimizer, "weights_dtype": weights_dtype, "state_dtype": state_dtype}
+    spec = TableSpec.of(spec, **settings)
     refs: dict[int, list[tuple[nn.Module, str]]] = {}
     for parent in model.modules():
         for attr, child in parent._modules.items():  # named_children() would hide a second reference
@@ -294,9 +296,9 @@ def swap_embeddings(
         if id(module) not in made:
             twin: nn.Module
             if isinstance(module, nn.EmbeddingBag):
-                twin = EmbeddingBag.from_module(module, store=store, name=name, **table)
+                twin = EmbeddingBag.from_module(module, store=store, name=name, spec=spec)
             elif isinstance(module, nn.Embedding):
-                twin = Embedding.from_module(module, store=store, name=name, **table)
+                twin = Embedding.from_module(module, store=store, name=name, spec=spec)
             else:
                 raise ConfigError(
                     f"swap_embeddings: {name!r} is a {type(module).__name__}, not an nn.Embedding "

@@ -19,12 +19,13 @@ from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, Unpack
 
 import numpy as np
 import torch
 
 from hierps._store import Store
+from hierps.config import TableSettings, TableSpec
 from hierps.errors import ConfigError, HierpsError, NonFiniteGradientError
 from hierps.interface import Batches, run_pass
 from hierps.lifecycle._lifecycle import observation
@@ -160,21 +161,11 @@ class ShardedStore:
         return self.local.keep_checkpoints
 
     def table(
-        self,
-        name: str,
-        dim: int,
-        *,
-        optimizer: Any = None,
-        initializer: Any = None,
-        admission: Any = None,
-        eviction: Any = None,
-        weights_dtype: str | None = None,
-        state_dtype: str | None = None,
+        self, name: str, dim: int, spec: TableSpec | None = None, **settings: Unpack[TableSettings]
     ) -> TableInfo:
-        """Create or reopen table ``name`` on every rank (see :meth:`hierps.Store.table`)."""
-        settings = {"optimizer": optimizer, "initializer": initializer, "admission": admission}
-        settings |= {"eviction": eviction, "weights_dtype": weights_dtype, "state_dtype": state_dtype}
-        return self.local.table(name, dim, **settings)
+        """Create or reopen table ``name`` on every rank, with the settings of ``spec`` and / or the
+        keywords (see :meth:`hierps.Store.table`)."""
+        return self.local.table(name, dim, TableSpec.of(spec, **settings))
 
     def write(self, table: str, keys: Any, weights: Any) -> None:
         """Set weights of ``keys``; every rank passes the same keys and keeps those it owns."""
