@@ -1,0 +1,323 @@
+"""The tiers alone, without a store: the RAM tier over a sink, the device tier's relayout between passes.
+
+- :class:`MemoryTier` caches what it is given and evicts by its policy (LRU by pass, LFU by
+  touches), in batches down to 7/8 of its budget; exactly its dirty rows reach the sink, and a
+  sink that refuses rows leaves every one of them cached, the error raised to the caller;
+- :class:`ResidentKeys` works out a relayout without touching the tier, and
+  :meth:`DeviceTier.rebuild` carries one out: rows that stay keep their values and dirty bits,
+  only missing keys are fetched, rows that leave come back with their dirty bits.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from hierps.errors import StoreFullError
+from hierps.tiers import DeviceTier, MemoryTier, RowSink, SsdTier
+from hierps.tiers._working_set import ResidentKeys
+
+WIDTH = 2
+ROW_BYTES = WIDTH * 4 + 25  # floats + the tier's bookkeeping per row
+BUDGET = 10 * ROW_BYTES  # ten rows
+
+
+class RecordingSink:
+    """A sink that keeps copies of what it took, and refuses everything while ``full``."""
+
+    def __init__(self) -> None:
+        self.taken: dict[str, dict[int, np.ndarray]] = {}
+        self.calls = 0
+        self.full = False
+
+    def write(self, table: str, keys: np.ndarray, rows: np.ndarray, at: np.ndarray | None = None) -> None:
+        self.calls += 1
+        if self.full:
+            raise StoreFullError("no space left on the test sink")
+        block = rows if at is None else rows[at]
+        assert block.shape == (len(keys), WIDTH)
+        for key, row in zip(keys.tolist(), block):
+            self.taken.setdefault(table, {})[key] = row.copy()
+
+    def keys(self, table: str = "t") -> set[int]:
+        return set(self.taken.get(table, {}))
+
+
+def rows_of(keys: np.ndarray, salt: float = 0.0) -> np.ndarray:
+    """(n, WIDTH) float32 rows telling their key (and version) apart."""
+    k = keys.astype(np.float32)
+    return np.stack([k + salt, -k - salt], axis=1)
+
+
+def keys_of(*values: int) -> np.ndarray:
+    return np.array(values, np.int64)
+
+
+def memory(policy: str = "lru") -> tuple[MemoryTier, RecordingSink]:
+    sink = RecordingSink()
+    tier = MemoryTier(BUDGET, sink, policy)
+    tier.add_table("t", WIDTH)
+    return tier, sink
+
+
+def cached(tier: MemoryTier, table: str = "t") -> set[int]:
+    keys, _ = tier.columns(table, slice(0, 0))
+    return set(keys.tolist())
+
+
+def test_the_ssd_tier_is_the_sink_the_store_wires(tmp_path):
+    ssd = SsdTier(tmp_path / "segments", store_id="test")
+    ssd.add_table("t", WIDTH)
+    sink: RowSink = ssd
+    tier = MemoryTier(BUDGET, sink)
+    tier.add_table("t", WIDTH)
+    keys = np.arange(15, dtype=np.int64)
+    tier.put("t", keys, rows_of(keys))  # 5 rows straight through
+    assert ssd.num_rows("t") == 5
+    tier.flush()
+    found, rows = ssd.read("t", keys)
+    assert found.all() and ssd.num_rows("t") == 15
+    np.testing.assert_array_equal(rows, rows_of(keys))
+    ssd.close()
+
+
+def test_put_then_get_returns_the_rows_and_counts_hits():
+    tier, sink = memory()
+    keys = keys_of(3, 8, 20)
+    tier.put("t", keys, rows_of(keys), dirty=False)
+    hit, rows = tier.get("t", keys_of(1, 3, 8, 9, 20))
+    np.testing.assert_array_equal(hit, [False, True, True, False, True])
+    np.testing.assert_array_equal(rows, rows_of(keys))
+    assert (tier.hits, tier.misses) == (3, 2)
+    np.testing.assert_array_equal(tier.contains("t", keys_of(20, 4)), [True, False])
+    assert tier.num_rows("t") == 3 and tier.bytes_used == 3 * ROW_BYTES
+    assert sink.calls == 0  # nothing left the tier
+
+
+def test_put_replaces_a_cached_row_and_marks_it_dirty():
+    tier, sink = memory()
+    keys = keys_of(1, 2)
+    tier.put("t", keys, rows_of(keys), dirty=False)
+    assert tier.num_dirty("t") == 0
+    tier.put("t", keys_of(2), rows_of(keys_of(2), salt=0.5), dirty=True)
+    _, rows = tier.get("t", keys)
+    np.testing.assert_array_equal(rows, np.stack([rows_of(keys_of(1))[0], rows_of(keys_of(2), salt=0.5)[0]]))
+    assert tier.num_dirty("t") == 1 and tier.num_rows("t") == 2
+
+
+def _fill_and_touch(tier: MemoryTier) -> None:
+    """Keys 0..9 at pass 0; 0, 1, 2 touched five times at pass 0, then 3..9 once at pass 1."""
+    keys = np.arange(10, dtype=np.int64)
+    tier.put("t", keys, rows_of(keys))
+    for _ in range(5):
+        tier.get("t", keys_of(0, 1, 2))
+    tier.tick = 1
+    tier.get("t", np.arange(3, 10, dtype=np.int64))
+    assert tier.bytes_used == BUDGET
+
+
+# One row more than the budget: free it, plus 1/8 of the budget (41 bytes), so 74 bytes: 3 rows.
+EVICTED_PER_BATCH = 3
+
+
+def test_lru_evicts_the_rows_of_the_oldest_pass():
+    tier, sink = memory("lru")
+    _fill_and_touch(tier)
+    tier.put("t", keys_of(10), rows_of(keys_of(10)))
+    assert cached(tier) == set(range(3, 11))  # 0, 1, 2 were last used in pass 0
+    assert tier.evicted_rows == EVICTED_PER_BATCH
+    assert sink.keys() == {0, 1, 2}
+    for key in (0, 1, 2):
+        np.testing.assert_array_equal(sink.taken["t"][key], rows_of(keys_of(key))[0])
+
+
+def test_lfu_evicts_the_least_touched_rows():
+    tier, sink = memory("lfu")
+    _fill_and_touch(tier)
+    tier.put("t", keys_of(10), rows_of(keys_of(10)))
+    # 0, 1, 2 were touched six times, 3..9 twice: the first three of those go (ties in key order).
+    assert cached(tier) == {0, 1, 2, 6, 7, 8, 9, 10}
+    assert sink.keys() == {3, 4, 5}
+    assert tier.evicted_rows == EVICTED_PER_BATCH
+
+
+def test_only_dirty_rows_reach_the_sink_and_exactly_once():
+    tier, sink = memory("lru")
+    tier.put("t", np.arange(5, dtype=np.int64), rows_of(np.arange(5)), dirty=False)  # e.g. read from SSD
+    dirty_keys = np.arange(5, 10, dtype=np.int64)
+    tier.put("t", dirty_keys, rows_of(dirty_keys, salt=0.25), dirty=True)
+    tier.tick = 1
+    tier.get("t", keys_of(0, 3, 4, 6, 7, 8, 9))  # 1, 2 (clean) and 5 (dirty) stay in pass 0
+    tier.put("t", keys_of(10), rows_of(keys_of(10)), dirty=False)
+    assert cached(tier) == {0, 3, 4, 6, 7, 8, 9, 10}
+    assert sink.keys() == {5} and sink.calls == 1
+    np.testing.assert_array_equal(sink.taken["t"][5], rows_of(keys_of(5), salt=0.25)[0])
+    tier.flush()  # the other dirty rows, once; they stay cached, clean
+    assert sink.keys() == set(range(5, 10))
+    for key in range(5, 10):
+        np.testing.assert_array_equal(sink.taken["t"][key], rows_of(keys_of(key), salt=0.25)[0])
+    assert tier.num_dirty("t") == 0 and cached(tier) == {0, 3, 4, 6, 7, 8, 9, 10}
+    calls = sink.calls
+    tier.flush()
+    assert sink.calls == calls  # nothing dirty: nothing written
+
+
+def test_rows_beyond_an_empty_cache_go_straight_to_the_sink():
+    tier, sink = memory()
+    keys = np.arange(15, dtype=np.int64)
+    tier.put("t", keys, rows_of(keys), dirty=True)
+    assert cached(tier) == set(range(10)) and sink.keys() == set(range(10, 15))
+    for key in range(10, 15):
+        np.testing.assert_array_equal(sink.taken["t"][key], rows_of(keys_of(key))[0])
+    clean, clean_sink = memory()
+    clean.put("t", keys, rows_of(keys), dirty=False)  # clean rows are in the sink already
+    assert cached(clean) == set(range(10)) and clean_sink.calls == 0
+
+
+def test_a_sink_that_refuses_rows_leaves_them_all_cached_and_raises():
+    tier, sink = memory()
+    old = np.arange(10, dtype=np.int64)
+    tier.put("t", old, rows_of(old))
+    sink.full = True
+    new = np.arange(10, 14, dtype=np.int64)
+    with pytest.raises(StoreFullError):
+        tier.put("t", new, rows_of(new, salt=0.5))
+    assert sink.taken == {}
+    assert cached(tier) == set(range(14))  # over budget, but no row lost
+    assert tier.bytes_used > tier.budget and tier.num_dirty("t") == 14 and tier.evicted_rows == 0
+    _, rows = tier.get("t", new, touch=False)
+    np.testing.assert_array_equal(rows, rows_of(new, salt=0.5))
+    with pytest.raises(StoreFullError):
+        tier.flush()
+    assert tier.num_dirty("t") == 14  # a refused flush leaves the rows dirty
+    sink.full = False
+    tier.flush()
+    assert sink.keys() == set(range(14)) and tier.num_dirty("t") == 0
+    np.testing.assert_array_equal(
+        np.stack([sink.taken["t"][k] for k in range(10, 14)]), rows_of(new, salt=0.5)
+    )
+
+
+def test_a_refused_surplus_stays_cached_too():
+    tier, sink = memory()
+    sink.full = True
+    keys = np.arange(15, dtype=np.int64)
+    with pytest.raises(StoreFullError):
+        tier.put("t", keys, rows_of(keys))
+    assert cached(tier) == set(range(15)) and tier.num_dirty("t") == 15
+
+
+def test_the_budget_is_shared_by_tables_and_discard_writes_nothing():
+    tier, sink = memory()
+    tier.add_table("u", WIDTH)
+    tier.put("t", np.arange(6, dtype=np.int64), rows_of(np.arange(6)))
+    tier.tick = 1
+    tier.put("u", np.arange(6, dtype=np.int64), rows_of(np.arange(6)))  # 12 rows: 2 over, evict 4 of t
+    assert tier.bytes_used == 8 * ROW_BYTES
+    assert cached(tier, "u") == set(range(6)) and sink.keys("u") == set()
+    assert cached(tier, "t") == {4, 5} and sink.keys("t") == {0, 1, 2, 3}
+    calls = sink.calls
+    tier.discard("u", keys_of(0, 1, 99))
+    assert cached(tier, "u") == {2, 3, 4, 5}
+    tier.clear()
+    assert tier.bytes_used == 0 and sink.calls == calls
+
+
+# -- the device tier's working set -------------------------------------------------------------
+def _device(budget_rows: int = 64) -> DeviceTier:
+    tier = DeviceTier(budget_rows * (WIDTH * 4 + 25), torch.device("cpu"))
+    tier.add_table("a", WIDTH)
+    tier.add_table("b", WIDTH)
+    return tier
+
+
+def _resident(tier: DeviceTier, table: str) -> tuple[np.ndarray, np.ndarray]:
+    keys = next(k for t, _, k, _ in tier.resident_keys().tables if t == table)
+    found, slots = tier.resolve(table, torch.from_numpy(keys))
+    assert bool(found.all())
+    return keys, tier.rows(table)[slots].numpy()
+
+
+class Fetches:
+    """A fetch for :meth:`DeviceTier.rebuild` that records what it was asked for."""
+
+    def __init__(self, fail: bool = False) -> None:
+        self.asked: list[dict[str, list[int]]] = []
+        self.fail = fail
+
+    def __call__(self, requests: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        self.asked.append({t: k.tolist() for t, k in requests.items()})
+        if self.fail:
+            raise StoreFullError("no rows today")
+        return {t: rows_of(k, salt=100.0) for t, k in requests.items()}
+
+
+def test_a_relayout_is_worked_out_from_the_resident_keys_alone():
+    resident = ResidentKeys(
+        7, [("a", 2, keys_of(1, 4, 9), keys_of(5, 3, 8)), ("b", 2, keys_of(2), keys_of(0))]
+    )
+    relayout = resident.relayout_to({"a": keys_of(1, 2, 9), "b": keys_of(3, 5)})
+    assert relayout.version == 7
+    assert relayout.first_slot == {"a": 0, "b": 3}  # one arena for width 2: a, then b
+    assert {t: k.tolist() for t, k in relayout.missing.items()} == {"a": [2], "b": [3, 5]}
+    np.testing.assert_array_equal(relayout.stay_from[2], [5, 8])  # keys 1 and 9 of a
+    np.testing.assert_array_equal(relayout.stay_to[2], [0, 2])
+    np.testing.assert_array_equal(relayout.new_to[2], [1, 3, 4])
+    np.testing.assert_array_equal(relayout.leave_from[2], [3, 0])  # key 4 of a, key 2 of b
+    assert [(t, k.tolist()) for t, k in relayout.leave_keys[2]] == [("a", [4]), ("b", [2])]
+    assert relayout.capacity == {2: 5}
+
+
+def test_rebuild_keeps_resident_rows_fetches_the_missing_and_returns_the_leaving():
+    tier = _device()
+    fetch = Fetches()
+    tier.rebuild({"a": keys_of(1, 4, 9), "b": keys_of(2)}, None, fetch)
+    assert fetch.asked == [{"a": [1, 4, 9], "b": [2]}]
+    # Train key 9 of a: its row changes in the tier and is dirty.
+    found, slots = tier.resolve("a", torch.tensor([9]))
+    assert bool(found.all())
+    tier.rows("a")[slots] += 1.0
+    tier.mark_dirty("a", slots)
+    version = tier.version
+    prepared = {"b": (keys_of(3, 7), rows_of(keys_of(3, 7), salt=50.0))}  # read ahead: 3 but not 5
+    drained = tier.rebuild({"a": keys_of(1, 2, 9), "b": keys_of(3, 5)}, prepared, fetch)
+    assert fetch.asked[1] == {"a": [2], "b": [5]}  # only what is neither resident nor read ahead
+    assert tier.version == version + 1
+    keys, rows = _resident(tier, "a")
+    np.testing.assert_array_equal(keys, [1, 2, 9])
+    np.testing.assert_array_equal(rows, rows_of(keys_of(1, 2, 9), salt=100.0) + [[0, 0], [0, 0], [1, 1]])
+    keys, rows = _resident(tier, "b")
+    np.testing.assert_array_equal(keys, [3, 5])
+    np.testing.assert_array_equal(
+        rows, np.stack([rows_of(keys_of(3), 50.0)[0], rows_of(keys_of(5), 100.0)[0]])
+    )
+    assert sorted(drained) == ["a", "b"]
+    np.testing.assert_array_equal(drained["a"].keys, [4])
+    np.testing.assert_array_equal(drained["a"].rows, rows_of(keys_of(4), salt=100.0))
+    np.testing.assert_array_equal(drained["a"].dirty, [False])
+    np.testing.assert_array_equal(drained["b"].keys, [2])
+    # Tables lie in key order from the slots layout() gives, and the trained row is still dirty.
+    assert tier.layout({"a": 3, "b": 2}) == {"a": 0, "b": 3}
+    found, slots = tier.resolve("b", torch.tensor([3, 5]))
+    np.testing.assert_array_equal(slots.numpy(), [3, 4])
+    dirty = tier.take_dirty()
+    assert list(dirty) == ["a"]
+    np.testing.assert_array_equal(dirty["a"][0], [9])
+
+
+def test_a_failed_fetch_changes_nothing_and_a_stale_relayout_is_refused():
+    tier = _device()
+    tier.rebuild({"a": keys_of(1, 2)}, None, Fetches())
+    version, generation = tier.version, tier.generation
+    before = _resident(tier, "a")
+    with pytest.raises(StoreFullError):
+        tier.rebuild({"a": keys_of(2, 3)}, None, Fetches(fail=True))
+    assert (tier.version, tier.generation) == (version, generation)
+    after = _resident(tier, "a")
+    np.testing.assert_array_equal(after[0], before[0])
+    np.testing.assert_array_equal(after[1], before[1])
+    stale = tier.resident_keys().relayout_to({"a": keys_of(1)})
+    tier.insert("b", keys_of(4), rows_of(keys_of(4)))  # the tier changes after the relayout was worked out
+    with pytest.raises(RuntimeError):
+        tier.apply_relayout(stale, {})
