@@ -41,13 +41,13 @@ from hierps.errors import (
     StoreFullError,
     StoreLockedError,
 )
-from hierps.lifecycle._admission import PendingKeys
 from hierps.rows import _ids
+from hierps.rows._pending import PendingKeys
 from hierps.rows._table import TableInfo
 from hierps.storage._checkpoint import MARKER, CheckpointCatalog, StoreMarker, check_marker, write_marker
 from hierps.tiers import DeviceTier, MemoryTier, SsdTier
 from hierps.tiers._device import DrainedRows
-from hierps.training._stats import PassStats
+from hierps.tiers._stats import PassStats
 
 __all__ = ["Background", "StoreCore"]
 

@@ -40,19 +40,19 @@ from hierps._faults import fault_point
 from hierps.config import AdmissionConfig, EvictionConfig, StoreSettings, TableSettings, TableSpec
 from hierps.errors import ConfigError, TableMismatchError
 from hierps.interface import Batches, run_pass
-from hierps.lifecycle._admission import PENDING_ARRAYS, PendingKeys
 from hierps.lifecycle._features import Features
 from hierps.lifecycle._lifecycle import FeatureLifeCycle
 from hierps.rows import _ids
 from hierps.rows._initializers import table_salt
+from hierps.rows._pending import PENDING_ARRAYS, PendingKeys
 from hierps.rows._table import TableInfo
 from hierps.storage._checkpoint import FORMAT_VERSION, MAX_DIM, CheckpointCatalog, table_name_problem
 from hierps.tiers import DeviceTier, MemoryTier, SsdTier
 from hierps.tiers._device import DrainedRows
+from hierps.tiers._stats import PassStats
 from hierps.training._batchplan import BatchPlan
 from hierps.training._passes import PassRunner
 from hierps.training._pipeline import PassPipeline
-from hierps.training._stats import PassStats
 from hierps.training._trainer import SparseTrainer
 
 __all__ = ["FORMAT_VERSION", "Store", "TableInfo"]

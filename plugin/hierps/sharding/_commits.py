@@ -27,7 +27,7 @@ import torch
 from hierps._faults import fault_point
 from hierps._store import Store
 from hierps.errors import CheckpointRetiredError, ConfigError
-from hierps.lifecycle._admission import PENDING_ARRAYS, PendingKeys
+from hierps.rows._pending import PENDING_ARRAYS, PendingKeys
 from hierps.storage._commit_log import (
     Snapshot,
     find_snapshot,

@@ -22,8 +22,8 @@ from typing import Any
 import numpy as np
 
 from hierps.errors import CheckpointRetiredError, ConfigError, CorruptStoreError, StoreFormatError
-from hierps.lifecycle._admission import PENDING_ARRAYS
 from hierps.rows._counters import NUM_COUNTERS
+from hierps.rows._pending import PENDING_ARRAYS
 from hierps.rows._table import TableInfo
 from hierps.storage._checkpoint import FORMAT_VERSION, MARKER, CheckpointCatalog, check_marker
 from hierps.tiers._ssd import SsdTier

@@ -1,4 +1,4 @@
-"""Per-pass statistics: where rows came from, SSD traffic, rows per tier."""
+"""Per-pass statistics: from which tier each pass's rows were loaded, SSD traffic, rows per tier."""
 
 from __future__ import annotations
 
@@ -6,7 +6,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from hierps.tiers import MemoryTier, SsdTier
+from hierps.tiers._memory import MemoryTier
+from hierps.tiers._ssd import SsdTier
 
 __all__ = ["PassStats"]
 
