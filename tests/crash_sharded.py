@@ -16,7 +16,6 @@ the same way, as the store stands once opened.
 from __future__ import annotations
 
 import multiprocessing
-import socket
 import traceback
 from collections.abc import Callable
 from datetime import timedelta
@@ -27,6 +26,7 @@ import torch
 
 import hierps
 from hierps import _faults
+from hierps.integrations.rendezvous import free_port
 from hierps.sharding._sharded import owner_of
 
 KEYS = (np.arange(240, dtype=np.int64) - 120) * 104_729
@@ -111,12 +111,6 @@ def _rank(
         raise
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_ranks(
     target: Target, store: Path, out: Path, world: int, fault: str = "", fault_rank: int = -1
 ) -> list[int]:
@@ -124,7 +118,7 @@ def run_ranks(
     ctx = multiprocessing.get_context("forkserver")
     ctx.set_forkserver_preload(["hierps", "hierps.integrations.transport", "torch.distributed"])
     out.mkdir(parents=True, exist_ok=True)
-    port = _port()
+    port = free_port()
     procs = [
         ctx.Process(target=_rank, args=(target, str(store), str(out), r, world, port, fault, fault_rank))
         for r in range(world)

@@ -15,9 +15,10 @@ from pathlib import Path
 import deepspeed
 import torch
 from oracle import zipf_batches
-from test_deepspeed import BAG, BATCH, VOCAB, ds_config, free_port, skip_shm_build, state, train_engine, twins
+from test_deepspeed import BAG, BATCH, VOCAB, ds_config, skip_shm_build, state, train_engine, twins
 
 from hierps.integrations import deepspeed as hds
+from hierps.integrations.rendezvous import free_port
 
 
 def main(store: str, ckpt: str, out: str, keep: str, tag1: str, tag2: str) -> None:

@@ -7,7 +7,6 @@ import copy
 import importlib.util
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -25,6 +24,7 @@ import hierps
 from hierps.errors import ConfigError
 from hierps.integrations import deepspeed as hds
 from hierps.integrations.config import HierarchicalPSConfig, select_modules
+from hierps.integrations.rendezvous import free_port
 
 VOCAB, DIM, BATCH, BAG = 400, 8, 16, 5
 TOL = {"rtol": 1e-5, "atol": 1e-6}
@@ -51,12 +51,6 @@ def process_group():
             os.environ.pop(k, None)
         else:
             os.environ[k] = v
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def skip_shm_build() -> None:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -13,17 +12,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from hierps.integrations.rendezvous import free_port
+
 pytestmark = pytest.mark.distributed
 
 HERE = Path(__file__).parent
 WORKER = str(HERE / "dist_worker.py")
 BIN = Path(sys.executable).parent
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _env() -> dict[str, str]:
@@ -42,7 +37,7 @@ def torchrun(n: int, *args: str) -> None:
         str(BIN / "torchrun"),
         f"--nproc_per_node={n}",
         "--master_addr=127.0.0.1",
-        f"--master_port={_port()}",
+        f"--master_port={free_port()}",
         WORKER,
         *args,
     ]
@@ -162,7 +157,7 @@ def test_another_number_of_ranks_opens_every_trained_row(two_ranks, tmp_path):
 
 
 def test_killed_rank_makes_the_other_fail_fast(tmp_path):
-    port = _port()
+    port = free_port()
     procs = []
     for rank in (0, 1):
         env = {

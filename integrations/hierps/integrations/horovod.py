@@ -13,18 +13,13 @@ import socket
 import torch
 
 from hierps.errors import ConfigError
+from hierps.integrations.rendezvous import free_port
 
 __all__ = ["launched_by_horovodrun", "map_horovod_env"]
 
 
 def launched_by_horovodrun() -> bool:
     return "HOROVOD_RANK" in os.environ
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return int(s.getsockname()[1])
 
 
 def _host_address() -> str:
@@ -58,7 +53,7 @@ def map_horovod_env() -> dict[str, str]:
         packed = torch.zeros(5, dtype=torch.int64)
         if hvd.rank() == 0:
             addr = "127.0.0.1" if int(env.get("HOROVOD_CROSS_SIZE", "1")) == 1 else _host_address()
-            packed = torch.tensor([*map(int, addr.split(".")), _free_port()], dtype=torch.int64)
+            packed = torch.tensor([*map(int, addr.split(".")), free_port("")], dtype=torch.int64)
         packed = hvd.broadcast(packed, root_rank=0, name="hierps.master_address")
         env.setdefault("MASTER_ADDR", ".".join(str(int(x)) for x in packed[:4]))
         env.setdefault("MASTER_PORT", str(int(packed[4])))

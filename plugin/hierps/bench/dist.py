@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -132,21 +131,17 @@ def _worker(args: argparse.Namespace) -> None:
     dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _launch(kind: str, world: int, tmp: Path, cfg: dict[str, Any], label: str) -> dict[str, Any]:
     """One torchrun of ``world`` ranks -> rank 0's record."""
+    from hierps.integrations.rendezvous import free_port
+
     result = tmp / f"result-{label}.json"
     torchrun = str(Path(sys.executable).parent / "torchrun")
     cmd = [
         torchrun,
         f"--nproc_per_node={world}",
         "--master_addr=127.0.0.1",
-        f"--master_port={_free_port()}",
+        f"--master_port={free_port()}",
         "-m",
         "hierps.bench.dist",
         "--worker",

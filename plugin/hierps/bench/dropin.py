@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import statistics
 import tempfile
 import time
@@ -40,6 +39,7 @@ import torch
 from torch import nn
 
 from hierps.bench._worker import spawn
+from hierps.integrations.rendezvous import free_port
 
 __all__ = ["DROPIN_VARIANTS", "FieldModel", "run_from_args", "run_phase"]
 
@@ -135,10 +135,7 @@ def _torch(cfg: dict[str, Any], sparse: bool) -> dict[str, Any]:
 
 
 def _one_rank() -> None:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": "0", "WORLD_SIZE": "1"}
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "RANK": "0", "WORLD_SIZE": "1"}
     for key, value in {**env, "LOCAL_RANK": "0", "LOCAL_SIZE": "1"}.items():
         os.environ.setdefault(key, value)
 

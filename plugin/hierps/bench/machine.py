@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 import hierps
-from hierps.demo.data import splitmix64
+from hierps.rows import splitmix64
 
 __all__ = ["disk_read", "drop_from_page_cache", "io_read_bytes", "ram_copy", "ssd_scaling", "ssd_tier_read"]
 

@@ -4,9 +4,9 @@ Arrays, for ``N`` examples: ``dense (N, 13) float32``, ``log1p`` of non-negative
 ``sparse (N, 26) int64``, raw 64-bit feature ids (any value, negatives included; ``0`` is the
 "missing" sentinel); ``labels (N,) float32`` in ``{0, 1}``.
 
-Synthetic ids are Zipf-distributed per feature and pass through splitmix64, so they look
-like the hashed ids of real logs rather than indices ``0..n-1``. Labels come from a hidden
-logistic "teacher" whose per-id weights are derived by hashing ``(feature, id)``, so no
+Synthetic ids are Zipf-distributed per feature and pass through :func:`hierps.rows.splitmix64`,
+so they look like the hashed ids of real logs rather than indices ``0..n-1``. Labels come from a
+hidden logistic "teacher" whose per-id weights are derived by hashing ``(feature, id)``, so no
 weight table is ever materialised, whatever the vocabulary size.
 """
 
@@ -24,29 +24,20 @@ import numpy as np
 import torch
 from numpy.lib.stride_tricks import sliding_window_view
 
+from hierps.rows import splitmix64
+
 __all__ = [
     "CriteoData",
     "CriteoSpec",
     "generate",
     "power_law_vocab_sizes",
     "read_criteo_tsv",
-    "splitmix64",
     "teacher_logits",
     "write_criteo_tsv",
 ]
 
 N_FIELDS = 40  # label + 13 dense + 26 categorical in one TSV line
 MISSING_ID = 0
-
-
-def splitmix64(x: np.ndarray | int) -> np.ndarray:
-    """splitmix64 finaliser, a bijection on uint64. Any int array in, uint64 array out."""
-    # Wrap-around on overflow is exactly the arithmetic wanted; numpy only warns for 0-d input.
-    with np.errstate(over="ignore"):
-        z = np.asarray(x).astype(np.uint64) + np.uint64(0x9E3779B97F4A7C15)
-        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-        return z ^ (z >> np.uint64(31))
 
 
 def _unit(h: np.ndarray) -> np.ndarray:

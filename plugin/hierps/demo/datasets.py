@@ -25,7 +25,8 @@ from pathlib import Path
 
 import numpy as np
 
-from hierps.demo.data import CriteoData, splitmix64
+from hierps.demo.data import CriteoData
+from hierps.rows import splitmix64
 
 __all__ = ["DATA_PACKAGE", "data_path", "load_adult", "load_movielens"]
 

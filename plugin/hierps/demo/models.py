@@ -19,7 +19,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from hierps.demo.data import splitmix64
+from hierps.rows import splitmix64
 
 __all__ = ["DLRM", "MODELS", "ClickModel", "Wide", "make_model", "remap_ids"]
 

@@ -13,7 +13,7 @@ import numpy as np
 
 from hierps.config import InitializerConfig
 
-__all__ = ["initial_rows", "key_uniform", "table_salt"]
+__all__ = ["initial_rows", "key_uniform", "splitmix64", "table_salt"]
 
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 _MUL1 = np.uint64(0xBF58476D1CE4E5B9)
@@ -21,11 +21,20 @@ _MUL2 = np.uint64(0x94D049BB133111EB)
 _TWO_PI = 2.0 * np.pi
 
 
-def splitmix64(x: np.ndarray) -> np.ndarray:
-    z = x + _GOLDEN
-    z = (z ^ (z >> np.uint64(30))) * _MUL1
-    z = (z ^ (z >> np.uint64(27))) * _MUL2
-    return z ^ (z >> np.uint64(31))
+def splitmix64(x: np.ndarray | int) -> np.ndarray:
+    """The splitmix64 finaliser, a bijection on uint64: ints (any shape) -> uint64 of that shape.
+
+    Signed ints are read as their two's-complement bits (``-1`` as ``2**64 - 1``); a uint64 array
+    is not copied.
+    """
+    z = np.asarray(x)
+    z = z.view(np.uint64) if z.dtype == np.int64 else z.astype(np.uint64, copy=False)
+    # Wrap-around on overflow is exactly the arithmetic wanted; numpy only warns for 0-d input.
+    with np.errstate(over="ignore"):
+        z = z + _GOLDEN
+        z = (z ^ (z >> np.uint64(30))) * _MUL1
+        z = (z ^ (z >> np.uint64(27))) * _MUL2
+        return z ^ (z >> np.uint64(31))
 
 
 def table_salt(seed: int, table: str) -> np.uint64:
