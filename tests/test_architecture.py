@@ -1,6 +1,10 @@
 """The shape of the package: its import graph, its public names, its files, and its settings.
 
 - no import cycle among hierps modules, type-only and function-level imports included;
+- the modules stand on a ladder of layers (:data:`LAYERS`, lowest first), each module on exactly
+  one rung, and every import (type-only and function-level ones, and imports of the package
+  itself, included) goes to the same rung or one below: a type a lower layer needs lives there;
+- ``hierps.bench`` and ``hierps.demo`` use what users can: no private module of another package;
 - ``hierps.__all__`` is exactly what the package exports, and every name in it resolves;
 - the repository tree matches the import tree (module name <-> file, under the two source roots:
   ``plugin/`` holds ``hierps`` and ``integrations/`` holds ``hierps.integrations``);
@@ -15,7 +19,7 @@ import dataclasses
 import importlib
 import importlib.util
 import inspect
-from collections.abc import Collection, Iterator
+from collections.abc import Callable, Collection, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -116,8 +120,11 @@ def _is_hierps(name: str) -> bool:
     return name == ROOT or name.startswith(ROOT + ".")
 
 
-def _edges() -> tuple[list[Edge], list[Edge]]:
-    """(edges between hierps modules, imports of hierps names that are no module in the tree)."""
+def _edges(into_root: bool = False) -> tuple[list[Edge], list[Edge]]:
+    """(edges between hierps modules, imports of hierps names that are no module in the tree).
+
+    Edges into the root package are left out unless ``into_root``: every submodule is below it for
+    the import system, so they are no cycle to break, but ``import hierps`` still has its layer."""
     edges, dangling = [], []
     for source in MODULES:
         for target, line in _imports(source):
@@ -125,8 +132,7 @@ def _edges() -> tuple[list[Edge], list[Edge]]:
                 continue
             if target not in MODULES:
                 dangling.append(Edge(source, target, line))
-            elif target != ROOT and target != source:
-                # Every submodule is below the root package: edges into it are no cycle to break.
+            elif target != source and (into_root or target != ROOT):
                 edges.append(Edge(source, target, line))
     return edges, dangling
 
@@ -249,7 +255,7 @@ def test_edges_resolve_to_modules_and_leave_out_the_root_package():
     # ``from hierps.tiers._reader import CheckpointReader``: an edge to the module, not the package.
     assert ("hierps.sharding._commits", "hierps.tiers._reader") in targets
     # ``from hierps.rows import _ids``: ``_ids`` is a module, so the edge goes to it.
-    assert ("hierps._store", "hierps.rows._ids") in targets
+    assert ("hierps._core", "hierps.rows._ids") in targets
     assert not any(e.target == ROOT for e in edges)
 
 
@@ -268,7 +274,134 @@ def test_every_hierps_import_names_a_module_or_package_in_the_tree():
     )
 
 
-# -- (b) public names ---------------------------------------------------------------------------
+# -- (b) the ladder of layers -------------------------------------------------------------------
+# Lowest first: (name, the prefixes of its modules). A prefix names a module and every module
+# below it (``hierps.rows`` names ``hierps.rows._ids``); the root package names itself only.
+LAYERS: list[tuple[str, set[str]]] = [
+    # What everything may raise, and the fault points of the crash tests: no hierps import.
+    ("errors", {"hierps.errors", "hierps._faults"}),
+    ("config", {"hierps.config"}),
+    # What a row is; and small tensor helpers (torch only), used from the tiers up.
+    ("rows", {"hierps.rows", "hierps._tensors"}),
+    ("storage", {"hierps.storage"}),
+    # The tiers, serving from exports, the modules users touch and the store protocol they talk to.
+    ("tiers / serving / modules", {"hierps.tiers", "hierps.serving", "hierps.modules", "hierps.interface"}),
+    ("core", {"hierps._core"}),
+    ("lifecycle", {"hierps.lifecycle"}),
+    ("training", {"hierps.training"}),
+    ("store", {"hierps._store"}),
+    ("sharding", {"hierps.sharding"}),
+    # hierps/__init__.py: the public names, Store and ShardedStore among them.
+    ("package", {"hierps"}),
+    # hierps.deepspeed is hierps.integrations.deepspeed under its short name.
+    ("integrations", {"hierps.integrations", "hierps.deepspeed"}),
+    ("demo", {"hierps.demo"}),
+    ("bench", {"hierps.bench", "hierps.bench_dist"}),
+    ("cli", {"hierps.cli"}),
+]
+# Packages that use only what users can: no private module (last part ``_x``) of another package.
+PUBLIC_API_ONLY = ("hierps.bench", "hierps.demo")
+
+
+def _names(prefix: str, name: str) -> bool:
+    """Whether ``prefix`` names module ``name``: itself, or (but for the root) a module below it."""
+    return name == prefix or (prefix != ROOT and name.startswith(prefix + "."))
+
+
+def _layers_of(name: str, layers: list[tuple[str, set[str]]] = LAYERS) -> list[int]:
+    """The index of every layer with a prefix naming ``name`` (one, in a sound ladder)."""
+    return [i for i, (_, prefixes) in enumerate(layers) if any(_names(p, name) for p in prefixes)]
+
+
+def _layer(name: str) -> int:
+    (index,) = _layers_of(name)
+    return index
+
+
+def _upward(edges: Iterable[Edge], layer: Callable[[str], int] = _layer) -> list[str]:
+    """One line per edge that goes to a higher layer than its source's."""
+    return [
+        f"{e.where()}: {e.source} (layer {LAYERS[layer(e.source)][0]!r}) imports {e.target} "
+        f"(layer {LAYERS[layer(e.target)][0]!r}, higher)"
+        for e in edges
+        if layer(e.target) > layer(e.source)
+    ]
+
+
+def _private_reaches(edges: Iterable[Edge]) -> list[str]:
+    """One line per import, from a package of :data:`PUBLIC_API_ONLY`, of another package's private module."""
+    out = []
+    for e in edges:
+        home = next((p for p in PUBLIC_API_ONLY if _names(p, e.source)), None)
+        if home is not None and not _names(home, e.target) and e.target.rpartition(".")[2].startswith("_"):
+            out.append(f"{e.where()}: {e.source} imports the private module {e.target}")
+    return out
+
+
+def test_every_module_stands_on_exactly_one_layer():
+    misplaced = {name: [LAYERS[i][0] for i in _layers_of(name)] for name in sorted(MODULES)}
+    misplaced = {name: layers for name, layers in misplaced.items() if len(layers) != 1}
+    assert not misplaced, (
+        "modules on no layer of LAYERS, or on more than one (module: layers); give each one place in "
+        f"tests/test_architecture.py: {misplaced}"
+    )
+    unused = sorted(p for _, prefixes in LAYERS for p in prefixes if not any(_names(p, m) for m in MODULES))
+    assert not unused, f"prefixes in LAYERS that name no module of the tree: {unused}"
+
+
+def test_the_layer_check_finds_an_upward_edge():
+    # A synthetic import of the command line by the errors module, and one down that is fine.
+    up, down = Edge("hierps.errors", "hierps.cli", 7), Edge("hierps.cli", "hierps.errors", 3)
+    assert _upward([down]) == []
+    (line,) = _upward([up, down])
+    assert line.startswith(f"{Path('plugin', 'hierps', 'errors.py')}:7: hierps.errors (layer 'errors')")
+    assert "hierps.cli (layer 'cli', higher)" in line
+    # Same layer: allowed both ways; the root package stands above sharding, below integrations.
+    assert (
+        _upward([Edge("hierps.modules", "hierps.interface", 1), Edge("hierps.interface", "hierps.tiers", 1)])
+        == []
+    )
+    assert _upward([Edge("hierps.sharding", ROOT, 1)]) and not _upward([Edge("hierps.integrations", ROOT, 1)])
+    # A prefix names the modules below it, not a sibling whose name merely starts with it.
+    assert _layers_of("hierps.bench._worker") == _layers_of("hierps.bench_dist") != _layers_of("hierps.cli")
+    assert _layers_of("hierps.rows._ids") == _layers_of("hierps.rows")
+    assert (
+        _layers_of("hierps.nowhere") == []
+        and len(_layers_of("hierps.x", [*LAYERS, ("x", {"hierps.x"})])) == 1
+    )
+
+
+def test_every_import_goes_to_the_same_layer_or_below():
+    edges, _ = _edges(into_root=True)
+    up = _upward(edges)
+    assert not up, (
+        f"{len(up)} import(s) up the ladder of layers (LAYERS, lowest first); move the type the lower "
+        "layer needs down to it:\n" + "\n".join(f"    {line}" for line in up)
+    )
+
+
+def test_the_private_module_check_finds_a_reach():
+    bench_worker, storage = (
+        Edge("hierps.bench.dropin", "hierps.bench._worker", 1),
+        Edge("hierps.demo.app", "hierps.storage._reads", 2),
+    )
+    assert _private_reaches([bench_worker]) == []  # its own package's private module
+    assert _private_reaches([Edge("hierps.demo.app", "hierps.storage", 2)]) == []
+    assert _private_reaches([Edge("hierps._store", "hierps.storage._reads", 2)]) == []  # not bench or demo
+    (line,) = _private_reaches([storage, bench_worker])
+    assert "hierps.demo.app imports the private module hierps.storage._reads" in line
+
+
+def test_bench_and_demo_use_only_public_modules():
+    edges, _ = _edges(into_root=True)
+    reaches = _private_reaches(edges)
+    assert not reaches, (
+        "bench and demo use what users can: export the name from its package (with __all__), or "
+        "move the check into tests:\n" + "\n".join(f"    {line}" for line in reaches)
+    )
+
+
+# -- (c) public names ---------------------------------------------------------------------------
 def _exported_by_init() -> set[str]:
     """The public names ``hierps/__init__.py`` binds from hierps modules, or defines itself."""
     tree = ast.parse(MODULES[ROOT].read_text())
@@ -323,7 +456,7 @@ def test_public_names_come_from_their_modules():
             assert getattr(importlib.import_module(module), name, None) is obj, name
 
 
-# -- (c) the tree matches the import tree -------------------------------------------------------
+# -- (d) the tree matches the import tree -------------------------------------------------------
 def test_every_file_is_where_its_module_name_puts_it():
     assert not MISPLACED, "\n".join(MISPLACED)
 
@@ -371,7 +504,7 @@ def test_setup_cfg_packages_match_the_tree():
         assert directory / "__init__.py" == MODULES[name], (name, directory)
 
 
-# -- (d) the settings have one source -----------------------------------------------------------
+# -- (e) the settings have one source -----------------------------------------------------------
 def _settings_defaults() -> dict[str, object]:
     out = {}
     for f in dataclasses.fields(StoreSettings):

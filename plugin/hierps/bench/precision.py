@@ -35,7 +35,7 @@ import hierps
 from hierps.demo.app import DemoConfig, build_model, evaluate, table_names
 from hierps.demo.data import CriteoData, CriteoSpec, generate
 from hierps.demo.datasets import load_adult, load_movielens
-from hierps.rows._layout import row_layout
+from hierps.rows import row_layout
 
 __all__ = ["DATASETS", "SETTINGS", "Setting", "run_from_args", "run_precision", "train_and_score"]
 

@@ -418,7 +418,7 @@ def _reopen_phase(spec: dict[str, Any]) -> dict[str, Any]:
 
 
 def _export_phase(spec: dict[str, Any]) -> dict[str, Any]:
-    from hierps.lifecycle._export import export_store
+    from hierps.lifecycle import export_store
 
     t0 = time.perf_counter()
     manifest = export_store(spec["store"], spec["export"])

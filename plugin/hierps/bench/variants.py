@@ -27,7 +27,6 @@ import cProfile
 import math
 import os
 import resource
-import socket
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -43,7 +42,8 @@ import hierps
 from hierps.demo.app import DemoConfig, build_model, table_names
 from hierps.demo.data import CriteoData, CriteoSpec, generate
 from hierps.demo.models import ClickModel, make_model, remap_ids
-from hierps.rows._layout import row_layout
+from hierps.integrations.rendezvous import free_port
+from hierps.rows import row_layout
 
 __all__ = ["PROFILER", "VARIANTS", "Workload", "make_workload", "peak_rss_bytes", "run_variant"]
 
@@ -175,19 +175,13 @@ def _torch_dense(work: Workload, cfg: dict[str, Any], tmp: Path, params: dict[st
     return _measure_dense(step, _folded_batches(work), cfg)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _deepspeed_dense(
     work: Workload, cfg: dict[str, Any], tmp: Path, params: dict[str, Any]
 ) -> dict[str, Any]:
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     for key, value in {
         "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(_free_port()),
+        "MASTER_PORT": str(free_port()),
         "RANK": "0",
         "WORLD_SIZE": "1",
         "LOCAL_RANK": "0",
