@@ -314,17 +314,18 @@ def _layers_of(name: str, layers: list[tuple[str, set[str]]] = LAYERS) -> list[i
 
 
 def _layer(name: str) -> int:
-    (index,) = _layers_of(name)
-    return index
+    """The layer of ``name``; -1 when it has none or several (the test of the ladder says which)."""
+    layers = _layers_of(name)
+    return layers[0] if len(layers) == 1 else -1
 
 
 def _upward(edges: Iterable[Edge], layer: Callable[[str], int] = _layer) -> list[str]:
-    """One line per edge that goes to a higher layer than its source's."""
+    """One line per edge that goes to a higher layer than its source's (modules on one layer each)."""
     return [
         f"{e.where()}: {e.source} (layer {LAYERS[layer(e.source)][0]!r}) imports {e.target} "
         f"(layer {LAYERS[layer(e.target)][0]!r}, higher)"
         for e in edges
-        if layer(e.target) > layer(e.source)
+        if -1 < layer(e.source) < layer(e.target)
     ]
 
 
