@@ -30,6 +30,7 @@ import torch
 import hierps
 import hierps.storage._arrays
 from hierps import _faults
+from hierps._store import store_parts
 
 TABLES = {
     "user": (4, {"type": "adam", "params": {"lr": 0.01}}),
@@ -52,7 +53,7 @@ _OFFSETS = torch.arange(0, _BAG, 4)
 
 def open_store(path: Path) -> tuple[hierps.Store, dict[str, hierps.EmbeddingBag]]:
     store = hierps.Store(path, **SETTINGS)
-    store.ssd._chunk_bytes = 1024  # several chunks per segment
+    store_parts(store).core.ssd._chunk_bytes = 1024  # several chunks per segment
     bags = {
         t: hierps.EmbeddingBag(None, dim, mode="sum", store=store, name=t, optimizer=opt)
         for t, (dim, opt) in TABLES.items()
@@ -144,7 +145,7 @@ def checkpoint_loop(store_path: str, out: str, fault: str, record: bool) -> None
         for i in range(int(fault)):
             train(store, bags, seed=100 + i, passes=1)
             ckpt = store.checkpoint(f"r{i}")
-            keys = {t: store.ssd.keys(t) for t in TABLES}
+            keys = {t: store_parts(store).core.ssd.keys(t) for t in TABLES}
             sums = {t: digest(keys[t], store.read_rows(t, keys[t])) for t in TABLES}
             log.write(json.dumps({"id": ckpt, "tag": f"r{i}", "digest": sums}) + "\n")
             log.flush()

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 import hierps
+from hierps._store import store_parts
 from hierps.integrations.transport import HorovodTransport, TorchDistributedTransport
 
 VOCAB, DIM, GLOBAL_BATCH, BAG, STEPS, PASS = 300, 8, 16, 4, 16, 4
@@ -139,7 +140,7 @@ def main() -> None:
         dense=np.concatenate([p.detach().reshape(-1).numpy() for p in head.parameters()]),
         owned_keys=owned,
         owned_rows=store.local.read_rows("t", owned),
-        ssd_read=store.local.ssd.bytes_read,
+        ssd_read=store_parts(store.local).core.ssd.bytes_read,
         rows_fetched=store.rows_fetched,  # rows fetched key by key (0: every mini-batch on the fast path)
         bytes_sent=store.bytes_sent,
     )

@@ -289,7 +289,8 @@ LAYERS: list[tuple[str, set[str]]] = [
     ("core", {"hierps._core"}),
     ("lifecycle", {"hierps.lifecycle"}),
     ("training", {"hierps.training"}),
-    ("store", {"hierps._store"}),
+    # The façade and the parts only it composes: rows by key, and durability.
+    ("store", {"hierps._store", "hierps._rows", "hierps._checkpoints"}),
     ("sharding", {"hierps.sharding"}),
     # hierps/__init__.py: the public names, Store and ShardedStore among them.
     ("package", {"hierps"}),

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 import hierps
+from hierps._store import store_parts
 from hierps.rows._layout import rounding_bits, row_layout, stochastic_round
 from hierps.storage._files import read_json_checked, write_json_atomic
 
@@ -252,7 +253,7 @@ def test_training_equals_the_reference_of_the_same_arithmetic(make_store, tmp_pa
     batches = _batches(12, seed=1)
     _train_store(store, batches)
     ref.train(batches)
-    assert store.ssd.num_rows("t") > 0  # rows went through the SSD tier
+    assert store_parts(store).core.ssd.num_rows("t") > 0  # rows went through the SSD tier
     got = store.read_rows("t", np.arange(VOCAB))
     np.testing.assert_array_equal(got, ref.rows()[:, : got.shape[1]])
     store.checkpoint()
@@ -294,7 +295,7 @@ def test_compact_rows_take_fewer_bytes_on_ssd(make_store):
         store.table("t", DIM, optimizer="adam", weights_dtype=wdt, state_dtype=wdt)
         store.write("t", np.arange(5000), np.ones((5000, DIM), np.float32))
         store.checkpoint()
-        sizes[wdt] = store.ssd.bytes_written
+        sizes[wdt] = store_parts(store).core.ssd.bytes_written
     assert sizes["bf16"] / sizes["fp32"] == pytest.approx((8 + 4 * (24 + 5)) / (8 + 4 * (48 + 5)), rel=0.02)
 
 

@@ -22,6 +22,7 @@ import pytest
 import torch
 
 import hierps
+from hierps._store import store_parts
 from hierps.errors import CorruptStoreError
 from hierps.tiers._reader import CheckpointReader
 
@@ -40,7 +41,7 @@ def _make(path: Path) -> Path:
                 emb(ids).sum().backward()
                 store.step()
             store.checkpoint()
-        assert store.ssd.segments("t") == [("t", 1), ("t", 2)]
+        assert store_parts(store).core.ssd.segments("t") == [("t", 1), ("t", 2)]
     return path
 
 
@@ -72,7 +73,10 @@ def _refused(path: Path, file: Path) -> None:
 def test_the_template_reads_the_newest_rows(store_path):
     with hierps.Store(store_path, device="cpu") as store:
         np.testing.assert_array_equal(store.read_rows("t", KEYS)[:, :4], 2.0)
-        assert store.num_pending("t") == 1 and store.pending_keys["t"].count_of(np.array([NEW]))[0] == 2
+        assert (
+            store.num_pending("t") == 1
+            and store_parts(store).core.pending_keys["t"].count_of(np.array([NEW]))[0] == 2
+        )
 
 
 def test_a_rows_shard_copied_over_a_twin_segment(store_path):

@@ -17,6 +17,7 @@ import zarr.codecs
 from zarr.storage import LocalStore
 
 import hierps
+from hierps._store import store_parts
 from hierps.errors import CorruptStoreError
 from hierps.tiers._reader import CheckpointReader
 
@@ -51,7 +52,7 @@ def stored(template, tmp_path) -> tuple[Path, np.ndarray]:
 def _segments(path: Path) -> list[Path]:
     """Segment directories the latest checkpoint uses."""
     with hierps.Store(path, device="cpu") as store:
-        segs = [s for _, s in store.ssd.segments("t")]
+        segs = [s for _, s in store_parts(store).core.ssd.segments("t")]
     return [path / "segments" / "t" / f"{s:08d}" for s in segs]
 
 

@@ -23,6 +23,7 @@ import numpy as np
 import pytest
 
 import hierps
+from hierps._store import store_parts
 from hierps.rows._counters import NUM_COUNTERS
 from hierps.storage._commit_log import snapshots
 from hierps.tiers._reader import CheckpointReader
@@ -156,9 +157,9 @@ def check_reopened(path: Path, expect: str | None, reference: Reference, fast_di
         # Nothing the killed run left half-done remains: every segment is named by a checkpoint,
         # every checkpoint directory has its manifest, no temp file is left.
         segments = {(p.parent.name, int(p.name)) for p in (path / "segments").glob("*/*") if p.name.isdigit()}
-        assert segments <= store.catalog.referenced_segments()
+        assert segments <= store_parts(store).core.catalog.referenced_segments()
         ckpt_dirs = {int(p.name) for p in (path / "checkpoints").iterdir() if p.is_dir()}
-        assert ckpt_dirs == set(store.catalog.ids())
+        assert ckpt_dirs == set(store_parts(store).core.catalog.ids())
         assert not [p for p in path.rglob(".*tmp-*")]
         if expect is not None:  # a concurrent reader sees the same checkpoint
             reader = CheckpointReader(path)

@@ -21,6 +21,7 @@ from oracle import TORCH_OPTIMIZERS, TinyModel, zipf_batches
 from torch import nn
 
 import hierps
+from hierps._store import store_parts
 from hierps.errors import ConfigError
 from hierps.integrations import deepspeed as hds
 from hierps.integrations.config import HierarchicalPSConfig, select_modules
@@ -169,7 +170,10 @@ def test_training_matches_torch_with_rows_on_ssd(engines, tmp_path, stage, gas, 
     assert engine.hierps_store.path == tmp_path / "rank-00000"
     losses = train_engine(engine, batches, pass_batches)
     store = engine.hierps_store
-    assert store.ssd.num_rows("emb") > 10 * store.memory.num_rows("emb") and store.ssd.bytes_read > 0
+    assert (
+        store_parts(store).core.ssd.num_rows("emb") > 10 * store_parts(store).core.memory.num_rows("emb")
+        and store_parts(store).core.ssd.bytes_read > 0
+    )
     assert losses == pytest.approx(ref_losses, rel=1e-5, abs=1e-6)
     rows, dense = state(engine)
     torch.testing.assert_close(rows, ref.emb.weight.detach(), **TOL)

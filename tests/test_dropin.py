@@ -13,6 +13,7 @@ from test_deepspeed import BAG, BATCH, DIM, LOSS, VOCAB, ds_config, engines, pro
 from torch import nn
 
 import hierps
+from hierps._store import store_parts
 from hierps.errors import ConfigError, DeviceBudgetError, StaleWeightError
 from hierps.integrations import deepspeed as hds
 from hierps.integrations.loader import BatchIds, PassLoader, infer_batch_ids
@@ -274,14 +275,17 @@ def test_on_demand_the_device_tier_keeps_its_hot_rows_and_trains_like_torch(engi
         loss = LOSS(engine(b.ids, b.offsets).float(), b.labels)
         current = b.ids.unique()
         if store.stats.on_demand_rebuilds > rebuilds and len(previous) + len(current) <= budget_rows // 2:
-            found, _ = store.device_tier.resolve("emb", previous)
+            found, _ = store_parts(store).core.device_tier.resolve("emb", previous)
             assert bool(found.all())  # the overflow kept the rows of the last step
             checked += 1
         engine.backward(loss)
         engine.step()
         losses.append(loss.item())
         previous = current
-    assert checked >= 2 and store.device_tier.bytes_used <= store.device_tier.budget
+    assert (
+        checked >= 2
+        and store_parts(store).core.device_tier.bytes_used <= store_parts(store).core.device_tier.budget
+    )
     assert losses == pytest.approx(expected, rel=1e-5, abs=1e-6)
     rows = engine.module.emb.lookup(torch.arange(VOCAB))
     torch.testing.assert_close(rows, ref.emb.weight.detach(), rtol=1e-5, atol=1e-6)

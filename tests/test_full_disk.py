@@ -19,6 +19,7 @@ import torch
 import hierps
 import hierps.storage._files
 import hierps.tiers._ssd
+from hierps._store import store_parts
 from hierps.rows._counters import NUM_COUNTERS
 from hierps.tiers._reader import CheckpointReader
 
@@ -57,9 +58,13 @@ def _assert_no_leftovers(store: hierps.Store, just_failed: bool = False) -> None
     assert not list(path.rglob(".*tmp-*"))
     if not just_failed:
         assert {int(p.name) for p in (path / "checkpoints").iterdir() if p.is_dir()} == set(
-            store.catalog.ids()
+            store_parts(store).core.catalog.ids()
         )
-        assert _segments_on_disk(path) <= store.catalog.referenced_segments() | store.ssd.live_segments()
+        assert (
+            _segments_on_disk(path)
+            <= store_parts(store).core.catalog.referenced_segments()
+            | store_parts(store).core.ssd.live_segments()
+        )
 
 
 @pytest.fixture
@@ -121,7 +126,7 @@ def test_real_full_disk_during_write_back_and_checkpoint(small_disk, tmp_path):
         # A checkpoint on the full disk fails the same way and leaves no half state.
         with pytest.raises(hierps.StoreFullError):
             store.checkpoint("c2")
-        assert store.catalog.ids() == [1]
+        assert store_parts(store).core.catalog.ids() == [1]
         _assert_no_leftovers(store, just_failed=True)
         # The last checkpoint is intact: readable in place, and reopenable from a copy on a bigger disk.
         reader = CheckpointReader(small_disk / "store")
@@ -161,7 +166,7 @@ def test_real_full_disk_while_writing_the_checkpoint_arrays(small_disk):
             hierps.StoreFullError, match=r"checkpoints/00000002: no space left .* arrays of checkpoint 2"
         ):
             store.checkpoint("c2")  # nothing dirty: only the checkpoint's arrays and manifest are written
-        assert store.catalog.ids() == [1]
+        assert store_parts(store).core.catalog.ids() == [1]
         _assert_no_leftovers(store, just_failed=True)
         filler.unlink()
         assert store.checkpoint("c2") == 2
@@ -232,7 +237,7 @@ def test_simulated_full_disk_while_committing_the_manifest(make_store, enospc):
         hierps.StoreFullError, match=r"00000002.json: no space left .* the manifest 00000002.json"
     ):
         store.checkpoint()
-    assert store.catalog.ids() == [1]
+    assert store_parts(store).core.catalog.ids() == [1]
     _assert_no_leftovers(store)  # the index of checkpoint 2 and the temp manifest are gone
     enospc.clear()
     assert store.checkpoint() == 2
@@ -261,7 +266,7 @@ def test_failed_fsync_is_not_retried(make_store, monkeypatch):
     monkeypatch.setattr(hierps.tiers._ssd, "fsync_tree", real)
     with pytest.raises(hierps.StoreFullError, match="fsync of new segments failed"):
         store.checkpoint("c2")
-    assert store.catalog.ids() == [1]
+    assert store_parts(store).core.catalog.ids() == [1]
     path = store.path
     store.close()
     with hierps.Store(path, device="cpu") as again:

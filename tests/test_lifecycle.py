@@ -15,6 +15,7 @@ import zarr
 
 import hierps
 from hierps import serving
+from hierps._store import store_parts
 from hierps.cli import main
 from hierps.config import AdmissionConfig, EvictionConfig
 from hierps.errors import ConfigError
@@ -51,8 +52,12 @@ def _batches(seed: int, n: int, size: int = 12, hot: int = 20, cold: int = 2000)
 def _tiers(store: hierps.Store, table: str, keys: np.ndarray) -> np.ndarray:
     """(n,) bool: the key has a row in the device, RAM or SSD tier."""
     keys = np.asarray(keys, np.int64)
-    dev, _ = store.device_tier.resolve(table, torch.from_numpy(keys))
-    return dev.numpy() | store.memory.contains(table, keys) | store.ssd.contains(table, keys)
+    dev, _ = store_parts(store).core.device_tier.resolve(table, torch.from_numpy(keys))
+    return (
+        dev.numpy()
+        | store_parts(store).core.memory.contains(table, keys)
+        | store_parts(store).core.ssd.contains(table, keys)
+    )
 
 
 def segment_keys(seg: Path) -> np.ndarray:
@@ -91,7 +96,7 @@ def test_keys_seen_fewer_than_min_count_never_get_a_row(make_store):
     assert _tiers(store, "t", often).all()
     assert not np.isin(rare, _keys_on_disk(store.path, "t")).any()
     # Rare keys are pending, with their exact counts; they read as their initial rows.
-    pending = store.pending_keys["t"]
+    pending = store_parts(store).core.pending_keys["t"]
     np.testing.assert_array_equal(pending.count_of(rare), [seen[k] for k in rare.tolist()])
     info = store.tables["t"]
     np.testing.assert_array_equal(
@@ -139,19 +144,19 @@ def test_pending_keys_are_bounded_and_survive_a_checkpoint(make_store, tmp_path)
         with store.run_pass({"t": torch.arange(10 * p, 10 * p + 10)}):
             _train_batch(store, emb, torch.arange(10 * p, 10 * p + 10))
     assert store.num_pending("t") <= 8
-    assert store.pending_keys["t"].forgotten > 0
+    assert store_parts(store).core.pending_keys["t"].forgotten > 0
     # The most recently seen keys are the ones kept.
-    assert set(store.pending_keys["t"].keys.tolist()) <= set(range(20, 30))
+    assert set(store_parts(store).core.pending_keys["t"].keys.tolist()) <= set(range(20, 30))
     assert not store.has_rows("t", np.arange(30)).any()
     # Pending keys read as zeros, in lookups and forward passes alike.
     assert torch.count_nonzero(store.lookup("t", torch.arange(30))) == 0
     emb.eval()
     assert torch.count_nonzero(emb(torch.arange(30))) == 0
-    before = store.pending_keys["t"].arrays()
+    before = store_parts(store).core.pending_keys["t"].arrays()
     store.checkpoint()
     store.close()
     reopened = make_store(optimizer=SGD)
-    after = reopened.pending_keys["t"].arrays()
+    after = store_parts(reopened).core.pending_keys["t"].arrays()
     for name in before:
         np.testing.assert_array_equal(before[name], after[name])
     assert reopened.tables["t"].admission == AdmissionConfig(min_count=5, max_pending=8, unadmitted="zeros")

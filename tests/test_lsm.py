@@ -16,7 +16,8 @@ from torch import nn
 from zarr.storage import LocalStore
 
 import hierps
-from hierps.storage._checkpoint import FORMAT_VERSION
+from hierps._store import store_parts
+from hierps.storage import FORMAT_VERSION
 from hierps.storage._files import OpenFiles, write_json_atomic
 from hierps.storage._merge import merged, merged_sources
 from hierps.storage._segment import Segment, SegmentWriter, chunk_rows_for, segment_name
@@ -285,12 +286,8 @@ def test_deleting_every_key_empties_the_table(tmp_path):
 
 def _reloaded(model: Model) -> SsdTier:
     """A fresh tier on the same directory holding what a checkpoint of ``model.tier`` records."""
-    d = model.tier.describe(T)
-    recorded = {int(s): (int(d["segments"][s]), int(d["live"][s]), int(d["check"][s])) for s in d["segments"]}
-    du = model.tier.describe(U)
-    recorded_u = {
-        int(s): (int(du["segments"][s]), int(du["live"][s]), int(du["check"][s])) for s in du["segments"]
-    }
+    recorded = model.tier.live_set(T)
+    recorded_u = model.tier.live_set(U)
     fresh = SsdTier(model.root, max_segments=model.tier.max_segments, store_id="test")
     fresh.add_table(T, model.width)
     fresh.load_segments(T, model.width, recorded)
@@ -383,8 +380,7 @@ def test_a_whole_checkpoint_snapshot_reads_back_after_later_work(tmp_path):
     for _ in range(6):
         model.step()
     model.write(800)
-    d = model.tier.describe(T)
-    snapshot = {int(s): (int(d["segments"][s]), int(d["live"][s]), int(d["check"][s])) for s in d["segments"]}
+    snapshot = model.tier.live_set(T)
     snapshot_oracle = dict(model.oracle)
     model.tier.collect_garbage({(T, s) for s in snapshot})
     for _ in range(12):
@@ -473,15 +469,15 @@ def _check_disk(store: hierps.Store, when: str, only_live: bool) -> None:
     store.num_rows("t")  # waits for background work
     tdir = store.path / "segments" / "t"
     dirs = {int(p.name) for p in tdir.iterdir() if p.is_dir()} if tdir.exists() else set()
-    segs = {s for _, s in store.ssd.segments("t")}
-    protected = {s for t, s in store.ssd.protected if t == "t"}
+    segs = {s for _, s in store_parts(store).core.ssd.segments("t")}
+    protected = {s for t, s in store_parts(store).core.ssd.protected if t == "t"}
     assert len(segs) <= 2 * MAX_SEGMENTS + 1, (when, segs)
     assert segs <= dirs <= segs | protected, (when, dirs, segs, protected)
     if only_live:
         assert dirs == segs, (when, dirs, segs)
     disk = sum(f.stat().st_size for s in segs for f in (tdir / f"{s:08d}").rglob("*") if f.is_file())
-    live = store.ssd.num_rows("t") * (store.info("t").width + 2) * 4
-    assert disk <= 2 * live * 1.3 + (256 << 10), (when, disk, live, store.ssd.num_rows("t"))
+    live = store_parts(store).core.ssd.num_rows("t") * (store.info("t").width + 2) * 4
+    assert disk <= 2 * live * 1.3 + (256 << 10), (when, disk, live, store_parts(store).core.ssd.num_rows("t"))
 
 
 def test_store_trained_on_demand_keeps_its_disk_bounded_and_equals_torch(tmp_path):
@@ -516,15 +512,17 @@ def test_store_trained_on_demand_keeps_its_disk_bounded_and_equals_torch(tmp_pat
         if step in (99, 199):
             store.checkpoint()
             _check_disk(store, f"step {step}, after checkpoint", only_live=True)
-    assert store.ssd.num_rows("t") > 10 * store.memory.num_rows("t")
-    assert store.ssd.rows_written > store.ssd.num_rows("t")  # rows went through several segments
+    assert store_parts(store).core.ssd.num_rows("t") > 10 * store_parts(store).core.memory.num_rows("t")
+    assert store_parts(store).core.ssd.rows_written > store_parts(store).core.ssd.num_rows(
+        "t"
+    )  # rows went through several segments
     tol = {"rtol": 1e-6, "atol": 1e-6}
     torch.testing.assert_close(bag.lookup(torch.arange(N_KEYS)), ref.weight.detach(), **tol)
-    rows_at_checkpoint = store.ssd.num_rows("t")
+    rows_at_checkpoint = store_parts(store).core.ssd.num_rows("t")
     store.close()
     # Reopened at its checkpoint: the same rows, read from the segments the checkpoint names.
     with hierps.Store(path, device="cpu", memory_budget="16KiB", max_segments=MAX_SEGMENTS) as again:
-        assert again.ssd.num_rows("t") == rows_at_checkpoint
+        assert store_parts(again).core.ssd.num_rows("t") == rows_at_checkpoint
         got = again.lookup("t", torch.arange(N_KEYS))
         torch.testing.assert_close(got, ref.weight.detach(), **tol)
         _check_disk(again, "reopened", only_live=True)

@@ -6,6 +6,8 @@ import pytest
 import torch
 from oracle import make_optimizers, train, twin_models, zipf_batches
 
+from hierps._store import store_parts
+
 VOCAB, DIM = 400, 8
 TOL = {"rtol": 1e-5, "atol": 1e-6}
 
@@ -31,8 +33,8 @@ def test_bag_matches_torch_with_rows_on_ssd(make_store, opt, mode):
     sparse_ref, dense_ref, dense_twin = make_optimizers(ref, twin, opt)
     ref_losses = train(ref, sparse_ref, dense_ref, batches)
     twin_losses = train(twin, None, dense_twin, batches, store=store, pass_batches=4)
-    assert store.ssd.num_rows("t") > 10 * store.memory.num_rows("t")
-    assert store.ssd.bytes_read > 0
+    assert store_parts(store).core.ssd.num_rows("t") > 10 * store_parts(store).core.memory.num_rows("t")
+    assert store_parts(store).core.ssd.bytes_read > 0
     _compare(ref, twin, ref_losses, twin_losses)
 
 

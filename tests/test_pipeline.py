@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 import hierps
+from hierps._store import store_parts
 
 VOCAB, DIM = 2000, 8
 KEYS = (np.arange(VOCAB, dtype=np.int64) - 700) * 104_729
@@ -61,7 +62,7 @@ def test_pipelined_equals_unpipelined_bit_for_bit(make_store):
     rows_piped, loss_piped = _train(piped, passes, prefetch=True)
     np.testing.assert_array_equal(rows_piped, rows_plain)
     assert loss_piped == loss_plain
-    assert piped.memory.evicted_rows > 0 and piped.ssd.bytes_read > 0
+    assert store_parts(piped).core.memory.evicted_rows > 0 and store_parts(piped).core.ssd.bytes_read > 0
     assert piped._pipe.prepare_seconds > 0 and piped._pipe.writeback_seconds > 0
 
 
@@ -95,12 +96,12 @@ def test_compaction_never_loses_a_row(make_store, pipeline):
     passes = _passes(16, 3, seed=3)
     reference = make_store("big", memory_budget="64MiB", max_segments=1000, pipeline=False)
     rows_ref, _ = _train(reference, passes, prefetch=False)
-    assert reference.ssd.bytes_read == 0
+    assert store_parts(reference).core.ssd.bytes_read == 0
     small = make_store("small", memory_budget="2KiB", max_segments=2, pipeline=pipeline)
     rows, _ = _train(small, passes, prefetch=pipeline)
     np.testing.assert_array_equal(rows, rows_ref)
     # Compaction keeps the count near max_segments (a checkpoint flush may add one or two).
-    assert len(small.ssd.segments("t")) <= 5 < small.ssd.next_segment - 1
+    assert len(store_parts(small).core.ssd.segments("t")) <= 5 < store_parts(small).core.ssd.next_segment - 1
     # ... and after reopening, from disk alone.
     path = small.path
     small.close()

@@ -19,6 +19,7 @@ from thread_world import ThreadTransport, run_ranks
 
 import hierps
 import hierps.serving
+from hierps._store import store_parts
 from hierps.cli import main
 from hierps.errors import ConfigError, StoreFormatError
 from hierps.lifecycle._export import export_store
@@ -37,7 +38,7 @@ def state(store: hierps.ShardedStore) -> dict[str, Any]:
     held = {t: owned[store.local.has_rows(t, owned)] for t in TABLES}
     return {
         "rows": {t: dict(zip(held[t].tolist(), store.local.read_rows(t, held[t]))) for t in TABLES},
-        "pending": {t: store.local.pending_keys[t].arrays() for t in TABLES},
+        "pending": {t: store_parts(store.local).core.pending_keys[t].arrays() for t in TABLES},
         "passes": store.local.passes,
         "steps": {t: store.tables[t].step for t in TABLES},
         "tags": [c["tag"] for c in store.list_checkpoints()],

@@ -15,8 +15,9 @@ import pytest
 import torch
 
 import hierps
+from hierps._store import store_parts
 from hierps.errors import CorruptStoreError, StoreFormatError
-from hierps.storage._checkpoint import FORMAT_VERSION
+from hierps.storage import FORMAT_VERSION
 from hierps.storage._files import read_json_checked, write_json_atomic
 from hierps.tiers._reader import CheckpointReader
 
@@ -43,7 +44,7 @@ def store_path(tmp_path) -> Path:
 
 def _a_segment(path: Path) -> Path:
     with hierps.Store(path, device="cpu") as store:
-        return path / "segments" / "t" / f"{store.ssd.segments('t')[0][1]:08d}"
+        return path / "segments" / "t" / f"{store_parts(store).core.ssd.segments('t')[0][1]:08d}"
 
 
 def _plant(array_dir: Path, marker: Path, edit) -> None:

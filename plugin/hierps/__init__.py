@@ -56,6 +56,8 @@ from hierps.interface import StoreInterface
 from hierps.modules import Embedding, EmbeddingBag, get_default_store, set_default_store
 from hierps.sharding._sharded import ShardedStore
 from hierps.tiers import CheckpointReader
+from hierps.tiers._stats import PassStats
+from hierps.tiers._usage import StoreUsage
 
 __version__ = "0.1.0"
 
@@ -76,6 +78,7 @@ __all__ = [
     "NotSupportedError",
     "OffsetsError",
     "OptimizerConfig",
+    "PassStats",
     "PeerLostError",
     "ShardedStore",
     "StaleWeightError",
@@ -86,6 +89,7 @@ __all__ = [
     "StoreInterface",
     "StoreLockedError",
     "StoreSettings",
+    "StoreUsage",
     "TableMismatchError",
     "TableSpec",
     "get_default_store",

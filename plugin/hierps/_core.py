@@ -32,7 +32,14 @@ import numpy as np
 import torch
 
 from hierps._faults import fault_point
-from hierps.config import DEFAULT_KEEP_CHECKPOINTS, StoreSettings
+from hierps.config import (
+    DEFAULT_KEEP_CHECKPOINTS,
+    AdmissionConfig,
+    EvictionConfig,
+    StoreSettings,
+    TableSettings,
+    TableSpec,
+)
 from hierps.errors import (
     ConfigError,
     CorruptStoreError,
@@ -40,11 +47,16 @@ from hierps.errors import (
     StoreFormatError,
     StoreFullError,
     StoreLockedError,
+    TableMismatchError,
 )
 from hierps.rows import _ids
+from hierps.rows._initializers import table_salt
 from hierps.rows._pending import PendingKeys
 from hierps.rows._table import TableInfo
-from hierps.storage._checkpoint import MARKER, CheckpointCatalog, StoreMarker, check_marker, write_marker
+from hierps.storage._checkpoint import CheckpointCatalog
+from hierps.storage._format import MAX_DIM
+from hierps.storage._marker import MARKER, StoreMarker, check_marker, write_marker
+from hierps.storage._names import table_name_problem
 from hierps.tiers import DeviceTier, MemoryTier, SsdTier
 from hierps.tiers._device import DrainedRows
 from hierps.tiers._stats import PassStats
@@ -238,6 +250,77 @@ class StoreCore:
         self.pending_keys[info.name] = (
             pending if pending is not None else PendingKeys(info.admission.max_pending)
         )
+
+    def open_table(self, name: str, dim: int, spec: TableSpec | None, settings: TableSettings) -> TableInfo:
+        """Create table ``name`` of ``dim`` floats per row with ``spec`` and ``settings`` (keywords
+        replacing the spec's; unset settings: the store's defaults), or reopen it:
+        ``TableMismatchError`` when its dim, precisions or optimizer type differ from the stored
+        ones; other settings given replace the stored ones."""
+        self.check_open()
+        problem = table_name_problem(name)
+        if problem is not None:
+            raise ConfigError(
+                f"table name: expected {problem} (it names directories on disk). Got {name!r} instead."
+            )
+        if isinstance(dim, bool) or not isinstance(dim, int) or not 1 <= dim <= MAX_DIM:
+            raise ConfigError(
+                f"dim of table {name!r}: expected an int from 1 to {MAX_DIM}. Got {dim!r} instead."
+            )
+        spec = TableSpec.of(spec, **settings)
+        info = self.tables.get(name)
+        if info is None:
+            info = TableInfo(
+                name,
+                dim,
+                spec.optimizer or self.settings.optimizer,
+                spec.initializer or self.settings.initializer,
+                table_salt(self.seed, name),
+                admission=spec.admission or AdmissionConfig(),
+                eviction=spec.eviction or EvictionConfig(),
+                weights_dtype=spec.weights_dtype or "fp32",
+                state_dtype=spec.state_dtype or "fp32",
+            )
+            self.tables[name] = info
+            self.register(info)
+            return info
+        if info.dim != dim:
+            raise TableMismatchError(
+                f"table {name!r}: the store holds it with dim {info.dim}, asked for dim {dim}. "
+                "Use another table name or another store directory."
+            )
+        for what, asked, held in (
+            ("weights_dtype", spec.weights_dtype, info.weights_dtype),
+            ("state_dtype", spec.state_dtype, info.state_dtype),
+        ):
+            if asked is not None and asked != held:
+                raise TableMismatchError(
+                    f"table {name!r}: the store holds its rows with {what} {held!r}, asked for "
+                    f"{asked!r}. Rows keep the precision they were created with: pass {held!r} "
+                    "(or nothing), or use another table name or another store directory."
+                )
+        opt = spec.optimizer
+        if opt is not None and info.optimizer != opt:
+            if info.optimizer.type != opt.type:
+                raise TableMismatchError(
+                    f"table {name!r}: its rows carry {info.optimizer.type} state, asked for {opt.type}. "
+                    "Use another table name or another store directory."
+                )
+            info.optimizer = opt  # same state layout; new hyper-parameters apply from now on
+        if spec.admission is not None:
+            info.admission = spec.admission
+            self.pending_keys[name].capacity = spec.admission.max_pending
+        if spec.eviction is not None:
+            info.eviction = spec.eviction
+        return info
+
+    def num_rows(self, table: str) -> dict[str, int]:
+        """Rows of ``table`` per tier: ``{"device", "memory", "ssd"}``, once the pipeline is quiet."""
+        self.pipe.drain()
+        return {
+            "device": self.device_tier.num_rows(table),
+            "memory": self.memory.num_rows(table),
+            "ssd": self.ssd.num_rows(table),
+        }
 
     # -- reading rows through the tiers -------------------------------------------------------
     def fetch(self, table: str, keys: np.ndarray, *, touch: bool, ahead: bool = False) -> np.ndarray:

@@ -90,7 +90,7 @@ def _shrink(args: argparse.Namespace) -> int:
                 if active or store.tables[name].eviction.active
                 else (" (no eviction settings: pass --ttl-passes or --min-decayed-count)")
             )
-            print(f"{path}: {name}: {n} rows deleted, {store.ssd.num_rows(name)} left{rule}")
+            print(f"{path}: {name}: {n} rows deleted, {store.num_rows(name)['ssd']} left{rule}")
 
     root = Path(args.path)
     if store_dirs(root) == [root]:

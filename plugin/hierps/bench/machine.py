@@ -126,7 +126,8 @@ def ssd_tier_read(
 
     Every distinct id of the workload is written through ``Store.write_rows`` with no RAM
     budget (so it lands in SSD segments), checkpointed, and then, per pass, the segment files are
-    dropped from the page cache and one ``store.ssd.read_many`` fetches the pass's sorted keys of
+    dropped from the page cache and one ``read_many`` of a :class:`hierps.CheckpointReader`'s SSD
+    tier (the same reads as the store's) fetches the pass's sorted keys of
     every table, as the store asks for a pass's missing rows.
     """
     from hierps.bench.variants import make_workload
@@ -142,6 +143,8 @@ def ssd_tier_read(
             keys = np.unique(work.data.sparse[:, i])
             store.write_rows(name, keys, rng.standard_normal((len(keys), info.width), dtype=np.float32))
         store.checkpoint()
+        reader = hierps.CheckpointReader(store.path)  # its SSD tier reads the store's segments
+        ssd = reader.ssd
         runs = []
         for group in work.passes[:passes]:
             wanted = {
@@ -149,19 +152,20 @@ def ssd_tier_read(
                 for i, n in enumerate(names)
             }
             drop_from_page_cache(store.path / "segments")
-            r0, io0 = store.ssd.bytes_read, io_read_bytes()
+            r0, io0 = ssd.bytes_read, io_read_bytes()
             t0 = time.perf_counter()
-            store.ssd.read_many(wanted)
+            ssd.read_many(wanted)
             seconds = time.perf_counter() - t0
             runs.append(
                 {
                     "seconds": seconds,
-                    "row_bytes": store.ssd.bytes_read - r0,
+                    "row_bytes": ssd.bytes_read - r0,
                     "device_bytes": io_read_bytes() - io0,
                     "rows": int(sum(len(k) for k in wanted.values())),
                 }
             )
-        disk = store.ssd.disk_bytes()
+        reader.close()
+        disk = store.usage().disk_bytes
     finally:
         store.close()
     best = sorted(runs, key=lambda r: r["row_bytes"] / r["seconds"])[len(runs) // 2]
@@ -295,8 +299,8 @@ def ssd_scaling(
         for _ in range(2):  # untimed: the working set comes back from SSD, then stays resident
             _timed_pass(store, bag, fixed, batches, prefetch=True)
         piped_runs = [_timed_pass(store, bag, fixed, batches, prefetch=True) for _ in range(timed_passes)]
-        index_bytes = store.ssd.index_ram_bytes
-        rows = store.ssd.num_rows("t")
+        usage = store.usage()
+        index_bytes, rows = usage.index_ram_bytes, usage.ssd_rows
         result = {
             "rows": n_rows,
             "rows_on_ssd": rows,
@@ -308,8 +312,8 @@ def ssd_scaling(
             "seconds": statistics.median(r["seconds"] for r in fixed_runs),
             "index_bytes": index_bytes,
             "index_bytes_per_row": index_bytes / max(rows, 1),
-            "segments": len(store.ssd.segments("t")),
-            "segment_bytes": store.ssd.disk_bytes(),
+            "segments": usage.segments,
+            "segment_bytes": usage.disk_bytes,
         }
     finally:
         store.close()

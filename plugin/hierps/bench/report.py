@@ -122,7 +122,7 @@ def check_goals(results: dict[str, Any]) -> list[dict[str, Any]]:
         )
         out["index_bytes"] = (
             max(s["index_bytes_per_row"] for s in scaling),
-            "bytes of store.ssd.index / rows",
+            "bytes of store.usage().index_ram_bytes / rows",
         )
     else:
         out["ssd_scaling"] = out["index_bytes"] = (None, "scaling experiment not run")

@@ -42,6 +42,7 @@ from typing import Any
 import numpy as np
 
 from hierps.bench._worker import spawn
+from hierps.tiers import CheckpointReader
 
 __all__ = [
     "FULL_SIZE",
@@ -296,7 +297,7 @@ def _write_phase(spec: dict[str, Any]) -> dict[str, Any]:
         t1 = time.perf_counter()
         store.checkpoint()
         t2 = time.perf_counter()
-        index = store.ssd.index_ram_bytes
+        index = store.usage().index_ram_bytes
     return {
         "seconds": t2 - t0,
         "write_seconds": t1 - t0,
@@ -361,7 +362,7 @@ def _train_phase(spec: dict[str, Any]) -> dict[str, Any]:
     with _open(spec) as store:
         opened = time.perf_counter() - t0
         passes = [_train_pass(store, group) for group in keys]
-        index = store.ssd.index_ram_bytes
+        index = store.usage().index_ram_bytes
     pass_seconds = sum(p["seconds"] for p in passes)
     ssd_rows = sum(p["ssd_rows"] for p in passes)
     return {
@@ -381,8 +382,9 @@ def _wide_phase(spec: dict[str, Any]) -> dict[str, Any]:
     2^18 keys as a pass's load of a large working set asks them: seconds, bytes from the device."""
     rng = np.random.default_rng(spec["config"]["seed"] + 7)
     rows, block = spec["rows"], 1 << 20
-    with _open(spec) as store:
+    with _open(spec) as store, CheckpointReader(store.path) as reader:
         found = keys = 0
+        ssd = reader.ssd  # the store's segments, read as the store's SSD tier reads them
 
         def read() -> None:
             nonlocal found, keys
@@ -390,7 +392,7 @@ def _wide_phase(spec: dict[str, Any]) -> dict[str, Any]:
                 size = min(block, rows - start)
                 batch = start + np.sort(rng.choice(size, size // 4, replace=False)).astype(np.int64)
                 for part in np.array_split(batch, max(1, len(batch) >> 18)):
-                    found += int(store.ssd.read("t", part)[0].sum())
+                    found += int(ssd.read("t", part)[0].sum())
                 keys += len(batch)
 
         seconds, io = _measured(read)
@@ -405,7 +407,7 @@ def _reopen_phase(spec: dict[str, Any]) -> dict[str, Any]:
         t1 = time.perf_counter()
         rows = store.num_rows("t")
         t2 = time.perf_counter()
-        index = store.ssd.index_ram_bytes
+        index = store.usage().index_ram_bytes
     finally:
         store.close()
     return {

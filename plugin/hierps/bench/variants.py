@@ -44,6 +44,7 @@ from hierps.demo.data import CriteoData, CriteoSpec, generate
 from hierps.demo.models import ClickModel, make_model, remap_ids
 from hierps.integrations.rendezvous import free_port
 from hierps.rows import row_layout
+from hierps.tiers import ram_row_bytes
 
 __all__ = ["PROFILER", "VARIANTS", "Workload", "make_workload", "peak_rss_bytes", "run_variant"]
 
@@ -321,33 +322,6 @@ def _mlp_only(work: Workload, cfg: dict[str, Any], tmp: Path, params: dict[str, 
 
 
 # -- hierps -------------------------------------------------------------------------------------
-class _SsdClock:
-    """Wall time spent in the SSD tier's ``read_many`` (every read) / ``write`` of one store (any thread)."""
-
-    def __init__(self, store: hierps.Store) -> None:
-        self.read_seconds = 0.0
-        self.write_seconds = 0.0
-        ssd = store.ssd
-        read, write = ssd.read_many, ssd.write
-
-        def timed_read(requests: dict[str, np.ndarray]) -> dict[str, tuple[np.ndarray, np.ndarray]]:
-            t0 = time.perf_counter()
-            try:
-                return read(requests)
-            finally:
-                self.read_seconds += time.perf_counter() - t0
-
-        def timed_write(table: str, keys: np.ndarray, rows: np.ndarray, at: np.ndarray | None = None) -> None:
-            t0 = time.perf_counter()
-            try:
-                write(table, keys, rows, at)
-            finally:
-                self.write_seconds += time.perf_counter() - t0
-
-        # Instance attributes shadow the methods (same signatures): deliberate monkey-patching.
-        ssd.read_many, ssd.write = timed_read, timed_write  # type: ignore[method-assign]
-
-
 def _hierps_run(
     store: hierps.Store,
     model: nn.Module,
@@ -355,7 +329,6 @@ def _hierps_run(
     passes: list[list[Batch]],
     names: list[str],
     pipeline: bool,
-    clock: _SsdClock,
 ) -> dict[str, Any]:
     """A warm-up epoch then a measured one, pass by pass, as one stream of passes.
 
@@ -364,19 +337,19 @@ def _hierps_run(
     and the write-back of its last pass overlaps what would come next (the write-back of the
     warm-up's last pass falls in the measured epoch instead).
     """
-    pipe = store._pipe
     stream = passes + passes
     ids = [[{n: sparse[:, i] for i, n in enumerate(names)} for _, sparse, _ in group] for group in stream]
 
     def counters() -> tuple[float, ...]:
+        u = store.usage()
         return (
-            pipe.prepare_seconds,
-            pipe.writeback_seconds,
-            pipe.wait_seconds,
-            store.ssd.bytes_read,
-            store.ssd.bytes_written,
-            clock.read_seconds,
-            clock.write_seconds,
+            u.prepare_seconds,
+            u.writeback_seconds,
+            u.wait_seconds,
+            u.ssd_bytes_read,
+            u.ssd_bytes_written,
+            u.ssd_read_seconds,
+            u.ssd_write_seconds,
         )
 
     begin = train = end = 0.0
@@ -424,9 +397,14 @@ def _hierps_run(
 
 def _hierps(work: Workload, cfg: dict[str, Any], tmp: Path, params: dict[str, Any]) -> dict[str, Any]:
     pipeline = bool(params["pipeline"])
+    # The table: every row the workload creates, at what the RAM tier charges per fp32 row (floats
+    # of weights, optimizer state and counters, plus its bookkeeping), whatever the rows' precision:
+    # compact rows get the same bytes of RAM. (The demo model's tables train with Adagrad.)
+    table_bytes = work.distinct_ids * ram_row_bytes(row_layout("adagrad", cfg["dim"]).words)
+    budget = int(params["budget"] * table_bytes)
     store = hierps.Store(
         tmp / "store",
-        memory_budget=0,
+        memory_budget=budget,
         device_budget=cfg["device_budget"],
         pipeline=pipeline,
         seed=cfg["seed"],
@@ -441,24 +419,17 @@ def _hierps(work: Workload, cfg: dict[str, Any], tmp: Path, params: dict[str, An
             state_dtype=dtype,
         )
         names = table_names(len(work.spec.resolved_vocab_sizes))
-        # The table: every row the workload creates, at what the RAM tier charges per fp32 row (floats
-        # of weights, optimizer state and counters, plus its bookkeeping), whatever the rows' precision:
-        # compact rows get the same bytes of RAM. Set before any row exists.
         info = store.info(names[0])
-        fp32_row = row_layout(info.optimizer.type, info.dim).row_bytes
-        table_bytes = work.distinct_ids * (
-            store.memory.row_bytes(names[0]) - info.layout.row_bytes + fp32_row
-        )
-        budget = int(params["budget"] * table_bytes)
-        store.memory.budget = budget
+        if info.optimizer.type != "adagrad":
+            raise RuntimeError("the bench's RAM budget assumes the demo model's Adagrad rows")
         dense_opt = torch.optim.Adam(model.parameters(), lr=cfg["lr_dense"])
-        clock = _SsdClock(store)
-        record = _hierps_run(store, model, dense_opt, work.passes, names, pipeline, clock)
+        record = _hierps_run(store, model, dense_opt, work.passes, names, pipeline)
         n = len(work.passes)
         stages = {"prepare": record["prepare_seconds"], "writeback": record["writeback_seconds"]}
         if not pipeline:  # without the pipeline both stages run on the training thread
             stages = {"prepare": record["begin_seconds"], "writeback": record["end_seconds"]}
         background = record["prepare_seconds"] + record["writeback_seconds"]
+        usage = store.usage()
         record.update(
             examples=len(work.data),
             passes=n,
@@ -475,8 +446,8 @@ def _hierps(work: Workload, cfg: dict[str, Any], tmp: Path, params: dict[str, An
             hidden_fraction=(1.0 - record["wait_seconds"] / background)
             if pipeline and background > 0
             else 0.0,
-            rows_memory=sum(store.memory.num_rows(t) for t in names),
-            rows_ssd=sum(store.ssd.num_rows(t) for t in names),
+            rows_memory=usage.memory_rows,
+            rows_ssd=usage.ssd_rows,
             row_bytes=info.layout.row_bytes,
         )
         return record

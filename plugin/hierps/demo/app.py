@@ -182,9 +182,10 @@ def run_demo(cfg: DemoConfig, out: Callable[[str], Any] = print) -> dict[str, An
         ckpt = store.checkpoint("demo-final")
         final_auc, final_loss = evaluate(model, test, store.device)
         elapsed = time.perf_counter() - t_start
+        usage = store.usage()
         out(
-            f"checkpoint {ckpt}: {sum(store.ssd.num_rows(n) for n in names)} rows on SSD, "
-            f"{_fmt_bytes(store.ssd.disk_bytes())} on disk; test log loss {final_loss:.4f}; {elapsed:.1f}s"
+            f"checkpoint {ckpt}: {usage.ssd_rows} rows on SSD, "
+            f"{_fmt_bytes(usage.disk_bytes)} on disk; test log loss {final_loss:.4f}; {elapsed:.1f}s"
         )
         out(f"final AUC {final_auc:.4f}")
         return {"final_auc": final_auc, "final_log_loss": final_loss, "passes": history, "seconds": elapsed}

@@ -42,9 +42,9 @@ import numpy as np
 import zarr
 from zarr.storage import LocalStore
 
-from hierps.config import AdmissionConfig
 from hierps.errors import ConfigError, StoreFormatError
-from hierps.storage._checkpoint import MARKER, CheckpointCatalog, check_marker
+from hierps.rows._table import TableInfo
+from hierps.storage._checkpoint import CheckpointCatalog
 from hierps.storage._commit_log import find_snapshot, rank_dir, snapshots
 from hierps.storage._export_format import (
     EXPORT_DTYPES,
@@ -61,6 +61,7 @@ from hierps.storage._files import (
     remove_stale_temp_dirs,
     temp_dir_for,
 )
+from hierps.storage._marker import MARKER, check_marker
 from hierps.storage._merge import first_of_each, merged_sources
 from hierps.tiers._reader import CheckpointReader
 
@@ -173,7 +174,7 @@ def export_store(
         "format_version": EXPORT_VERSION,
         "checkpoint": ckpt,
         "since": base,
-        "seed": _one({int(r.manifest["seed"]) for r in now}, "seed", stores),
+        "seed": _one({r.meta.seed for r in now}, "seed", stores),
         "ranks": len(stores),
         "source": str(Path(path).resolve()),
         "created": time.time(),
@@ -191,8 +192,8 @@ def export_store(
             tmp.mkdir(parents=True)
             zstore = LocalStore(str(tmp))
             zarr.open_group(zstore, mode="w", attributes={"format": EXPORT_FORMAT})
-            for name, meta in _tables(now).items():
-                manifest["tables"][name] = _export_table(zstore, name, meta, now, old, manifest["uid"], dtype)
+            for name, info in _tables(now).items():
+                manifest["tables"][name] = _export_table(zstore, name, info, now, old, manifest["uid"], dtype)
             (tmp / MANIFEST).write_text(manifest_text(manifest), encoding="utf-8")
             fsync_tree(tmp)
         if out.exists():
@@ -211,24 +212,20 @@ _AFTER_FULL = "export again; nothing of this export was left behind."
 def _bytes(readers: list[CheckpointReader], dtype: str) -> int:
     """About the bytes a full export of ``readers``' tables takes: keys and weights of every row."""
     value_bytes = np.dtype(EXPORT_DTYPES[dtype]).itemsize
-    return sum(
-        int(meta["rows"]) * (8 + value_bytes * int(meta["dim"]))
-        for r in readers
-        for meta in r.manifest["tables"].values()
-    )
+    return sum(e.rows * (8 + value_bytes * r.infos[t].dim) for r in readers for t, e in r.meta.tables.items())
 
 
 def _export_table(
     zstore: LocalStore,
     name: str,
-    meta: dict[str, Any],
+    info: TableInfo,
     now: list[CheckpointReader],
     old: list[CheckpointReader] | None,
     export_id: str,
     dtype: str,
 ) -> dict[str, Any]:
     """Write table ``name`` (of ``now``, or what changed since ``old``) in ``dtype``; its manifest entry."""
-    dim = int(meta["dim"])
+    dim = info.dim
     gone: list[np.ndarray] = []
     if old is None:
         sources = [_weights(r, name, dim, dtype) for r in now]
@@ -241,12 +238,12 @@ def _export_table(
     return {
         "dim": dim,
         "dtype": dtype,
-        "weights_dtype": meta["weights_dtype"],
+        "weights_dtype": info.weights_dtype,
         "rows": writer.rows,
         "deleted": int(len(deleted)),
-        "total_rows": sum(int(r.manifest["tables"][name]["rows"]) for r in now if name in r.tables),
-        "initializer": meta["initializer"],
-        "unknown": AdmissionConfig.parse(meta.get("admission")).unknown_rows,
+        "total_rows": sum(r.meta.tables[name].rows for r in now if name in r.meta.tables),
+        "initializer": info.initializer.to_json(),
+        "unknown": info.admission.unknown_rows,
         "checks": checks,
     }
 
@@ -260,17 +257,17 @@ def _one(values: set[Any], what: str, stores: list[Path]) -> Any:
     return values.pop()
 
 
-def _tables(readers: list[CheckpointReader]) -> dict[str, dict[str, Any]]:
-    """Table name -> its manifest entry, checked to agree over the rank stores."""
-    out: dict[str, dict[str, Any]] = {}
+def _tables(readers: list[CheckpointReader]) -> dict[str, TableInfo]:
+    """Table name -> its settings, checked to agree over the rank stores."""
+    out: dict[str, TableInfo] = {}
     for r in readers:
-        for name, meta in r.tables.items():
-            first = out.setdefault(name, meta)
-            if int(first["dim"]) != int(meta["dim"]) or first["initializer"] != meta["initializer"]:
+        for name, info in r.infos.items():
+            first = out.setdefault(name, info)
+            if first.dim != info.dim or first.initializer != info.initializer:
                 raise StoreFormatError(
-                    f"{r.path}: table {name!r} has dim {meta['dim']} / initializer "
-                    f"{meta['initializer']} there and dim {first['dim']} / initializer "
-                    f"{first['initializer']} in another rank store; they are not shards of one "
+                    f"{r.path}: table {name!r} has dim {info.dim} / initializer "
+                    f"{info.initializer.to_json()} there and dim {first.dim} / initializer "
+                    f"{first.initializer.to_json()} in another rank store; they are not shards of one "
                     "model. Export them one by one."
                 )
     return out

@@ -59,26 +59,25 @@ def _inspect_store(store: Path, counts: bool, ckpt: int | None) -> dict[str, Any
     reader = CheckpointReader(store, ckpt)
     for ckpt in reader.catalog.ids():
         m = reader.catalog.manifest(ckpt)
-        report["checkpoints"].append(
-            {"id": ckpt, "tag": m.get("tag"), "created": m.get("created"), "passes": m.get("passes")}
-        )
+        report["checkpoints"].append({"id": ckpt, "tag": m.tag, "created": m.created, "passes": m.passes})
     report["checkpoint"] = reader.checkpoint_id
-    report["passes"] = reader.manifest.get("passes", 0)
-    for name, meta in reader.tables.items():
+    report["passes"] = reader.meta.passes
+    for name, entry in reader.meta.tables.items():
+        info = reader.infos[name]
         table: dict[str, Any] = {
-            "dim": int(meta["dim"]),
-            "width": int(meta["width"]),
-            "weights_dtype": meta["weights_dtype"],
-            "state_dtype": meta["state_dtype"],
-            "row_bytes": 4 * int(meta["layout"]["words"]),
-            "optimizer": meta["optimizer"]["type"],
-            "steps": int(meta["step"]),
-            "rows_ssd": int(meta["rows"]),
-            "segments": len(meta["segments"]),
+            "dim": info.dim,
+            "width": info.width,
+            "weights_dtype": info.weights_dtype,
+            "state_dtype": info.state_dtype,
+            "row_bytes": info.layout.row_bytes,
+            "optimizer": info.optimizer.type,
+            "steps": info.step,
+            "rows_ssd": entry.rows,
+            "segments": len(entry.segments),
             "bytes_on_disk": _disk_bytes(store / "segments" / name),
             "pending_keys": int(len(reader.pending_keys(name))),
-            "admission": meta.get("admission"),
-            "eviction": meta.get("eviction"),
+            "admission": info.admission.to_json(),
+            "eviction": info.eviction.to_json(),
         }
         if counts:
             hist, shows, clicks = np.zeros(1, np.int64), 0.0, 0.0

@@ -105,11 +105,7 @@ class FeatureLifeCycle:
         self._core.device_tier.mark_dirty(table, slots)
 
     def shrink(
-        self,
-        table: str | None = None,
-        *,
-        ttl_passes: int | None = None,
-        min_decayed_count: float | None = None,
+        self, table: str | None, ttl_passes: int | None, min_decayed_count: float | None
     ) -> dict[str, int]:
         """Delete the rows eviction condemns from every tier; returns ``{table: rows deleted}``.
 

@@ -14,6 +14,7 @@ from hierps.config import (
     EvictionConfig,
     InitializerConfig,
     OptimizerConfig,
+    TableSpec,
 )
 from hierps.errors import StoreFormatError
 from hierps.rows._counters import initial_counters
@@ -48,6 +49,19 @@ class TableInfo:
     @property
     def layout(self) -> RowLayout:
         return row_layout(self.optimizer.type, self.dim, self.weights_dtype, self.state_dtype)
+
+    @property
+    def spec(self) -> TableSpec:
+        """The table's six settings, as :meth:`hierps.Store.table` takes them (e.g. to create the
+        same table in another store)."""
+        return TableSpec(
+            self.optimizer,
+            self.initializer,
+            self.admission,
+            self.eviction,
+            self.weights_dtype,
+            self.state_dtype,
+        )
 
     @property
     def state_end(self) -> int:

@@ -25,9 +25,10 @@ import numpy as np
 import torch
 
 from hierps._faults import fault_point
-from hierps._store import Store
+from hierps._store import Store, store_parts
 from hierps.errors import CheckpointRetiredError, ConfigError
 from hierps.rows._pending import PENDING_ARRAYS, PendingKeys
+from hierps.sharding._local import OwnerParts
 from hierps.storage._commit_log import (
     Snapshot,
     find_snapshot,
@@ -88,6 +89,7 @@ class ShardCheckpoints:
     ) -> None:
         self.root = Path(root)
         self.local = local
+        self.parts: OwnerParts = store_parts(local)
         self.collectives = collectives
         self.rank, self.world_size = collectives.rank, collectives.world_size
         self._owner_of = owner_of
@@ -173,14 +175,14 @@ class ShardCheckpoints:
     # -- parts -------------------------------------------------------------------------------------
     def _back_to_part(self, snap: Snapshot, rollback: bool) -> None:
         part = snap.parts[self.rank]
-        if not self.local.catalog.exists(part):
+        if not self.parts.core.catalog.exists(part):
             raise CheckpointRetiredError(
                 f"{rank_dir(self.root, self.rank)}: checkpoint {part}, this rank's part of checkpoint "
                 f"{snap.id} ({snap.tag!r}, {snap.world_size} ranks), is missing: retired, or the rank "
                 "directory was replaced. Restore another checkpoint, or restore the directory from a backup."
             )
         if rollback:  # parts newer than the latest commit never committed: they go
-            if self.local.checkpoint_id != part or self.local.catalog.latest() != part:
+            if self.local.checkpoint_id != part or self.parts.core.catalog.latest() != part:
                 self.local.rollback(part)
         else:
             self.local.restore(part)
@@ -189,37 +191,28 @@ class ShardCheckpoints:
         """Fill this rank's store with the rows it owns in ``snap`` (written by another number of
         ranks), then commit that as a checkpoint of this world size, with the snapshot's tag."""
         readers = [CheckpointReader(rank_dir(self.root, q), snap.parts[q]) for q in range(snap.world_size)]
-        names = sorted({name for r in readers for name in r.tables})
+        names = sorted({name for r in readers for name in r.meta.tables})
         for name in set(self.local.tables) - set(names):  # a table the snapshot does not have
-            self.local.reset_table(name)
+            self.parts.rows.reset(name)
         for name in names:
-            tm = next(r.tables[name] for r in readers if name in r.tables)
-            info = self.local.table(
-                name,
-                int(tm["dim"]),
-                optimizer=tm["optimizer"],
-                initializer=tm["initializer"],
-                admission=tm.get("admission"),
-                eviction=tm.get("eviction"),
-                weights_dtype=tm["weights_dtype"],
-                state_dtype=tm["state_dtype"],
-            )
-            self.local.reset_table(name)
+            held = next(r.infos[name] for r in readers if name in r.infos)
+            info = self.local.table(name, held.dim, held.spec)
+            self.parts.rows.reset(name)
             # The parts read stay on disk while this rank rewrites its store: no part is retired
             # before every rank has checkpointed (and so has read them).
             for reader in readers:
-                if name in reader.tables:
+                if name in reader.meta.tables:
                     for keys, rows in reader.iter_rows(name):
                         mine = self._owner_of(keys, self.world_size) == self.rank
                         self.local.write_rows(name, keys[mine], rows[mine])
-            info.step = int(tm["step"])
-            self.local.pending_keys[name] = self._pending_keys(name, info.admission.max_pending, readers)
-        self.local.passes = int(readers[0].manifest.get("passes", 0))
+            info.step = held.step
+            self.parts.core.pending_keys[name] = self._pending_keys(name, info.admission.max_pending, readers)
+        self.local.passes = readers[0].meta.passes
         return self.checkpoint(snap.tag, extra={"resharded_from": snap.world_size})
 
     def _pending_keys(self, name: str, capacity: int, readers: list[CheckpointReader]) -> PendingKeys:
         """The keys of table ``name`` pending admission in every old part that this rank now owns."""
-        parts = [r.pending(name) for r in readers if name in r.tables]
+        parts = [r.pending(name) for r in readers if name in r.meta.tables]
         merged = {k: np.concatenate([p[k] for p in parts]) for k in PENDING_ARRAYS}
         keys = merged["pending_keys"].astype(np.int64)
         mine = np.flatnonzero(self._owner_of(keys, self.world_size) == self.rank)
@@ -278,7 +271,7 @@ def update_each_rank(
     for rank in range(latest.world_size):
         with Store(rank_dir(root, rank), **store_kwargs) as store:
             part = latest.parts[rank]
-            if store.checkpoint_id != part or store.catalog.latest() != part:
+            if store.checkpoint_id != part or store_parts(store).core.catalog.latest() != part:
                 store.rollback(part)  # a part newer than the commit never committed
             work(rank, store)
             extra = {"world_size": latest.world_size, "rank": rank}

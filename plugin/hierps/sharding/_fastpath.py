@@ -30,14 +30,15 @@ from typing import Any
 import numpy as np
 import torch
 
-from hierps._store import Store
+from hierps._store import Store, store_parts
 from hierps.errors import ConfigError
+from hierps.sharding._local import OwnerParts
 from hierps.sharding._routes import (
     Asked,
     OwnedPass,
     PassRequests,
+    RoutedTable,
     Serving,
-    TableSpec,
     owner_of,
     pass_keys,
     plan_serving,
@@ -54,7 +55,7 @@ class _Routed:
     """A pass routed: this rank's requests, its serving as owner, and the bytes it sent."""
 
     raw: list[dict[str, np.ndarray]]
-    tables: list[TableSpec]
+    tables: list[RoutedTable]
     requests: PassRequests
     owned: OwnedPass
     fast: bool  # every rank agreed on the mini-batches and every owner's working set fits
@@ -65,7 +66,7 @@ class _Routed:
 @dataclass
 class _Announced:
     raw: list[dict[str, np.ndarray]]
-    tables: list[TableSpec]
+    tables: list[RoutedTable]
     routed: Future[_Routed]
     handed: bool = False  # its owned keys were announced to the local store (read ahead)
 
@@ -111,6 +112,7 @@ class PassRouter:
 
     def __init__(self, local: Store, transport: Any, pend: Callable[[Fetched], None]) -> None:
         self.local = local
+        self.parts: OwnerParts = store_parts(local)
         self.transport = transport
         self.rank, self.world_size = transport.rank, transport.world_size
         self.device = local.device
@@ -123,11 +125,11 @@ class PassRouter:
         self.bytes_sent = 0
 
     # -- routing -----------------------------------------------------------------------------------
-    def _specs(self) -> list[TableSpec]:
+    def _specs(self) -> list[RoutedTable]:
         tables = self.local.tables
-        return [TableSpec(n, tables[n].dim, not tables[n].admission.filters) for n in sorted(tables)]
+        return [RoutedTable(n, tables[n].dim, not tables[n].admission.filters) for n in sorted(tables)]
 
-    def _route(self, raw: list[dict[str, np.ndarray]], tables: list[TableSpec], channel: Any) -> _Routed:
+    def _route(self, raw: list[dict[str, np.ndarray]], tables: list[RoutedTable], channel: Any) -> _Routed:
         """Plan and exchange a pass's routing over ``channel`` (collective on it)."""
         w = self.world_size
         keys, positions, start, joined = pass_keys(raw, tables)
@@ -150,12 +152,12 @@ class PassRouter:
         got_keys = exchange(req.keys, [int(h[1 : 1 + n_t].sum()) for h in headers])
         got_entries = exchange(req.entries, [int(h[1 + n_t :].sum()) for h in headers])
         owned = plan_serving(tables, req.n_batches, headers, got_keys, got_entries, self.device)
-        tier = self.local.device_tier
+        tier = self.parts.core.device_tier
         fits = tier.bytes_for({t: len(k) for t, k in owned.keys.items()}) <= tier.budget
         bad = channel.all_reduce_sum(torch.tensor([float(not (fits and owned.agreed))], dtype=torch.float64))
         return _Routed(raw, tables, req, owned, bool(bad[0] == 0), fits, sent)
 
-    def _submit(self, raw: list[dict[str, np.ndarray]], tables: list[TableSpec]) -> Future[_Routed]:
+    def _submit(self, raw: list[dict[str, np.ndarray]], tables: list[RoutedTable]) -> Future[_Routed]:
         """Route on the worker over the companion channel; without one, here and now."""
         if self._channel is None and hasattr(self.transport, "companion"):
             self._channel = self.transport.companion()  # collective, like every prefetch
@@ -335,14 +337,14 @@ class PassRouter:
     def _slots(self, fp: _FastPass, at: torch.Tensor) -> torch.Tensor:
         """Device-tier slots of owned keys at positions ``at`` (the working set made resident again
         when something replaced it since the pass began)."""
-        tier = self.local.device_tier
+        tier = self.parts.core.device_tier
         if fp.slot_map is None or fp.generation != tier.generation:
             owned = fp.routed.owned
             parts = []
             for spec in fp.routed.tables:
                 keys = torch.from_numpy(owned.keys[spec.name]).to(self.device)
                 if spec.fast and keys.numel():
-                    parts.append(self.local.resident_slots(spec.name, keys))
+                    parts.append(self.parts.passes.resident_slots(spec.name, keys))
                 else:
                     parts.append(torch.zeros(keys.numel(), dtype=torch.int64, device=self.device))
             fp.slot_map = torch.cat(parts) if parts else torch.empty(0, dtype=torch.int64, device=self.device)
@@ -358,17 +360,17 @@ class PassRouter:
         at = 0
         for t, n in zip(serving.tables, serving.splits):
             if n:
-                self.local.count_sightings(t, slots[at : at + n], serving.counts[at : at + n])
+                self.parts.trainer.count_sightings(t, slots[at : at + n], serving.counts[at : at + n])
             at += n
         sent = slots if serving.inverse is None else slots[serving.inverse]
         rows = self._rows(fp, serving, sent, dim)
         self._count(rows, serving.send_counts)
         got = self.transport.all_to_all_known(rows, serving.send_counts, asked.recv_counts).to(self.device)
-        return Fetched(fp, dim, asked, serving, got, slots, self.local.device_tier.generation)
+        return Fetched(fp, dim, asked, serving, got, slots, self.parts.core.device_tier.generation)
 
     def _rows(self, fp: _FastPass, serving: Serving, slots: torch.Tensor, dim: int) -> torch.Tensor:
         """(n, dim) weights of the rows at ``slots``, the tables of ``serving`` in sending order."""
-        tier = self.local.device_tier
+        tier = self.parts.core.device_tier
         layouts = {t: self.local.info(t).layout for t in serving.tables}
         if len({(id(tier.arena(t)), layouts[t].weights) for t in serving.tables}) == 1:
             t = serving.tables[0]
@@ -446,7 +448,7 @@ class PassRouter:
         mini-batch of the current pass; -> the rest as ``{table: (keys, grads)}``, for
         :meth:`hierps.Store.apply_gradients`."""
         slotted, keyed = [], {}
-        generation = self.local.device_tier.generation
+        generation = self.parts.core.device_tier.generation
         for table, items in updates.items():
             f, at, grad = items[0]
             if len(items) == 1 and f.generation == generation and table not in by_keys:
@@ -459,5 +461,5 @@ class PassRouter:
                 for i in items
             ]
             keyed[table] = (torch.cat(keys), torch.cat([i[2] for i in items]))
-        self.local.apply_slot_gradients(slotted)
+        self.parts.trainer.apply_slot_gradients(slotted)
         return keyed

@@ -28,7 +28,7 @@ __all__ = [
     "OwnedPass",
     "PassRequests",
     "Serving",
-    "TableSpec",
+    "RoutedTable",
     "pass_keys",
     "plan_serving",
     "requests",
@@ -38,7 +38,7 @@ _EMPTY = np.empty(0, np.int64)
 
 
 @dataclass(frozen=True)
-class TableSpec:
+class RoutedTable:
     """What routing needs of a table: its dim, and whether its mini-batches take the fast path
     (tables filtering admission are routed for loading only; their mini-batches go key by key)."""
 
@@ -85,7 +85,7 @@ class Serving:
 class OwnedPass:
     """An owner's pass: the keys it makes resident and what it serves per mini-batch."""
 
-    tables: list[TableSpec]
+    tables: list[RoutedTable]
     keys: dict[str, np.ndarray]  # per table: sorted distinct keys any rank needs from it
     start: dict[str, int]  # first position of each table in the joined owned keys
     serving: dict[int, list[Serving]]  # per dim: per mini-batch
@@ -99,7 +99,7 @@ def owner_of(keys: np.ndarray, world_size: int) -> np.ndarray:
         return (splitmix64(keys.astype(np.int64).view(np.uint64)) % np.uint64(world_size)).astype(np.int64)
 
 
-def _groups(tables: list[TableSpec]) -> dict[int, list[str]]:
+def _groups(tables: list[RoutedTable]) -> dict[int, list[str]]:
     """Fast tables by dim, each group in table order."""
     out: dict[int, list[str]] = {}
     for t in tables:
@@ -109,7 +109,7 @@ def _groups(tables: list[TableSpec]) -> dict[int, list[str]]:
 
 
 def pass_keys(
-    batches: list[dict[str, np.ndarray]], tables: list[TableSpec]
+    batches: list[dict[str, np.ndarray]], tables: list[RoutedTable]
 ) -> tuple[dict[str, np.ndarray], list[dict[str, np.ndarray]], dict[str, int], np.ndarray]:
     """The pass's sorted distinct keys per table, each id's position in them, each table's first
     position in the keys joined in ``tables`` order, and the joined keys."""
@@ -125,7 +125,7 @@ def pass_keys(
 
 def requests(
     batches: list[dict[str, np.ndarray]],
-    tables: list[TableSpec],
+    tables: list[RoutedTable],
     owner_of_keys: np.ndarray,
     world_size: int,
     device: torch.device,
@@ -197,7 +197,7 @@ def requests(
 
 
 def plan_serving(
-    tables: list[TableSpec],
+    tables: list[RoutedTable],
     n_batches: int,
     headers: list[np.ndarray],
     keys: list[np.ndarray],

@@ -24,7 +24,7 @@ from typing import Any, Protocol, Unpack
 import numpy as np
 import torch
 
-from hierps._store import Store
+from hierps._store import Store, store_parts
 from hierps.config import TableSettings, TableSpec
 from hierps.errors import ConfigError, HierpsError, NonFiniteGradientError
 from hierps.interface import Batches, run_pass
@@ -34,6 +34,7 @@ from hierps.rows._counters import COUNTERS
 from hierps.rows._table import TableInfo
 from hierps.sharding._commits import ShardCheckpoints, rank_dir
 from hierps.sharding._fastpath import Fetched, PassRouter
+from hierps.sharding._local import OwnerParts
 from hierps.sharding._routes import owner_of
 from hierps.storage._export_format import MANIFEST as EXPORT_MANIFEST
 from hierps.training._trainer import summed_grads
@@ -123,6 +124,7 @@ class ShardedStore:
         self.transport: Transport = transport if transport.world_size > 1 else _OneRank()
         self.rank, self.world_size = transport.rank, transport.world_size
         self.local = Store(rank_dir(self.root, self.rank), **store_kwargs)
+        self._parts: OwnerParts = store_parts(self.local)
         self.device = self.local.device
         self.checkpoints = ShardCheckpoints(self.root, self.local, transport, owner_of)
         try:
@@ -223,7 +225,7 @@ class ShardedStore:
             seen = self.transport.all_to_all_known(
                 mine.to(torch.float32)[route.order], route.send_counts, route.recv_counts
             ).to(self.device)
-        rows = self.local.serve_rows(table, asked, seen)
+        rows = self._parts.trainer.serve(table, asked, seen)
         self._sent(rows, route.recv_counts)
         self.rows_fetched += keys.numel()
         weights = self._return_rows(rows, route)
@@ -324,11 +326,11 @@ class ShardedStore:
     def begin_pass(self, batches: Any) -> None:
         """Owners load the union of every rank's pass keys (collective); with one dict per mini-batch,
         in order, those mini-batches take the fast path (see :mod:`hierps.sharding._fastpath`)."""
-        self._passes.begin_pass(self.local.parse_batches(batches))
+        self._passes.begin_pass(self._parts.passes.parse_batches(batches))
 
     def prefetch(self, batches: Any) -> None:
         """Announce the next pass (collective): routed in the background, read ahead by its owners."""
-        self._passes.prefetch(self.local.parse_batches(batches))
+        self._passes.prefetch(self._parts.passes.parse_batches(batches))
 
     def end_pass(self) -> None:
         self._passes.end_pass()
@@ -368,7 +370,7 @@ class ShardedStore:
             torch.from_numpy(counted)[route.order.cpu()], route.send_counts, route.recv_counts
         ).cpu()
         self._sent(got, route.send_counts)
-        self.local.observe_counts(table, asked.cpu().numpy(), got[:, 0].numpy(), got[:, 1].numpy())
+        self._parts.life.observe_counts(table, asked.cpu().numpy(), got[:, 0].numpy(), got[:, 1].numpy())
 
     def counters(self, table: str, keys: Any) -> dict[str, np.ndarray]:
         """The counters of int64 ``keys`` (n,) from their owners (collective; see :meth:`hierps.Store.counters`)."""

@@ -22,14 +22,10 @@ from pathlib import Path
 from typing import Any
 
 from hierps.errors import CorruptStoreError, StoreFormatError
-from hierps.storage._checkpoint import (
-    FORMAT_VERSION,
-    MARKER,
-    CheckpointCatalog,
-    check_marker,
-    require_format_version,
-)
+from hierps.storage._checkpoint import CheckpointCatalog
 from hierps.storage._files import read_json_checked, write_json_atomic
+from hierps.storage._format import FORMAT_VERSION, require_format_version
+from hierps.storage._marker import MARKER, check_marker
 
 __all__ = [
     "Snapshot",
@@ -135,10 +131,8 @@ def snapshots(root: str | Path) -> list[Snapshot]:
                 if catalog.exists(ckpt):
                     raise
                 continue
-            extra = manifest.get("extra") or {}
-            if int(extra.get("world_size", 1)) == 1:
-                tag = manifest.get("tag")
-                found[ckpt] = Snapshot(ckpt, 1, (ckpt,), tag, float(manifest.get("created", 0)))
+            if manifest.world_size == 1:
+                found[ckpt] = Snapshot(ckpt, 1, (ckpt,), manifest.tag, manifest.created)
     return [found[i] for i in sorted(found)]
 
 

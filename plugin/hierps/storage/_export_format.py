@@ -52,7 +52,7 @@ from typing import Any
 from hierps.config import UNADMITTED_VALUES, WEIGHTS_DTYPES, InitializerConfig
 from hierps.errors import ConfigError, CorruptStoreError, StoreFormatError
 from hierps.storage._arrays import TRAILER
-from hierps.storage._checkpoint import valid_table_name
+from hierps.storage._names import valid_table_name
 
 __all__ = [
     "ARRAYS",
@@ -65,7 +65,7 @@ __all__ = [
     "PAGE",
     "ExportManifest",
     "array_identity",
-    "TableEntry",
+    "ExportTableEntry",
     "chunk_rows_for",
     "key_align",
     "manifest_text",
@@ -128,7 +128,7 @@ def key_align(chunk_rows: int) -> int:
 
 
 @dataclass(frozen=True)
-class TableEntry:
+class ExportTableEntry:
     """One table of an export's manifest, checked."""
 
     name: str
@@ -165,7 +165,7 @@ class ExportManifest:
     checkpoint: int
     since: int | None
     seed: int
-    tables: dict[str, TableEntry]
+    tables: dict[str, ExportTableEntry]
 
 
 def manifest_text(body: dict[str, Any]) -> str:
@@ -262,7 +262,7 @@ def _parse(export: Path, path: Path, body: dict[str, Any]) -> ExportManifest:
     return ExportManifest(export, checkpoint, since, seed, tables)
 
 
-def _table(f: _Fields, name: str, meta: dict[str, Any], since: int | None, uid: str) -> TableEntry:
+def _table(f: _Fields, name: str, meta: dict[str, Any], since: int | None, uid: str) -> ExportTableEntry:
     field = f"tables.{name}"
     dim = f.int(meta, "dim", f"{field}.dim", 1, MAX_DIM)
     dtype = meta.get("dtype", "fp32")
@@ -285,6 +285,6 @@ def _table(f: _Fields, name: str, meta: dict[str, Any], since: int | None, uid: 
         raise f.bad(f"{field}.checks", f"a check of each of {sorted(ARRAYS)}", sorted(checks))
     for array in ARRAYS:
         f.int(checks, array, f"{field}.checks.{array}", 0, _MAX_U32)
-    return TableEntry(
+    return ExportTableEntry(
         name, dim, dtype, weights_dtype, rows, deleted, total, initializer, meta["unknown"], dict(checks), uid
     )

@@ -29,7 +29,7 @@ from hierps.storage._export_format import (
     DELETED_CHUNK_ROWS,
     EXPORT_DTYPES,
     PAGE,
-    TableEntry,
+    ExportTableEntry,
     array_identity,
     chunk_rows_for,
     key_align,
@@ -166,7 +166,7 @@ class ExportTable:
     """One table of one export, open for lookups: arrays located, fences and filter in RAM."""
 
     path: Path  # the export directory
-    entry: TableEntry
+    entry: ExportTableEntry
     keys: Array
     values: Array
     deleted: Array
@@ -185,7 +185,7 @@ class ExportTable:
         return self.fences.nbytes + self.deleted_fences.nbytes + self.filter.nbytes
 
     @classmethod
-    def open(cls, path: Path, entry: TableEntry, files: OpenFiles) -> ExportTable:
+    def open(cls, path: Path, entry: ExportTableEntry, files: OpenFiles) -> ExportTable:
         """Open table ``entry`` of the export at ``path``: check each array's layout and shape against the
         manifest, read the fences and filter and check them (content checksum, fences strictly
         increasing, one per chunk). O(chunks); reads no row."""

@@ -23,10 +23,18 @@ import numpy as np
 from hierps._faults import fault_point
 from hierps.rows._ids import find_sorted
 
-__all__ = ["MemoryTier", "RowSink"]
+__all__ = ["MemoryTier", "RowSink", "ram_row_bytes"]
 
 # Bytes of bookkeeping per cached row besides its floats: key (8) + slot (8) + score (8) + dirty (1).
 _ROW_OVERHEAD = 25
+
+
+def ram_row_bytes(words: int) -> int:
+    """Bytes the RAM tier charges a row of ``words`` 4-byte words against its budget: the row and
+    its bookkeeping (key, slot, dirty bit, recency or frequency)."""
+    return 4 * words + _ROW_OVERHEAD
+
+
 # Evict down to this fraction of the budget, so eviction runs in batches, not per row.
 _EVICT_TO = 0.875
 
@@ -119,11 +127,11 @@ class MemoryTier:
             self._slabs[table] = _Slab(width)
 
     def row_bytes(self, table: str) -> int:
-        return self._slabs[table].width * 4 + _ROW_OVERHEAD
+        return ram_row_bytes(self._slabs[table].width)
 
     @property
     def bytes_used(self) -> int:
-        return sum(len(s) * (s.width * 4 + _ROW_OVERHEAD) for s in self._slabs.values())
+        return sum(len(s) * ram_row_bytes(s.width) for s in self._slabs.values())
 
     def num_rows(self, table: str) -> int:
         return len(self._slabs[table])

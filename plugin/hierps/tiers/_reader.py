@@ -25,7 +25,9 @@ from hierps.errors import CheckpointRetiredError, ConfigError, CorruptStoreError
 from hierps.rows._counters import NUM_COUNTERS
 from hierps.rows._pending import PENDING_ARRAYS
 from hierps.rows._table import TableInfo
-from hierps.storage._checkpoint import FORMAT_VERSION, MARKER, CheckpointCatalog, check_marker
+from hierps.storage._checkpoint import CheckpointCatalog
+from hierps.storage._manifest import Manifest, TableEntry
+from hierps.storage._marker import MARKER, check_marker
 from hierps.tiers._ssd import SsdTier
 
 __all__ = ["CheckpointReader"]
@@ -67,18 +69,13 @@ class CheckpointReader:
 
     def _load(self, ckpt: int) -> None:
         self.checkpoint_id = ckpt
-        self.manifest: dict[str, Any] = self.catalog.manifest(ckpt)
-        if self.manifest.get("format_version") != FORMAT_VERSION:
-            raise StoreFormatError(
-                f"{self.path}: checkpoint {ckpt} has format version {self.manifest.get('format_version')!r}; this "
-                f"hierps reads {FORMAT_VERSION}. Read it with a matching hierps release."
-            )
+        self.meta: Manifest = self.catalog.manifest(ckpt)  # checked, its format version included
         self.close()
         self._ssd = SsdTier(self.path / "segments", store_id=self.marker.uid)
         self.infos: dict[str, TableInfo] = {}
-        for name, meta in self.manifest["tables"].items():
+        for name, entry in self.meta.tables.items():
             try:
-                info = self.infos[name] = TableInfo.from_json(name, meta, int(self.manifest["seed"]))
+                info = self.infos[name] = entry.table_info(name, self.meta.seed)
             except StoreFormatError as exc:
                 raise StoreFormatError(f"{self.path}: checkpoint {ckpt}: {exc}") from None
             self._ssd.load_segments(name, info.words, self.catalog.segments(ckpt, name))
@@ -110,10 +107,20 @@ class CheckpointReader:
             )
 
     @property
+    def manifest(self) -> dict[str, Any]:
+        """The checkpoint's manifest as its JSON file holds it (typed: :attr:`meta`)."""
+        return self.meta.to_json()
+
+    @property
     def tables(self) -> dict[str, dict[str, Any]]:
         """``{name: {"dim", "width", "weights_dtype", "state_dtype", "layout", "optimizer", "initializer",
-        "step", "rows", "segments", ...}}``: the manifest's table entries."""
-        return self.manifest["tables"]
+        "step", "rows", "segments", ...}}``: the manifest's table entries as JSON (typed: :meth:`entry`)."""
+        return {name: entry.to_json() for name, entry in self.meta.tables.items()}
+
+    def entry(self, table: str) -> TableEntry:
+        """The manifest's entry of ``table``: rows, keys pending, segments (its settings, typed:
+        ``infos[table]``)."""
+        return self.meta.tables[self._check(table)]
 
     def keys(self, table: str) -> np.ndarray:
         """(n,) int64 sorted keys stored for ``table``: all of them in RAM (see :meth:`iter_rows`)."""
@@ -122,11 +129,11 @@ class CheckpointReader:
 
     def num_rows(self, table: str) -> int:
         """Rows stored for ``table``."""
-        return int(self.tables[self._check(table)]["rows"])
+        return self.entry(table).rows
 
     def scan_counters(self, table: str) -> Iterator[tuple[np.ndarray, np.ndarray]]:
         """Yield ``(keys (b,) int64, counters (b, NUM_COUNTERS) float32)`` over every stored row."""
-        width = int(self.tables[self._check(table)]["width"])
+        width = self.infos[self._check(table)].width
         for keys, rows in self.iter_rows(table):
             yield keys, rows[:, width - NUM_COUNTERS :]
 
@@ -136,9 +143,8 @@ class CheckpointReader:
 
     def pending(self, table: str) -> dict[str, np.ndarray]:
         """The keys of ``table`` pending admission with their counts: the arrays of
-        :data:`~hierps.lifecycle._admission.PENDING_ARRAYS`, (p,) each."""
-        rows = int(self.tables[self._check(table)]["pending"])
-        return self.catalog.read_extra(self.checkpoint_id, table, PENDING_ARRAYS, rows)
+        :data:`~hierps.rows._pending.PENDING_ARRAYS`, (p,) each."""
+        return self.catalog.read_arrays(self.checkpoint_id, table, PENDING_ARRAYS, self.entry(table).pending)
 
     def read(self, table: str, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """keys (n,) int64 sorted unique -> (found (n,) bool, decoded rows (found.sum(), width) float32).
@@ -170,9 +176,9 @@ class CheckpointReader:
             yield part[0], self.infos[table].layout.decode_np(part[1])
 
     def _check(self, table: str) -> str:
-        if table not in self.manifest["tables"]:
+        if table not in self.meta.tables:
             raise ConfigError(
                 f"{self.path}: checkpoint {self.checkpoint_id} has no table {table!r}; "
-                f"it has {sorted(self.manifest['tables'])}."
+                f"it has {sorted(self.meta.tables)}."
             )
         return table

@@ -25,8 +25,9 @@ from __future__ import annotations
 
 import errno
 import shutil
+import time
 import weakref
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,6 +41,7 @@ from hierps.errors import StoreFullError
 from hierps.rows import _ids
 from hierps.storage._arrays import encoded_bytes
 from hierps.storage._files import OpenFiles, disk_full_as_error, fsync_dir, fsync_tree
+from hierps.storage._manifest import SegmentRef
 from hierps.storage._merge import merged
 from hierps.storage._reads import read_arrays
 from hierps.storage._segment import KEY_COLUMNS, Segment, SegmentWriter, segment_name, split_block
@@ -92,6 +94,8 @@ class SsdTier:
         self.bytes_written = 0
         self.rows_read = 0
         self.rows_written = 0
+        self.read_seconds = 0.0  # wall time in read_many (any thread)
+        self.write_seconds = 0.0  # wall time in write, the compaction it triggers included
 
     # -- tables -------------------------------------------------------------------------------
     def add_table(self, table: str, width: int) -> None:
@@ -137,11 +141,15 @@ class SsdTier:
         """``{table: keys (n,) int64 sorted unique}`` -> ``{table: (found (n,) bool, rows
         (found.sum(), width) float32)}``: the newest row of each stored key, every table's reads
         dispatched together."""
+        t0 = time.perf_counter()
         out = {}
-        for table, (found, _, rows) in self._locate(requests, with_rows=True).items():
-            out[table] = (found, rows[found])
-            self.rows_read += int(found.sum())
-            self.bytes_read += int(found.sum()) * 4 * self.widths[table]
+        try:
+            for table, (found, _, rows) in self._locate(requests, with_rows=True).items():
+                out[table] = (found, rows[found])
+                self.rows_read += int(found.sum())
+                self.bytes_read += int(found.sum()) * 4 * self.widths[table]
+        finally:
+            self.read_seconds += time.perf_counter() - t0
         return out
 
     def contains(self, table: str, keys: np.ndarray) -> np.ndarray:
@@ -226,6 +234,13 @@ class SsdTier:
         """
         if len(keys) == 0:
             return
+        t0 = time.perf_counter()
+        try:
+            self._write(table, keys, rows, at)
+        finally:
+            self.write_seconds += time.perf_counter() - t0
+
+    def _write(self, table: str, keys: np.ndarray, rows: np.ndarray, at: np.ndarray | None) -> None:
         order = None if _ids.strictly_increasing(keys) else np.argsort(keys, kind="stable")
         if order is not None:
             keys = keys[order]
@@ -470,17 +485,13 @@ class SsdTier:
             raise self._sync_error from exc
         self._unsynced.clear()
 
-    def describe(self, table: str) -> dict[str, dict[str, int]]:
-        """What a checkpoint records of ``table``'s live set: ``{"segments": {id: rows}, "live": {id:
-        live rows}, "check": {id: fences_check}}``."""
-        segs = self._segs[table]
+    def live_set(self, table: str) -> dict[int, SegmentRef]:
+        """What a checkpoint records of ``table``'s live set: ``{id: (rows, live rows, fences_check)}``."""
         return {
-            "segments": {str(s): seg.n for s, seg in segs.items()},
-            "live": {str(s): self._live[(table, s)] for s in segs},
-            "check": {str(s): seg.check for s, seg in segs.items()},
+            s: SegmentRef(seg.n, self._live[(table, s)], seg.check) for s, seg in self._segs[table].items()
         }
 
-    def load_segments(self, table: str, width: int, segments: dict[int, tuple[int, int, int]]) -> None:
+    def load_segments(self, table: str, width: int, segments: Mapping[int, SegmentRef]) -> None:
         """Replace the live set of ``table`` by ``{id: (rows, live rows, check)}`` (from a checkpoint)."""
         self.add_table(table, width)
         for seg in list(self._segs[table]):

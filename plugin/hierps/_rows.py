@@ -1,0 +1,139 @@
+"""Reading and writing rows of a store by key, wherever they live: the part behind
+:meth:`hierps.Store.lookup`, :meth:`~hierps.Store.read_rows`, :meth:`~hierps.Store.write` and
+:meth:`~hierps.Store.write_rows`.
+
+Reads look in the device tier, then RAM, SSD and the initializer, and change no tier. Writes wait
+for the pipeline, then update rows resident in the device tier in place (marked dirty) and put the
+rest into the RAM tier as dirty rows, which a checkpoint makes durable.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+from hierps._core import StoreCore
+from hierps.errors import ConfigError
+from hierps.rows import _ids
+from hierps.rows._table import TableInfo
+from hierps.training._pipeline import PassPipeline
+from hierps.training._trainer import SparseTrainer
+
+__all__ = ["RowAccess", "real_array"]
+
+_PUT_ROWS = 1 << 16  # rows handed to the RAM tier per call
+_ENCODE_ROWS = (
+    1 << 18
+)  # rows gathered (sorted) and encoded per step: the caller's array is never copied whole
+
+
+class RowAccess:
+    """Rows of a store's tables by key: lookups, whole-row reads, writes, and forgetting a table."""
+
+    def __init__(self, core: StoreCore, pipe: PassPipeline, trainer: SparseTrainer) -> None:
+        self.core = core
+        self.pipe = pipe
+        self.trainer = trainer
+
+    def lookup(self, table: str, ids: Any) -> torch.Tensor:
+        """ids: (...) integer tensor, array or list -> (..., dim) float32 weights on the store's device."""
+        info = self.core.info(table)
+        flat = _ids.as_int64_array(ids, what=f"ids for table {table!r}")
+        shape = tuple(ids.shape) if hasattr(ids, "shape") else (len(flat),)
+        keys, inverse, rows = self.core.unique_rows(table, flat)
+        weights = np.ascontiguousarray(rows[:, : info.dim])
+        if info.admission.unknown_rows == "zeros" and len(keys):
+            weights[~self.core.has_row(table, keys)] = 0.0
+        return torch.from_numpy(weights[inverse]).reshape(*shape, info.dim).to(self.core.device)
+
+    def read_rows(self, table: str, keys: np.ndarray) -> np.ndarray:
+        """keys (n,) int64 -> (n, dim + state) float32: weights and optimizer state, decoded."""
+        return self.core.whole_rows(table, keys)[:, : self.core.info(table).state_end]
+
+    def write(self, table: str, keys: Any, weights: Any) -> None:
+        """Set the weights of unique ``keys`` (n,) to ``weights`` (n, dim); optimizer state starts afresh."""
+        core = self.core
+        info, keys, w = self._checked("write", table, keys, weights, "weights", "dim")
+        if len(np.unique(keys)) != len(keys):
+            raise ConfigError(f"write to {table!r}: keys must be unique.")
+        self.pipe.drain()
+        order = np.argsort(keys, kind="stable")
+        keys = keys[order]
+        rows = info.fresh_rows(keys, core.passes, w[order].astype(np.float32))
+        core.pending_keys[table].remove(keys)
+        found, slots = core.device_tier.resolve(table, torch.from_numpy(keys).to(core.device))
+        if found.any():
+            f_np = found.cpu().numpy()
+            core.device_tier.rows(table)[slots[found]] = torch.from_numpy(rows[f_np]).to(core.device)
+            core.device_tier.mark_dirty(table, slots[found])
+            keys, rows = keys[~f_np], rows[~f_np]
+        for start in range(0, len(keys), _PUT_ROWS):
+            part = slice(start, start + _PUT_ROWS)
+            core.memory.put(table, keys[part], rows[part], dirty=True)
+
+    def write_rows(self, table: str, keys: Any, rows: Any) -> None:
+        """Set whole decoded rows (n, width) of unique ``keys`` (n,), stored in the table's precisions."""
+        core = self.core
+        info, keys, rows = self._checked("write_rows", table, keys, rows, "rows", "width")
+        self.pipe.drain()
+        core.device_tier.discard(table)
+        order = None if _ids.strictly_increasing(keys) else np.argsort(keys, kind="stable")
+        for start in range(0, len(keys), _ENCODE_ROWS):
+            part = (
+                slice(start, start + _ENCODE_ROWS) if order is None else order[start : start + _ENCODE_ROWS]
+            )
+            encoded = info.layout.encode_np(np.ascontiguousarray(rows[part], dtype=np.float32))
+            core.memory.put(table, keys[part], encoded, dirty=True)
+
+    def _checked(
+        self, what: str, table: str, keys: Any, data: Any, name: str, columns: str
+    ) -> tuple[TableInfo, np.ndarray, np.ndarray]:
+        """The checks of a write: an open store, a known table, int64 keys (n,) and real ``data``
+        of shape (n, the table's ``columns``: "dim" or "width"); ``ConfigError`` saying what was
+        found otherwise."""
+        self.core.check_open()
+        info = self.core.info(table)
+        keys = _ids.as_int64_array(keys, what="keys")
+        arr = real_array(data, f"{what} to {table!r}: {name}")
+        expected = (len(keys), int(getattr(info, columns)))
+        if arr.shape != expected:
+            raise ConfigError(
+                f"{what} to {table!r}: {name} of shape {arr.shape} for {len(keys)} keys of {columns} "
+                f"{expected[1]}; expected {expected}."
+            )
+        return info, keys, arr
+
+    def reset(self, table: str) -> None:
+        """Forget every row of ``table`` in every tier (checkpoints keep theirs) and its step count."""
+        core = self.core
+        core.check_open()
+        info = core.info(table)
+        self.pipe.drain()
+        self.trainer.drop(table)
+        core.device_tier.discard(table)
+        core.memory.discard(table)
+        core.ssd.reset(table)
+        info.step = 0
+
+
+def real_array(data: Any, what: str) -> np.ndarray:
+    """A tensor, array or nested list of real numbers -> a numpy array; ``ConfigError`` otherwise."""
+    if isinstance(data, torch.Tensor):
+        data = data.detach().cpu()
+        if data.is_sparse:
+            data = data.to_dense()
+        if data.dtype == torch.bfloat16:
+            data = data.float()
+    try:
+        arr = np.asarray(data.numpy() if isinstance(data, torch.Tensor) else data)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(
+            f"{what}: expected an array of real numbers. Got {type(data).__name__} ({exc})."
+        ) from exc
+    if arr.dtype.kind not in "iuf":
+        raise ConfigError(
+            f"{what}: expected an array of real numbers (float32). Got dtype {arr.dtype}; convert it first."
+        )
+    return arr
