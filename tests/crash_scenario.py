@@ -248,6 +248,7 @@ def run_forked(
     target: Callable[[str, str, str, bool], None],
     store: Path,
     out: Path,
+    *,
     fault: str = "",
     record: bool = False,
     timeout: float = 120.0,

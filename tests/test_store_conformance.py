@@ -216,16 +216,27 @@ class StoreInterfaceTests:
         assert store.num_rows("t") == {"device": 0, "memory": 0, "ssd": 0}
 
     # -- training ---------------------------------------------------------------------------------
-    @pytest.mark.parametrize("opt", ["sgd", "adagrad", "adam"])
-    def test_gather_backward_step_equals_a_torch_optimizer_step(self, tmp_path, opt):
-        torch_opt, params = TORCH_OPTIMIZERS[opt]
+    def _written(self, tmp_path, optimizer):
+        """A store with table "t" trained by ``optimizer`` and the rows of KEYS written:
+        (store, keys, their weights)."""
         store = self.open(tmp_path / "s")
-        store.table("t", DIM, optimizer={"type": opt, "params": params})
+        store.table("t", DIM, optimizer=optimizer)
         keys = _keys(store, KEYS)
         w = _weights(len(keys))
         store.write("t", keys, w)
+        return store, keys, w
+
+    def _with_reference(self, tmp_path, opt):
+        """A store with table "t" of KEYS written (optimizer ``opt``) and the plain-PyTorch table
+        and optimizer holding the same rows: (store, keys, weights, reference, its optimizer)."""
+        torch_opt, params = TORCH_OPTIMIZERS[opt]
+        store, keys, w = self._written(tmp_path, {"type": opt, "params": params})
         ref = nn.Embedding(len(keys), DIM, sparse=True, _weight=w.clone())
-        ref_opt = torch_opt(ref.parameters(), **params)
+        return store, keys, w, ref, torch_opt(ref.parameters(), **params)
+
+    @pytest.mark.parametrize("opt", ["sgd", "adagrad", "adam"])
+    def test_gather_backward_step_equals_a_torch_optimizer_step(self, tmp_path, opt):
+        store, keys, w, ref, ref_opt = self._with_reference(tmp_path, opt)
         coef = _weights(len(keys), seed=3)
         # Two steps (optimizer state carries over), the second on some rows only.
         for positions in (torch.arange(len(keys)), torch.tensor([1, 2, 5])):
@@ -241,14 +252,7 @@ class StoreInterfaceTests:
         assert not torch.equal(store.lookup("t", keys), w)
 
     def test_two_gathers_before_one_step_sum_their_gradients(self, tmp_path):
-        torch_opt, params = TORCH_OPTIMIZERS["adagrad"]
-        store = self.open(tmp_path / "s")
-        store.table("t", DIM, optimizer={"type": "adagrad", "params": params})
-        keys = _keys(store, KEYS)
-        w = _weights(len(keys))
-        store.write("t", keys, w)
-        ref = nn.Embedding(len(keys), DIM, sparse=True, _weight=w.clone())
-        ref_opt = torch_opt(ref.parameters(), **params)
+        store, keys, w, ref, ref_opt = self._with_reference(tmp_path, "adagrad")
         coef = _weights(len(keys), seed=4)
         first, second = torch.tensor([0, 1, 2, 3, 4]), torch.tensor([3, 4, 5, 6])  # 3, 4 in both
         for positions in (first, second):
@@ -271,11 +275,7 @@ class StoreInterfaceTests:
         assert torch.equal(store.lookup("t", keys), w)
 
     def test_zero_grad_drops_the_gathered_rows(self, tmp_path):
-        store = self.open(tmp_path / "s")
-        store.table("t", DIM, optimizer={"type": "sgd", "params": {"lr": 0.5}})
-        keys = _keys(store, KEYS)
-        w = _weights(len(keys))
-        store.write("t", keys, w)
+        store, keys, w = self._written(tmp_path, {"type": "sgd", "params": {"lr": 0.5}})
         _loss(store.gather("t", keys, requires_grad=True), torch.ones(len(keys), DIM)).backward()
         store.zero_grad()
         store.step()
@@ -286,16 +286,25 @@ class StoreInterfaceTests:
         torch.testing.assert_close(store.lookup("t", keys), w - 0.5 * (1 + w), **TOL)
 
     # -- passes -----------------------------------------------------------------------------------
-    def test_training_in_passes_equals_training_without(self, tmp_path):
+    def _twins(self, tmp_path, seed):
+        """Batches, a plain-PyTorch reference trained on them (and its losses), and two stores of
+        2 KiB of RAM each with a twin model and its dense optimizer, to train the same batches."""
         vocab, dim = 300, 8
-        batches = zipf_batches(12, batch=8, bag=4, vocab=vocab, seed=2, bags=False)
-        with_passes = self.open(tmp_path / "p", memory_budget="2KiB")
-        without = self.open(tmp_path / "n", memory_budget="2KiB")
-        ref, twin_p = twin_models("plain", vocab, dim, with_passes, "adagrad")
-        _, twin_n = twin_models("plain", vocab, dim, without, "adagrad")
-        sparse_ref, dense_ref, dense_p = make_optimizers(ref, twin_p, "adagrad")
-        dense_n = torch.optim.Adam(twin_n.head.parameters(), lr=0.01)
+        batches = zipf_batches(12, batch=8, bag=4, vocab=vocab, seed=seed, bags=False)
+        a, b = (
+            self.open(tmp_path / "a", memory_budget="2KiB"),
+            self.open(tmp_path / "b", memory_budget="2KiB"),
+        )
+        ref, twin_a = twin_models("plain", vocab, dim, a, "adagrad")
+        _, twin_b = twin_models("plain", vocab, dim, b, "adagrad")
+        sparse_ref, dense_ref, dense_a = make_optimizers(ref, twin_a, "adagrad")
+        dense_b = torch.optim.Adam(twin_b.head.parameters(), lr=0.01)
         ref_losses = train(ref, sparse_ref, dense_ref, batches)
+        return batches, ref, ref_losses, (a, twin_a, dense_a), (b, twin_b, dense_b)
+
+    def test_training_in_passes_equals_training_without(self, tmp_path):
+        batches, ref, ref_losses, passes, plain = self._twins(tmp_path, seed=2)
+        (with_passes, twin_p, dense_p), (without, twin_n, dense_n) = passes, plain
         losses_n = train(twin_n, None, dense_n, batches, store=without)
         losses_p = []
         for start in range(0, len(batches), 4):
@@ -304,7 +313,7 @@ class StoreInterfaceTests:
                 losses_p += train(twin_p, None, dense_p, group, store=with_passes)
         assert losses_p == pytest.approx(losses_n, rel=1e-6, abs=1e-7)
         assert losses_p == pytest.approx(ref_losses, rel=1e-5, abs=1e-6)
-        ids = torch.arange(vocab)
+        ids = torch.arange(300)
         torch.testing.assert_close(with_passes.lookup("t", ids), without.lookup("t", ids), **TOL)
         torch.testing.assert_close(with_passes.lookup("t", ids), ref.emb.weight.detach(), **TOL)
 
@@ -331,15 +340,7 @@ class StoreInterfaceTests:
         assert torch.equal(store.lookup("t", keys), w)
 
     def test_training_with_prefetch_equals_training_without(self, tmp_path):
-        vocab, dim = 300, 8
-        batches = zipf_batches(12, batch=8, bag=4, vocab=vocab, seed=4, bags=False)
-        ahead = self.open(tmp_path / "a", memory_budget="2KiB")
-        plain = self.open(tmp_path / "p", memory_budget="2KiB")
-        ref, twin_a = twin_models("plain", vocab, dim, ahead, "adagrad")
-        _, twin_p = twin_models("plain", vocab, dim, plain, "adagrad")
-        sparse_ref, dense_ref, dense_a = make_optimizers(ref, twin_a, "adagrad")
-        dense_p = torch.optim.Adam(twin_p.head.parameters(), lr=0.01)
-        train(ref, sparse_ref, dense_ref, batches)
+        batches, ref, _, (ahead, twin_a, dense_a), (plain, twin_p, dense_p) = self._twins(tmp_path, seed=4)
         passes = [batches[i : i + 4] for i in range(0, len(batches), 4)]
         for i, group in enumerate(passes):
             with ahead.run_pass([{"t": b.ids} for b in group]):
@@ -348,7 +349,7 @@ class StoreInterfaceTests:
                 train(twin_a, None, dense_a, group, store=ahead)
             with plain.run_pass([{"t": b.ids} for b in group]):
                 train(twin_p, None, dense_p, group, store=plain)
-        ids = torch.arange(vocab)
+        ids = torch.arange(300)
         torch.testing.assert_close(ahead.lookup("t", ids), plain.lookup("t", ids), **TOL)
         torch.testing.assert_close(ahead.lookup("t", ids), ref.emb.weight.detach(), **TOL)
 
@@ -383,11 +384,7 @@ class StoreInterfaceTests:
         torch.testing.assert_close(store.lookup("t", keys), twin.lookup("t", keys), rtol=0, atol=0)
 
     def test_restore_returns_to_a_checkpoint(self, tmp_path):
-        store = self.open(tmp_path / "s")
-        store.table("t", DIM, optimizer={"type": "sgd", "params": {"lr": 0.5}})
-        keys = _keys(store, KEYS)
-        w = _weights(len(keys))
-        store.write("t", keys, w)
+        store, keys, w = self._written(tmp_path, {"type": "sgd", "params": {"lr": 0.5}})
         first = store.checkpoint("first")
         _loss(store.gather("t", keys, requires_grad=True), torch.ones(len(keys), DIM)).backward()
         store.step()

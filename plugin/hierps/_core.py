@@ -111,14 +111,6 @@ class StoreCore:
         # opening the store with defaults retires no more than the trainer did.
         self.keep_checkpoints = settings.keep_checkpoints or DEFAULT_KEEP_CHECKPOINTS
 
-    @property
-    def max_segments(self) -> int:
-        return self.settings.max_segments
-
-    @property
-    def pipeline(self) -> bool:
-        return self.settings.pipeline
-
     # -- the directory ------------------------------------------------------------------------
     def _open_dir(self) -> None:
         try:

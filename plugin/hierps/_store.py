@@ -163,7 +163,7 @@ class Store:
     @property
     def pipeline(self) -> bool:
         """Whether the next pass is read ahead and the last written back in the background."""
-        return self._core.pipeline
+        return self._core.settings.pipeline
 
     @property
     def keep_checkpoints(self) -> int:
@@ -173,7 +173,7 @@ class Store:
     @property
     def max_segments(self) -> int:
         """SSD segments per table before compaction merges them."""
-        return self._core.max_segments
+        return self._core.settings.max_segments
 
     @property
     def tables(self) -> dict[str, TableInfo]:

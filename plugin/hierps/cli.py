@@ -16,17 +16,9 @@ __all__ = ["main"]
 def _demo(args: argparse.Namespace) -> int:
     from hierps.demo.app import DemoConfig, run_demo
 
+    given = ("examples", "data", "max_rows", "batch_size", "pass_batches", "memory_budget", "device_budget")
     cfg = DemoConfig(
-        examples=args.examples,
-        data=args.data,
-        max_rows=args.max_rows,
-        batch_size=args.batch_size,
-        pass_batches=args.pass_batches,
-        memory_budget=args.memory_budget,
-        device_budget=args.device_budget,
-        store=args.store,
-        seed=args.seed,
-        progress=not args.no_progress,
+        **{name: getattr(args, name) for name in (*given, "store", "seed")}, progress=not args.no_progress
     )
     result = run_demo(cfg)
     if args.json:

@@ -126,6 +126,7 @@ class _StoreEmbedding(nn.Module):
 
     @property
     def store(self) -> StoreInterface:
+        """The store holding this module's table (a :class:`hierps.Store` or :class:`hierps.ShardedStore`)."""
         return self._store
 
     def lookup(self, ids: torch.Tensor) -> torch.Tensor:
@@ -186,14 +187,14 @@ class Embedding(_StoreEmbedding):
         spec: TableSpec | None = None,
         **settings: Unpack[TableSettings],
     ) -> None:
+        if _freeze:  # before the table is created in the store
+            raise ConfigError(
+                "frozen embeddings (_freeze=True) belong in a plain nn.Embedding, not the store."
+            )
         spec = TableSpec.of(spec, **settings)
         super().__init__(
             num_embeddings, embedding_dim, padding_idx, max_norm, scale_grad_by_freq, store, name, spec
         )
-        if _freeze:
-            raise ConfigError(
-                "frozen embeddings (_freeze=True) belong in a plain nn.Embedding, not the store."
-            )
         if _weight is not None:
             self._load_rows(_weight, overwrite=None)
 

@@ -164,16 +164,25 @@ def _dense_model(work: Workload, cfg: dict[str, Any]) -> ClickModel:
 
 
 def _torch_dense(work: Workload, cfg: dict[str, Any], tmp: Path, params: dict[str, Any]) -> dict[str, Any]:
-    model = _dense_model(work, cfg)
-    opt = torch.optim.Adam(model.parameters(), lr=cfg["lr_dense"])
+    return _measure_dense(_adam_step(_dense_model(work, cfg), cfg["lr_dense"]), _folded_batches(work), cfg)
+
+
+def _adam_step(
+    model: nn.Module, lr: float, then: Sequence[_MmapBag | _NoLookup] = ()
+) -> Callable[[Batch], None]:
+    """One training step of ``model`` on a batch: the loss's backward, a dense Adam step, then a
+    step of each of ``then`` (tables that apply their own gradients)."""
+    opt = torch.optim.Adam(model.parameters(), lr=lr)
 
     def step(b: Batch) -> None:
         dense, sparse, labels = b
         _LOSS(model(dense, sparse), labels).backward()
         opt.step()
         opt.zero_grad()
+        for table in then:
+            table.step()
 
-    return _measure_dense(step, _folded_batches(work), cfg)
+    return step
 
 
 def _deepspeed_dense(
@@ -273,18 +282,7 @@ def _measure_with_tables(
     work: Workload, cfg: dict[str, Any], tables: Sequence[_MmapBag | _NoLookup], batches: list[Batch]
 ) -> dict[str, Any]:
     """An epoch of the model with ``tables`` (each stepped after the dense Adam step) over ``batches``."""
-    model = _with_tables(work, cfg, tables)
-    dense_opt = torch.optim.Adam(model.parameters(), lr=cfg["lr_dense"])
-
-    def step(b: Batch) -> None:
-        dense, sparse, labels = b
-        _LOSS(model(dense, sparse), labels).backward()
-        dense_opt.step()
-        dense_opt.zero_grad()
-        for table in tables:
-            table.step()
-
-    return _measure_epoch(step, batches)
+    return _measure_epoch(_adam_step(_with_tables(work, cfg, tables), cfg["lr_dense"], tables), batches)
 
 
 def _mmap(work: Workload, cfg: dict[str, Any], tmp: Path, params: dict[str, Any]) -> dict[str, Any]:

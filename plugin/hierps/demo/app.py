@@ -75,17 +75,12 @@ def build_model(
     model = make_model(kind, [1] * n_sparse, cfg.embedding_dim, n_dense=n_dense)
     init = {"type": "uniform", "params": {"low": -0.01, "high": 0.01}}
     opt = optimizer if optimizer is not None else {"type": "adagrad", "params": {"lr": cfg.lr_sparse}}
+    spec = hierps.TableSpec.of(
+        optimizer=opt, initializer=init, weights_dtype=weights_dtype, state_dtype=state_dtype
+    )
     for i, name in enumerate(table_names(n_sparse)):
         model.tables[i] = hierps.EmbeddingBag(
-            None,
-            cfg.embedding_dim,
-            mode="sum",
-            store=store,
-            name=name,
-            optimizer=opt,
-            initializer=init,
-            weights_dtype=weights_dtype,
-            state_dtype=state_dtype,
+            None, cfg.embedding_dim, mode="sum", store=store, name=name, spec=spec
         )
     return model.to(store.device)
 

@@ -152,14 +152,17 @@ class ShardedStore:
     # -- what modules need from a store --------------------------------------------------------
     @property
     def tables(self) -> dict[str, TableInfo]:
+        """The tables by name (the same on every rank): dim, optimizer, precisions, life-cycle settings."""
         return self.local.tables
 
     @property
     def path(self) -> Path:
+        """The root directory: each rank's store is its ``rank-NNNNN`` below it."""
         return self.root
 
     @property
     def keep_checkpoints(self) -> int:
+        """How many checkpoints (of all ranks together) stay restorable."""
         return self.local.keep_checkpoints
 
     def table(
@@ -320,6 +323,7 @@ class ShardedStore:
         return owned, owned_grads
 
     def zero_grad(self) -> None:
+        """Forget what was gathered since the last step (on this rank)."""
         self._pending = []
 
     # -- passes --------------------------------------------------------------------------------
@@ -333,6 +337,7 @@ class ShardedStore:
         self._passes.prefetch(self._parts.passes.parse_batches(batches))
 
     def end_pass(self) -> None:
+        """Close the pass on every rank: each owner writes its rows back (collective)."""
         self._passes.end_pass()
         self.local.end_pass()
 
@@ -476,10 +481,12 @@ class ShardedStore:
         return self.checkpoints.list_checkpoints()
 
     def close(self) -> None:
+        """Release this rank's store and the routing; rows not covered by a checkpoint are not durable."""
         try:
             self._passes.close()
         finally:
             self.local.close()
 
     def num_rows(self, table: str) -> dict[str, int]:
+        """Rows of ``table`` per tier in this rank's store: ``{"device", "memory", "ssd"}``."""
         return self.local.num_rows(table)

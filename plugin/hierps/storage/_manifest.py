@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -155,18 +155,11 @@ class Manifest:
         return int(self.extra.get("world_size", 1))
 
     def to_json(self) -> dict[str, Any]:
-        return {
-            "id": self.id,
-            "tag": self.tag,
-            "created": self.created,
-            "format_version": self.format_version,
-            "seed": self.seed,
-            "passes": self.passes,
-            "next_segment": self.next_segment,
-            "keep_checkpoints": self.keep_checkpoints,
-            "extra": dict(self.extra),
-            "tables": {name: entry.to_json() for name, entry in self.tables.items()},
-        }
+        """The manifest file's object: each field under its own name (the file's keys)."""
+        body = {f.name: getattr(self, f.name) for f in fields(self)}
+        body["extra"] = dict(self.extra)
+        body["tables"] = {name: entry.to_json() for name, entry in self.tables.items()}
+        return body
 
     @classmethod
     def from_json(cls, path: Path, ckpt: int, body: Any) -> Manifest:

@@ -93,6 +93,8 @@ class CheckpointReader:
 
     @property
     def ssd(self) -> SsdTier:
+        """The SSD tier over the checkpoint's segments, read-only (its ``read_many`` reads rows as
+        the store's does, without decoding them)."""
         if self._ssd is None:
             raise ConfigError(f"{self.path}: the reader holds no checkpoint.")
         return self._ssd

@@ -99,7 +99,7 @@ class PassRunner:
         groups = [self._admitted_only(g) for g in groups]
         fetch = partial(self._core.fetch_many, touch=True)
         tier = self._core.device_tier
-        if self._core.pipeline and len(groups) == 1:
+        if self._core.settings.pipeline and len(groups) == 1:
             # The last write-back had a whole pass to finish; waiting for it bounds the queue to one
             # and reports its failure (e.g. a full disk) at this pass, not some later one.
             self._pipe.wait_writebacks()
@@ -155,7 +155,7 @@ class PassRunner:
         """
         self._core.check_open()
         raw = self.parse_batches(batches)  # bad input is refused here, not at the next begin_pass
-        if not self._core.pipeline:
+        if not self._core.settings.pipeline:
             return
         if not self.in_pass:
             self._announced = raw
@@ -175,7 +175,7 @@ class PassRunner:
         the next pass begins (rows it shares stay resident). Tables whose eviction settings ask
         for it (``every_passes``) are shrunk here."""
         self._core.check_open()
-        if not self._core.pipeline:
+        if not self._core.settings.pipeline:
             self._core.write_back()
         self.plan = _PassPlan()
         self.batches = None
@@ -191,7 +191,7 @@ class PassRunner:
             self._pipe.drain()
             for info in due:
                 self._features.shrink_table(info, info.eviction)
-        self._pipe.run_in_background(self._compact) if self._core.pipeline else self._compact()
+        self._pipe.run_in_background(self._compact) if self._core.settings.pipeline else self._compact()
         self._core.stats.end_pass(self._core.ssd, self._core.memory, list(self._core.tables))
 
     def _admitted_only(self, group: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -206,7 +206,7 @@ class PassRunner:
     def _compact(self) -> None:
         # The tier lock is held only to choose and to swap segments: the next pass's reads go on.
         for table in list(self._core.tables):
-            self._core.ssd.compact(table, self._core.max_segments, lock=self._pipe.lock)
+            self._core.ssd.compact(table, self._core.settings.max_segments, lock=self._pipe.lock)
 
     def parse_batches(self, batches: Any) -> list[dict[str, np.ndarray]]:
         """``{table: ids}`` or a sequence of them -> one ``{table: (n,) int64}`` per mini-batch;

@@ -28,6 +28,8 @@ from hierps.training._batchplan import Batch, same_batches, translate, union_pos
 
 __all__ = ["PassPipeline", "ReadAhead"]
 
+Ids = dict[str, np.ndarray]  # {table: int64 ids}
+
 T = TypeVar("T")
 
 
@@ -90,12 +92,7 @@ class PassPipeline:
         self.wait_seconds += time.perf_counter() - t0
 
     # -- read-ahead ----------------------------------------------------------------------------
-    def submit_prepare(
-        self,
-        batches: list[dict[str, np.ndarray]],
-        group: dict[str, np.ndarray] | None,
-        resident: ResidentKeys,
-    ) -> None:
+    def submit_prepare(self, batches: list[Ids], group: Ids | None, resident: ResidentKeys) -> None:
         """Prepare the pass of ``batches`` ({table: ids} per mini-batch) in the background.
 
         Its working set (``group``, or the union of the batches' ids), the relayout of the device
@@ -104,12 +101,7 @@ class PassPipeline:
         """
         self._prepared = (batches, self._submit(self._prepare, batches, group, resident))
 
-    def _prepare(
-        self,
-        batches: list[dict[str, np.ndarray]],
-        group: dict[str, np.ndarray] | None,
-        resident: ResidentKeys,
-    ) -> ReadAhead:
+    def _prepare(self, batches: list[Ids], group: Ids | None, resident: ResidentKeys) -> ReadAhead:
         t0 = time.perf_counter()
         positions = None
         if group is None:
@@ -144,6 +136,6 @@ class PassPipeline:
         try:
             self.drain()
         finally:
-            if self._executor is not None:
-                self._executor.shutdown(wait=True)
-                self._executor = None
+            executor, self._executor = self._executor, None
+            if executor is not None:
+                executor.shutdown(wait=True)
