@@ -245,16 +245,11 @@ def start_forked(
 
 
 def run_forked(
-    target: Callable[[str, str, str, bool], None],
-    store: Path,
-    out: Path,
-    *,
-    fault: str = "",
-    record: bool = False,
-    timeout: float = 120.0,
+    target: Callable[[str, str, str, bool], None], *args: Any, timeout: float = 120.0, **kwargs: Any
 ) -> int:
-    """Run ``target(store, out, fault, record)`` in a forked process; its exit code (-9: killed)."""
-    proc = start_forked(target, store, out, fault, record)
+    """:func:`start_forked` (same arguments), then wait for it: its exit code (-9: killed)."""
+    proc = start_forked(target, *args, **kwargs)
+    fault, out = kwargs.get("fault", ""), Path(args[1])
     proc.join(timeout)
     if proc.exitcode is None:
         proc.kill()
