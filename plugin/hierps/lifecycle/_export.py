@@ -26,6 +26,10 @@ and the DeepSpeed integration write them) exports as one: the same table names, 
 keys merged, taken at a checkpoint committed for all ranks (:mod:`hierps.storage._commit_log`),
 each rank's store at its part of it: never a part that did not commit, nor a rank directory the
 checkpoint does not name. A delta needs both checkpoints written by the same number of ranks.
+
+Every export names the store it was taken from (its uid; rank 0's for a directory of rank stores)
+and when its checkpoints were taken, so that :mod:`hierps.serving` applies a delta only to the rows
+it was taken since (:class:`~hierps.storage._export_format.CheckpointRef`).
 """
 
 from __future__ import annotations
@@ -135,7 +139,8 @@ def export_store(
     """Export a store directory (or a directory of rank stores) to ``out``; returns the manifest.
 
     ``checkpoint``: id or tag to export (default: the latest); ``since``: id or tag of an earlier
-    checkpoint, for a delta. ``out`` must not exist (or be empty); it appears whole or not at all.
+    checkpoint, for a delta. ``out`` must not exist (or be empty) and lie outside the store
+    directory (whose files the store manages); it appears whole or not at all.
     A full disk raises :class:`~hierps.errors.StoreFullError` naming the path (nothing is left).
     ``dtype``: the precision of the exported weights, ``"fp32"`` or ``"fp16"`` (half the bytes,
     rounded to nearest; a weight beyond fp16's range, 65504, raises ``ConfigError``).
@@ -145,7 +150,7 @@ def export_store(
             f"dtype: expected one of {', '.join(EXPORT_DTYPES)} for an export. Got {dtype!r} instead"
             + (" (bf16 has no Zarr v3 data type that a plain reader knows)." if dtype == "bf16" else ".")
         )
-    out = Path(out)
+    out = _export_path(path, out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ConfigError(
             f"{out}: already exists and is not empty; export to a new directory (exports are "
@@ -179,6 +184,10 @@ def export_store(
         "source": str(Path(path).resolve()),
         "created": time.time(),
         "uid": uuid.uuid4().hex,
+        # Which rows it gives (and a delta applies to): checkpoints are numbered by rank 0's store.
+        "store": check_marker(stores[0] / MARKER).uid,
+        "checkpoint_created": now[0].meta.created,
+        "since_created": old[0].meta.created if old is not None else None,
         "tables": {},
     }
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -207,6 +216,22 @@ def export_store(
 
 
 _AFTER_FULL = "export again; nothing of this export was left behind."
+
+
+def _export_path(store: str | os.PathLike[str], out: str | os.PathLike[str]) -> Path:
+    """``out`` checked to be a path outside the store directory ``store``: ``ConfigError`` otherwise."""
+    for what, value in (("store path", store), ("export path", out)):
+        if "\0" in os.fspath(value):
+            raise ConfigError(
+                f"{what} {os.fspath(value)!r}: not a valid path (it holds a NUL byte); pass a path without one."
+            )
+    root, target = Path(store).resolve(), Path(out).resolve()
+    if target == root or root in target.parents:
+        raise ConfigError(
+            f"export path {os.fspath(out)!r}: is inside the store directory {str(root)!r}, whose files the "
+            "store manages (and may delete); export to a directory outside the store."
+        )
+    return Path(out)
 
 
 def _bytes(readers: list[CheckpointReader], dtype: str) -> int:

@@ -21,8 +21,9 @@ read as in training: the initializer's row for (seed, table, key), or zeros), un
 
 :meth:`ServingTables.refresh` (or ``follow``) serves deltas written after open: a new chain is
 opened and checked whole before it replaces the old one in one step, so a lookup sees one
-generation, never half of one; a damaged or incomplete delta is refused with an error and the
-previous generation keeps serving. Exports are immutable: new ones go under new names (``hierps export`` writes them under a temporary
+generation, never half of one; a damaged or incomplete delta, a delta of another store (or since
+a checkpoint rolled back), or one after a missing delta is refused with an error and the previous
+generation keeps serving (:mod:`hierps.serving._chain`). Exports are immutable: new ones go under new names (``hierps export`` writes them under a temporary
 name and renames them when whole); do not modify a served export in place. Damaged, foreign or
 incomplete exports raise
 :class:`~hierps.errors.CorruptStoreError` (or :class:`~hierps.errors.StoreFormatError`) naming the

@@ -9,6 +9,7 @@ generation and none of another. The caches follow the rule of :mod:`hierps.servi
 from __future__ import annotations
 
 import logging
+import numbers
 import os
 import threading
 from dataclasses import dataclass
@@ -68,10 +69,13 @@ class ServingTables:
         self._refresh_lock = threading.Lock()
         self._stop = threading.Event()
         self._follower: threading.Thread | None = None
+        self._polled = threading.Condition()  # notified as each poll of the follower ends
+        self._polls_started = self._polls_done = 0
+        self._reported: str | None = None  # the last refresh error logged by the follower
         self._closed = False
         self.refresh_error: BaseException | None = None
         """What the last refresh by ``follow`` raised (None once one succeeds): the previous generation
-        kept serving."""
+        kept serving. A delta that is damaged, of another store, or after a missing one, for example."""
         try:
             self._opened.update(self._open_new(chain, first=True))
             self._generation = _Generation(1, tuple(chain), served_tables(chain, self._opened, unknown))
@@ -172,7 +176,7 @@ class ServingTables:
         with self._refresh_lock:
             self._check_open()
             old = self._generation
-            chain = self._next_chain(old, deltas)
+            chain = self._next_chain(old, None if deltas is None else _paths(deltas, "deltas"))
             if _same(chain, old.chain):
                 return False
             kept = _common_prefix(chain, old.chain)
@@ -185,16 +189,14 @@ class ServingTables:
             self._forget(old.chain, chain)
             return True
 
-    def _next_chain(
-        self, old: _Generation, deltas: list[str | os.PathLike[str]] | None
-    ) -> list[ExportManifest]:
+    def _next_chain(self, old: _Generation, deltas: list[Path] | None) -> list[ExportManifest]:
         if self._directory is not None:
             if deltas is not None:
                 raise ConfigError(
                     f"{self._directory}: a serving directory finds its own deltas; call refresh() without them."
                 )
             return find_chain(self._directory)
-        chain = [*old.chain, *(read_manifest(Path(d)) for d in deltas or [])]
+        chain = [*old.chain, *(read_manifest(d) for d in deltas or [])]
         check_chain(chain)
         return chain
 
@@ -243,12 +245,12 @@ class ServingTables:
 
     def follow(self, seconds: float) -> None:
         """Call :meth:`refresh` every ``seconds`` on a daemon thread until :meth:`close` (serving
-        directories only). A refresh that fails is logged and kept in :attr:`refresh_error`; the
-        previous generation keeps serving and the next poll tries again."""
+        directories only). A refresh that fails is kept in :attr:`refresh_error` and logged as a
+        warning (once, until it fails otherwise or succeeds); the previous generation keeps serving
+        and the next poll tries again."""
         if self._directory is None:
             raise ConfigError("follow: only a serving directory (a directory of exports) can be followed.")
-        if not seconds > 0:
-            raise ConfigError(f"follow: expected a number of seconds > 0. Got {seconds!r} instead.")
+        seconds = _parse_seconds(seconds, "follow")
         if self._follower is not None:
             raise ConfigError("follow: already following.")
         self._follower = threading.Thread(
@@ -256,24 +258,54 @@ class ServingTables:
         )
         self._follower.start()
 
+    def wait_for_poll(self, timeout: float | None = None) -> bool:
+        """Wait until the follower has finished a poll that began after this call: True then
+        (:attr:`generation` and :attr:`refresh_error` say what it found, e.g. an export written
+        before the call), False if ``timeout`` seconds passed first or the tables were closed."""
+        if self._follower is None:
+            raise ConfigError("wait_for_poll: these tables are not following; open them with follow=seconds.")
+        timeout = None if timeout is None else _parse_seconds(timeout, "timeout")
+        with self._polled:
+            target = self._polls_started + 1
+            self._polled.wait_for(lambda: self._polls_done >= target or self._stop.is_set(), timeout)
+            return self._polls_done >= target
+
     def _poll(self, seconds: float) -> None:
         while not self._stop.wait(seconds):
+            with self._polled:
+                self._polls_started += 1
             try:
                 self.refresh()
-                self.refresh_error = None
-            except (HierpsError, OSError) as exc:
+                self.refresh_error, self._reported = None, None
+            except Exception as exc:  # kept and reported; this generation serves on, the next poll retries
                 self.refresh_error = exc
-                log.warning(
-                    "refresh of %s failed; still serving checkpoint %s: %s",
-                    self._directory,
-                    self.checkpoint,
-                    exc,
-                )
+                self._report(exc)
+            finally:
+                with self._polled:
+                    self._polls_done += 1
+                    self._polled.notify_all()
+
+    def _report(self, exc: Exception) -> None:
+        """Log a failed refresh, once for as long as it fails the same way."""
+        if str(exc) == self._reported:
+            return
+        self._reported = str(exc)
+        expected = isinstance(exc, (HierpsError, OSError))  # else a bug: with its traceback
+        log.log(
+            logging.WARNING if expected else logging.ERROR,
+            "refresh of %s failed; still serving checkpoint %s: %s",
+            self._directory,
+            self.checkpoint,
+            exc,
+            exc_info=None if expected else exc,
+        )
 
     # -- closing -------------------------------------------------------------------------------
     def close(self) -> None:
         """Stop following and close the files; lookups then raise :class:`StoreClosedError`."""
         self._stop.set()
+        with self._polled:
+            self._polled.notify_all()
         if self._follower is not None and self._follower is not threading.current_thread():
             self._follower.join()
         with self._refresh_lock:
@@ -322,6 +354,34 @@ def _touched(
     return np.concatenate([np.empty(0, np.int64), *parts])
 
 
+def _parse_seconds(value: Any, what: str) -> float:
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, numbers.Real)
+        or not 0 < float(value) <= threading.TIMEOUT_MAX
+    ):
+        raise ConfigError(
+            f"{what}: expected a number of seconds in (0, {threading.TIMEOUT_MAX:g}], e.g. {what}=30"
+            f"{' (or None not to follow)' if what == 'follow' else ''}. Got {value!r} instead."
+        )
+    return float(value)
+
+
+def _paths(values: Any, what: str) -> list[Path]:
+    """A list of export paths, each checked to be one: ``ConfigError`` otherwise."""
+    if isinstance(values, (str, bytes, os.PathLike)) or not isinstance(values, (list, tuple)):
+        raise ConfigError(f"{what}: expected a list of export paths. Got {values!r} instead.")
+    return [_path(v, what) for v in values]
+
+
+def _path(value: Any, what: str) -> Path:
+    if not isinstance(value, (str, os.PathLike)) or "\0" in os.fspath(value):
+        raise ConfigError(
+            f"{what}: expected the path of an export (a str or path without NUL bytes). Got {value!r} instead."
+        )
+    return Path(value)
+
+
 def _parse_verify(verify: str) -> str:
     if verify not in VERIFY:
         raise ConfigError(f"verify: expected one of {VERIFY}. Got {verify!r} instead.")
@@ -339,15 +399,16 @@ def open(
 ) -> ServingTables:
     """Tables from an export plus deltas applied in order, or from a serving directory.
 
-    ``path``: a full export (then ``deltas``: exports each taken since the previous one's
-    checkpoint, in that order), or a directory of exports (base and delta chain found by their
-    manifests, see :mod:`hierps.serving._chain`; ``deltas`` must then be None). ``unknown``:
-    ``"initializer"`` or ``"zeros"`` for keys without a row (default: what each table's manifest
-    says). ``cache_bytes`` (int or ``"64MiB"``): RAM for recently read rows, shared by the tables.
-    ``follow``: for a serving directory, seconds between polls for new exports (see
-    :meth:`ServingTables.follow`). ``verify``: which exports are read whole and compared with
-    their checksums when applied: ``"deltas"`` (default; a base is then checked chunk by chunk as
-    it is read), ``"all"``, or ``"none"``.
+    ``path``: a full export (then ``deltas``: a list of exports each taken since the previous
+    one's checkpoint, of the same store, in that order), or a directory of exports (base and delta
+    chain found by their manifests, see :mod:`hierps.serving._chain`; ``deltas`` must then be
+    None). ``unknown``: ``"initializer"`` or ``"zeros"`` for keys without a row (default: what each
+    table's manifest says). ``cache_bytes`` (int or ``"64MiB"``): RAM for recently read rows,
+    shared by the tables. ``follow``: for a serving directory, seconds between polls for new
+    exports, a number in (0, ``threading.TIMEOUT_MAX``] (see :meth:`ServingTables.follow`).
+    ``verify``: which exports are read whole and compared with their checksums when applied:
+    ``"deltas"`` (default; a base is then checked chunk by chunk as it is read), ``"all"``, or
+    ``"none"``.
 
     Opening reads the manifests and, per table, the fences and filter (under 2 bytes per key): no
     row of a base, so it takes about as long at 10^8 rows as at 10^6.
@@ -355,9 +416,10 @@ def open(
     if unknown is not None and unknown not in UNADMITTED_VALUES:
         raise ConfigError(f"unknown: expected one of {UNADMITTED_VALUES}. Got {unknown!r} instead.")
     size = parse_size(cache_bytes, "cache_bytes")
-    root = Path(path)
+    seconds = None if follow is None else _parse_seconds(follow, "follow")
+    root = _path(path, "path")
     if is_export(root):
-        chain, directory = explicit_chain(root, [Path(d) for d in deltas or []]), None
+        chain, directory = explicit_chain(root, _paths(deltas or [], "deltas")), None
     elif deltas:
         raise ConfigError(
             f"{root}: has no manifest.json, so it is a serving directory, which finds its own "
@@ -366,6 +428,10 @@ def open(
     else:
         chain, directory = find_chain(root), root
     tables = ServingTables(chain, directory, unknown, size, _parse_verify(verify))
-    if follow is not None:
-        tables.follow(follow)
+    if seconds is not None:
+        try:
+            tables.follow(seconds)
+        except BaseException:
+            tables.close()
+            raise
     return tables

@@ -1,4 +1,4 @@
-"""The export format (version 3): a directory any Zarr v3 reader opens, that hierps serves from disk.
+"""The export format (version 4): a directory any Zarr v3 reader opens, that hierps serves from disk.
 
 Layout of an export directory::
 
@@ -22,17 +22,24 @@ and filter, the only part kept in RAM, take under 2 bytes per key.
 
 ``manifest.json``::
 
-    {"format": "hierps-export", "format_version": 3, "checkpoint": 7, "since": null, "seed": 0,
+    {"format": "hierps-export", "format_version": 4, "checkpoint": 7, "since": null, "seed": 0,
      "ranks": 1, "source": "/ssd/store", "created": 1700000000.0, "uid": "9f0c...",
+     "store": "41d7...", "checkpoint_created": 1699999000.0, "since_created": null,
      "tables": {"user": {"dim": 16, "dtype": "fp32", "weights_dtype": "fp32", "rows": 1000,
                          "deleted": 0, "total_rows": 1000,
                          "initializer": {"type": "normal", "params": {...}}, "unknown": "initializer",
                          "checks": {"keys": 123, "values": 456, ...}}},
      "crc32": 789}
 
-``dtype`` is the values' precision, ``"fp32"`` or ``"fp16"`` (``"fp32"`` when absent: exports
-written before it existed); ``weights_dtype`` the precision the store kept the table's weights in
-(unknown keys are served as its initializer's rows at that precision, as the store reads them);
+``store`` is the uid of the store the export was taken from (its ``hierps.json``; rank 0's for a
+directory of rank stores, whose checkpoints are numbered by rank 0's), and ``checkpoint_created``
+and ``since_created`` when checkpoints ``checkpoint`` and ``since`` were taken (a store reuses the
+ids of checkpoints it rolled back): together with ``ranks`` they say which rows an export gives
+and which rows a delta applies to (:class:`CheckpointRef`), so that a delta of another store, or
+of a checkpoint rolled back, is never applied. ``dtype`` is the values' precision, ``"fp32"`` or
+``"fp16"`` (``"fp32"`` when absent: exports written before it existed); ``weights_dtype`` the
+precision the store kept the table's weights in (unknown keys are served as its initializer's rows
+at that precision, as the store reads them);
 ``rows`` and ``deleted`` count the arrays; ``total_rows`` is the table's rows as of ``checkpoint``
 (what a server holding this export and everything before it serves). ``checks`` holds the crc32c
 of the content of each array (its rows' bytes, little endian, in order), ``crc32`` the CRC-32 of
@@ -44,6 +51,7 @@ from __future__ import annotations
 
 import json
 import math
+import time
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
@@ -57,6 +65,7 @@ from hierps.storage._names import valid_table_name
 __all__ = [
     "ARRAYS",
     "BULK_CHUNK_ROWS",
+    "CheckpointRef",
     "EXPORT_DTYPES",
     "DELETED_CHUNK_ROWS",
     "EXPORT_FORMAT",
@@ -73,7 +82,7 @@ __all__ = [
 ]
 
 EXPORT_FORMAT = "hierps-export"
-EXPORT_VERSION = 3
+EXPORT_VERSION = 4
 MANIFEST = "manifest.json"
 PAGE = 4096
 _MIN_CHUNK_ROWS = 16  # wide rows: chunks of 16 rows (a few pages), so fences stay at 0.5 B per key
@@ -109,7 +118,13 @@ _V2 = (
     "copied over another would be served. Export the checkpoint again with this hierps (hierps "
     "export STORE OUT, or store.export(out)); the store keeps its checkpoints."
 )
-_OLDER: dict[object, str] = {1: _V1, 2: _V2}
+_V3 = (
+    "Version 3 (an earlier hierps) did not record which store and which of its checkpoints an "
+    "export was taken from, so a delta of another store could be applied to it. Export the "
+    "checkpoint again with this hierps (hierps export STORE OUT, or store.export(out)); the store "
+    "keeps its checkpoints."
+)
+_OLDER: dict[object, str] = {1: _V1, 2: _V2, 3: _V3}
 
 
 def chunk_rows_for(dim: int, value_bytes: int = 4) -> int:
@@ -158,6 +173,23 @@ def array_identity(export_id: str, table: str, array: str) -> str:
 
 
 @dataclass(frozen=True)
+class CheckpointRef:
+    """Which rows: checkpoint ``id`` of the store ``store`` (a uid), as taken at ``created`` (ids are
+    reused after a rollback), over ``ranks`` rank stores. Two exports give the same rows only if
+    their refs are equal."""
+
+    store: str
+    id: int
+    created: float
+    ranks: int
+
+    def describe(self) -> str:
+        taken = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(self.created))
+        ranks = f", {self.ranks} ranks" if self.ranks > 1 else ""
+        return f"checkpoint {self.id} of store {self.store} (taken {taken}{ranks})"
+
+
+@dataclass(frozen=True)
 class ExportManifest:
     """An export's ``manifest.json``, checked: where it is, what it holds."""
 
@@ -166,6 +198,22 @@ class ExportManifest:
     since: int | None
     seed: int
     tables: dict[str, ExportTableEntry]
+    store: str  # the uid of the store it was taken from
+    checkpoint_created: float
+    since_created: float | None
+    ranks: int
+
+    @property
+    def state(self) -> CheckpointRef:
+        """The rows it gives (a delta: applied to those of :attr:`applies_to`)."""
+        return CheckpointRef(self.store, self.checkpoint, self.checkpoint_created, self.ranks)
+
+    @property
+    def applies_to(self) -> CheckpointRef | None:
+        """For a delta, the rows it applies to; None for a full export."""
+        if self.since is None or self.since_created is None:
+            return None
+        return CheckpointRef(self.store, self.since, self.since_created, self.ranks)
 
 
 def manifest_text(body: dict[str, Any]) -> str:
@@ -177,7 +225,7 @@ def manifest_text(body: dict[str, Any]) -> str:
 def read_manifest(export: Path) -> ExportManifest:
     """The checked manifest of the export directory ``export``.
 
-    ``StoreFormatError`` when there is none, or it is not a hierps export of version 2;
+    ``StoreFormatError`` when there is none, or it is not a hierps export of version 4;
     ``CorruptStoreError`` naming the file and the field when it is damaged or out of bounds.
     """
     path = export / MANIFEST
@@ -234,6 +282,18 @@ class _Fields:
             raise self.bad(field, f"an int in [{low}, {high}]", value)
         return value
 
+    def text(self, obj: dict[str, Any], key: str) -> str:
+        value = obj.get(key)
+        if not isinstance(value, str) or not value:
+            raise self.bad(key, "a non-empty str", value)
+        return value
+
+    def seconds(self, obj: dict[str, Any], key: str) -> float:
+        value = obj.get(key)
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
+            raise self.bad(key, "a time in seconds", value)
+        return float(value)
+
     def obj(self, obj: dict[str, Any], key: str, field: str) -> dict[str, Any]:
         value = obj.get(key)
         if not isinstance(value, dict):
@@ -246,20 +306,22 @@ def _parse(export: Path, path: Path, body: dict[str, Any]) -> ExportManifest:
     checkpoint = f.int(body, "checkpoint", "checkpoint", 0, _INT64[1])
     since = None if body.get("since") is None else f.int(body, "since", "since", 0, checkpoint)
     seed = f.int(body, "seed", "seed", *_INT64)
-    f.int(body, "ranks", "ranks", 1, _MAX_RANKS)
+    ranks = f.int(body, "ranks", "ranks", 1, _MAX_RANKS)
     if not isinstance(body.get("source"), str):
         raise f.bad("source", "a path", body.get("source"))
-    if not isinstance(body.get("created"), (int, float)) or isinstance(body.get("created"), bool):
-        raise f.bad("created", "a time in seconds", body.get("created"))
-    uid = body.get("uid")
-    if not isinstance(uid, str) or not uid:
-        raise f.bad("uid", "a non-empty str", uid)
+    f.seconds(body, "created")
+    uid = f.text(body, "uid")
+    store = f.text(body, "store")
+    taken = f.seconds(body, "checkpoint_created")
+    since_taken = None if since is None else f.seconds(body, "since_created")
+    if since is None and body.get("since_created") is not None:
+        raise f.bad("since_created", "null in a full export (since null)", body.get("since_created"))
     tables = {}
     for name in f.obj(body, "tables", "tables"):
         if not valid_table_name(name):
             raise f.bad("tables", "table names that are plain directory names", name)
         tables[name] = _table(f, name, f.obj(body["tables"], name, f"tables.{name}"), since, uid)
-    return ExportManifest(export, checkpoint, since, seed, tables)
+    return ExportManifest(export, checkpoint, since, seed, tables, store, taken, since_taken, ranks)
 
 
 def _table(f: _Fields, name: str, meta: dict[str, Any], since: int | None, uid: str) -> ExportTableEntry:
