@@ -398,10 +398,10 @@ class StoreCore:
 
         The RAM tier keeps the rows its sink (the SSD tier) refused, over budget, so nothing is
         lost; the first error (:class:`StoreFullError` for a full disk) is raised once every
-        table's rows are in RAM.
+        table's rows are in RAM (a table failing otherwise does not keep the others' out either).
         """
         fault_point("pass.write_back")
-        failed: OSError | None = None
+        failed: Exception | None = None
         for table, d in drained.items():
             if not d.dirty.any():
                 continue
@@ -409,7 +409,7 @@ class StoreCore:
             order = np.argsort(keys, kind="stable")
             try:
                 self.memory.put(table, keys[order], rows[order], dirty=True)
-            except OSError as exc:
+            except Exception as exc:
                 failed = failed or exc
         if failed is not None:
             raise failed

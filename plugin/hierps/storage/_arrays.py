@@ -247,10 +247,22 @@ class ArrayWriter:
             padded = np.zeros((len(encoded), self._stride), np.uint8)
             padded[:, : encoded.shape[1]] = encoded
             encoded = padded
-        _write_all(self._fd, encoded)
+        try:
+            _write_all(self._fd, encoded)
+        except BaseException:
+            self.abort()  # the array cannot be finished (e.g. a full disk)
+            raise
         self._chunks += len(payloads)
         if self._block_point is not None:
             fault_point(self._block_point)
+
+    def abort(self) -> None:
+        """Close the shard file without finishing the array. A writer whose write failed is aborted
+        by itself; one whose sibling failed is aborted by its owner: a descriptor left open keeps
+        the space of the file once it is removed in use, and its file system mounted."""
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
 
     def close(self) -> None:
         """Write the last (padded) chunk, the shard index, then the metadata."""

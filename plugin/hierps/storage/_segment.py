@@ -66,7 +66,8 @@ def chunk_rows_for(width: int) -> int:
 class SegmentWriter:
     """Writes one segment from runs of rows given in increasing key order, in bounded memory (a
     block of rows and one filter block at a time). Nothing is durable until the caller fsyncs the
-    directory; a writer that fails leaves a partial directory that nothing names (the caller removes it).
+    directory; a writer that fails leaves a partial directory that nothing names: the caller
+    aborts it (:meth:`abort` closes its files) and removes it.
     """
 
     def __init__(
@@ -142,6 +143,11 @@ class SegmentWriter:
         keys = np.concatenate(self._block) if self._block else np.empty(0, np.int64)
         self._filter.append(bloom_build(keys, block_words(len(keys), self.chunk_rows)))
         self._block, self._block_len = [], 0
+
+    def abort(self) -> None:
+        """Close every file of the segment left open by a failed :meth:`append` or :meth:`close`."""
+        self._rows.abort()
+        self._filter.abort()
 
     def close(self) -> tuple[int, int]:
         """Finish the segment's arrays; returns its row count and :func:`fences_check`."""

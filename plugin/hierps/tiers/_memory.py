@@ -78,10 +78,10 @@ class _Slab:
         self.n_free += cap - self.capacity
         self.score = np.concatenate([self.score, np.zeros(cap - self.capacity, np.int64)])
         self.dirty = np.concatenate([self.dirty, np.zeros(cap - self.capacity, bool)])
-        old = self._mm
+        # The old map is not closed here: views of its rows may still be alive (rows handed to the
+        # sink, held by the frames of an error it raised), and closing a map they export fails. It
+        # is unmapped when the last of them goes.
         self.rows, self._mm, self.capacity = rows, mm, cap
-        if old is not None:
-            old.close()
 
     def take_slots(self, n: int) -> np.ndarray:
         if n > self.n_free:

@@ -85,6 +85,9 @@ class SsdTier:
         self._rows: dict[str, int] = {}
         self.protected: set[tuple[str, int]] = set()  # named by a kept checkpoint: its files stay
         self._merging: set[str] = set()  # tables a merge is under way in
+        # Segments being written, or written and not in the live set yet (a merge's output before its
+        # swap): garbage collection leaves them alone.
+        self._writing: set[tuple[str, int]] = set()
         self.next_segment = 1
         self._unsynced: list[tuple[str, int]] = []
         self._sync_error: OSError | None = None
@@ -287,6 +290,8 @@ class SsdTier:
         width = self.widths[table]
         fault_point("ssd.segment_begin")
         needed = encoded_bytes(np.empty((expected, width + KEY_COLUMNS), np.float32), 64)
+        writer: SegmentWriter | None = None
+        self._writing.add((table, seg_id))
         try:
             with disk_full_as_error(self.root / name, f"segment {seg_id} of table {table!r}", needed):
                 writer = SegmentWriter(
@@ -300,18 +305,23 @@ class SsdTier:
                 for keys, rows in parts:
                     writer.append(keys, rows)
                 n, check = writer.close()
+            fault_point("ssd.segment_written")
+            seg = self._segment(table, seg_id, n, check)
         except BaseException:
-            # Nothing names the segment yet: drop what was written of it (and the space it took).
+            # Nothing names the segment yet: close its files and drop what was written of it (a file
+            # removed while still open keeps its space in use).
+            if writer is not None:
+                writer.abort()
             shutil.rmtree(self.root / name, ignore_errors=True)
+            self._writing.discard((table, seg_id))
             raise
-        fault_point("ssd.segment_written")
-        seg = self._segment(table, seg_id, n, check)
         if register:
             self._register(seg)
         return seg
 
     def _register(self, seg: Segment) -> None:
         self._segs[seg.table][seg.seg] = seg
+        self._writing.discard((seg.table, seg.seg))
         self._unsynced.append((seg.table, seg.seg))
         self.rows_written += seg.n
         self.bytes_written += seg.n * 4 * (seg.width + KEY_COLUMNS)
@@ -320,13 +330,14 @@ class SsdTier:
         """Remove ``keys`` from the tier: every segment holding any row of them is rewritten without
         them (at once: no index remembers deletions). Returns how many keys had a row."""
         keys = np.unique(np.asarray(keys, np.int64))
-        found, holder, _ = self._locate({table: keys}, with_rows=False)[table]
+        found = self._locate({table: keys}, with_rows=False)[table][0]
         holding = {
             s
             for s in self._segs[table]
             if self._locate({table: keys}, with_rows=False, among={table: [s]})[table][0].any()
         }
-        self._supersede(table, holder[found])
+        # The merge counts the rows it drops (its output holds only those it keeps) at its swap: a
+        # merge that fails (e.g. on a full disk) leaves every live count as it was.
         if holding:
             self._merge(table, sorted(holding), drop=keys[found])
         return int(found.sum())
@@ -395,7 +406,6 @@ class SsdTier:
         """What a merge of ``chosen`` starts from (taken with the tier lock held)."""
         fault_point("ssd.compaction_begin")
         segs = self._segs[table]
-        self._merging.add(table)  # one merge per table at a time: its segments stay while it reads them
         merge = _Merge(
             table,
             [segs[s] for s in chosen],
@@ -403,6 +413,7 @@ class SsdTier:
             sum(self._live[(table, s)] for s in chosen),
             self._new_id(),
         )
+        self._merging.add(table)  # one merge per table at a time: its segments stay while it reads them
         for (
             seg
         ) in merge.inputs:  # a merge scans its inputs, never looks keys up in them: their filters can go
@@ -435,6 +446,7 @@ class SsdTier:
                     self._retire(table, out.seg)
             finally:
                 self._merging.discard(table)
+                self._writing.discard((table, out.seg))
         return out.n
 
     def _live_parts(
@@ -516,9 +528,9 @@ class SsdTier:
 
     def collect_garbage(self, keep: set[tuple[str, int]]) -> int:
         """Delete segment directories named neither in ``keep`` (the kept checkpoints' segments,
-        protected from now on) nor by the live set."""
+        protected from now on) nor by the live set, nor being written."""
         self.protected = set(keep)
-        keep = keep | set(self.segments())
+        keep = keep | set(self.segments()) | set(self._writing)
         removed = 0
         if not self.root.exists():
             return 0

@@ -86,6 +86,9 @@ class PassRunner:
         self._core.check_open()
         raw = self.parse_batches(batches)
         ahead = self._pipe.take(raw)  # None unless this pass was announced and read ahead
+        # The last write-back had a whole pass to finish; waiting for it bounds the queue to one and
+        # reports its failure (e.g. a full disk) at this pass, before anything changes.
+        self._pipe.wait_writebacks()
         positions = None
         if ahead is not None:
             groups = [ahead.group]
@@ -93,16 +96,18 @@ class PassRunner:
             groups, positions = self._planned(raw)  # bad input: raise here, change nothing
         if self.in_pass:
             self.end_pass()
+        pipelined = self._core.settings.pipeline and len(groups) == 1
+        if not pipelined:
+            # Rows loaded on demand since the last pass go back first: a full disk (every row kept in
+            # RAM) is raised before the pass begins.
+            self._core.write_back()
         self.plan = _PassPlan(groups, cursor=0)
         self.in_pass = True
         self._core.stats.begin_pass(self._core.passes)
         groups = [self._admitted_only(g) for g in groups]
         fetch = partial(self._core.fetch_many, touch=True)
         tier = self._core.device_tier
-        if self._core.settings.pipeline and len(groups) == 1:
-            # The last write-back had a whole pass to finish; waiting for it bounds the queue to one
-            # and reports its failure (e.g. a full disk) at this pass, not some later one.
-            self._pipe.wait_writebacks()
+        if pipelined:
             plans = None
             if ahead is not None and ahead.relayout.version == tier.version:
                 # Nothing changed in the device tier since the pass was announced: the relayout
@@ -119,7 +124,6 @@ class PassRunner:
             self._pipe.submit_writeback(drained)
             self._translated(raw, groups[0], plans, positions)
         else:
-            self._core.write_back()
             if len(groups) == 1:
                 tier.rebuild(groups[0], None, fetch)  # nothing is resident: nothing leaves
                 self._translated(raw, groups[0], None, positions)
@@ -173,15 +177,24 @@ class PassRunner:
     def end_pass(self) -> None:
         """Close the pass. Without the pipeline its working set is written back now; with it, when
         the next pass begins (rows it shares stay resident). Tables whose eviction settings ask
-        for it (``every_passes``) are shrunk here."""
+        for it (``every_passes``) are shrunk here. When the disk refuses rows of the write-back
+        (``StoreFullError``: they stay in RAM), the pass is closed all the same, without its shrink or
+        compaction, and then the error is raised."""
         self._core.check_open()
+        refused: OSError | None = None
         if not self._core.settings.pipeline:
-            self._core.write_back()
+            try:
+                self._core.write_back()
+            except OSError as exc:  # every row reached RAM (StoreCore.put_dirty): only the disk said no
+                refused = exc
         self.plan = _PassPlan()
         self.batches = None
         self.in_pass = False
         self._core.passes += 1
         self._core.memory.tick = self._core.passes
+        if refused is not None:
+            self._core.stats.end_pass(self._core.ssd, self._core.memory, list(self._core.tables))
+            raise refused
         due = [
             info
             for info in self._core.tables.values()

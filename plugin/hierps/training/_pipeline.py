@@ -8,6 +8,12 @@ no row is ever read from a tier below while a newer copy is on its way down.
 
 Tier access (RAM and SSD) from the worker and from the training thread is serialised by
 ``lock``; a read from the training thread first waits for pending write-backs.
+
+A task that fails (a full disk during a write-back or a merge, a damaged segment met by a read-ahead)
+is reported once, by the first call that waits for it: that call first waits for every other task,
+so none is still running behind the error (a retried ``checkpoint()`` never races a merge or a
+write-back left behind), then raises it, noting the others that failed too. Every failure is then
+forgotten: the next call starts clean.
 """
 
 from __future__ import annotations
@@ -15,7 +21,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -52,7 +58,7 @@ class PassPipeline:
         self._executor: ThreadPoolExecutor | None = None
         self._writebacks: list[Future[None]] = []
         self._prepared: tuple[list[dict[str, np.ndarray]], Future[ReadAhead]] | None = None  # announced
-        self._background: list[Future[Any]] = []
+        self._tasks: list[Future[Any]] = []  # every task not known to have succeeded
         self.prepare_seconds = 0.0
         self.writeback_seconds = 0.0
         self.wait_seconds = 0.0
@@ -60,11 +66,30 @@ class PassPipeline:
     def _submit(self, fn: Callable[..., T], *args: object) -> Future[T]:
         if self._executor is None:
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hierps-pass")
-        # Keep failed tasks so that drain() re-raises their error; forget finished ones.
-        self._background = [f for f in self._background if not f.done() or f.exception() is not None]
+        # Forget the tasks that succeeded; a failed one stays until a wait reports it.
+        self._tasks = [f for f in self._tasks if not f.done() or f.exception() is not None]
         fut = self._executor.submit(fn, *args)
-        self._background.append(fut)
+        self._tasks.append(fut)
         return fut
+
+    def _wait(self, futures: list[Future[Any]]) -> None:
+        """Block until ``futures`` are done; if one of them failed, :meth:`_raise_failures`."""
+        wait(futures)
+        if any(f.exception() is not None for f in futures):
+            self._raise_failures()
+
+    def _raise_failures(self) -> None:
+        """Wait for every task, forget them all, and raise the first failure among them (the others
+        noted on it): reported once, with nothing left running behind it."""
+        tasks, self._tasks = self._tasks, []
+        self._writebacks, self._prepared = [], None
+        wait(tasks)
+        failures = [exc for exc in (f.exception() for f in tasks) if exc is not None]
+        if failures:
+            first = failures[0]
+            for other in failures[1:]:
+                first.add_note(f"another background task of the pass pipeline failed too: {other!r}")
+            raise first
 
     def run_in_background(self, fn: Callable[[], object]) -> None:
         """Run ``fn`` on the worker, after everything submitted before it."""
@@ -82,14 +107,16 @@ class PassPipeline:
         self.writeback_seconds += time.perf_counter() - t0
 
     def wait_writebacks(self) -> None:
-        """Block until every submitted write-back reached the RAM tier (re-raising its error)."""
+        """Block until every submitted write-back reached the RAM tier (raising its error, once every
+        task finished)."""
         if not self._writebacks:
             return
         t0 = time.perf_counter()
         pending, self._writebacks = self._writebacks, []
-        for fut in pending:
-            fut.result()
-        self.wait_seconds += time.perf_counter() - t0
+        try:
+            self._wait(pending)
+        finally:
+            self.wait_seconds += time.perf_counter() - t0
 
     # -- read-ahead ----------------------------------------------------------------------------
     def submit_prepare(self, batches: list[Ids], group: Ids | None, resident: ResidentKeys) -> None:
@@ -120,17 +147,17 @@ class PassPipeline:
         announced, fut = self._prepared
         self._prepared = None
         t0 = time.perf_counter()
-        ahead = fut.result()
-        self.wait_seconds += time.perf_counter() - t0
-        return ahead if same_batches(announced, batches) else None
+        try:
+            self._wait([fut])
+        finally:
+            self.wait_seconds += time.perf_counter() - t0
+        return fut.result() if same_batches(announced, batches) else None
 
     def drain(self) -> None:
-        """Wait for every background task; the tiers below are then quiet."""
-        pending, self._background = self._background, []
-        self._writebacks = []
-        for fut in pending:
-            fut.result()
-        self._prepared = None
+        """Wait for every background task; the tiers below are then quiet. Raises the first failure
+        among them (once)."""
+        self._wait(self._tasks)
+        self._tasks, self._writebacks, self._prepared = [], [], None
 
     def close(self) -> None:
         try:
