@@ -471,6 +471,12 @@ def _used_bytes(path: Path) -> int:
     return (st.f_blocks - st.f_bfree) * st.f_frsize
 
 
+def _free_bytes(path: Path) -> int:
+    """Bytes free on the file system of ``path``."""
+    st = os.statvfs(path)
+    return st.f_bavail * st.f_frsize
+
+
 def _file_bytes(path: Path) -> int:
     """Bytes the files under ``path`` take (their allocated blocks)."""
     return sum(p.lstat().st_blocks * 512 for p in path.rglob("*") if p.is_file())
@@ -495,3 +501,47 @@ def test_failed_segment_writes_close_their_files(disk):
         store.checkpoint()
         assert _used_bytes(disk) == _file_bytes(disk)
     assert _open_under(disk) == []  # nothing keeps the file system from being unmounted
+
+
+def test_an_export_the_disk_refuses_closes_its_files(disk, tmp_path):
+    """An export that fills the disk raises StoreFullError, leaves nothing behind and keeps no
+    descriptor of its removed files open; with space freed, the same export succeeds."""
+    store, bag = _open_many(tmp_path / "store", pipeline=False)
+    with store:
+        _train_many(store, bag, seed=1)
+        store.checkpoint()
+        big = disk / "big"
+        big.write_bytes(b"\0" * (_free_bytes(disk) - (64 << 10)))  # room for a fraction of the export
+        with pytest.raises(hierps.StoreFullError):
+            store.export(disk / "export")
+        assert _open_under(disk) == []
+        assert sorted(p.name for p in disk.iterdir()) == ["big"]
+        assert _used_bytes(disk) == _file_bytes(disk)
+        big.unlink()
+        store.export(disk / "export")
+        served = hierps.serving.open(disk / "export")
+        keys = MANY[::7]
+        for table in store.tables:
+            np.testing.assert_array_equal(served.lookup(table, keys), store.lookup(table, keys).numpy())
+        served.close()
+    assert _open_under(disk) == []
+
+
+def test_a_shrink_the_disk_refuses_changes_no_row(disk):
+    """Shrink rewrites the segments holding condemned rows; refused by a full disk, every row
+    (the newest copy, in RAM or on SSD) reads as before, and the retried shrink deletes them."""
+    store, bag = _open_many(disk / "store", pipeline=False)
+    with store:
+        _train_many(store, bag, seed=1)
+        store.checkpoint()
+        _train_many(store, bag, seed=2)  # newer rows, some only in RAM
+        tables = sorted(store.tables)
+        before = {t: store.read_rows(t, MANY) for t in tables}
+        filler = _fill(disk)
+        with pytest.raises(hierps.StoreFullError):
+            store.shrink(min_decayed_count=1.5)
+        for t in tables:
+            np.testing.assert_array_equal(store.read_rows(t, MANY), before[t])
+        filler.unlink()
+        deleted = store.shrink(min_decayed_count=1.5)
+        assert sum(deleted.values()) > 0

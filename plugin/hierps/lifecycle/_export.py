@@ -257,9 +257,13 @@ def _export_table(
     else:
         sources = [_changed(o, r, name, dim, dtype, gone) for o, r in zip(old, now)]
     writer = TableWriter(zstore, name, dim, export_id, dtype)
-    _write_rows(writer, now, sources)
-    deleted = _deleted(now, name, gone) if old is not None else np.empty(0, np.int64)
-    checks = writer.close(deleted)
+    try:
+        _write_rows(writer, now, sources)
+        deleted = _deleted(now, name, gone) if old is not None else np.empty(0, np.int64)
+        checks = writer.close(deleted)
+    except BaseException:
+        writer.abort()  # no descriptor of the removed export stays open
+        raise
     return {
         "dim": dim,
         "dtype": dtype,

@@ -83,8 +83,10 @@ class Features:
             doomed.append(keys[older][condemned(block[older], self._core.passes, rule)])
         gone = np.unique(np.concatenate(doomed))
         if len(gone):
-            self._core.memory.discard(name, gone)
+            # The SSD first: a deletion the disk refuses changes nothing there, and the RAM tier
+            # still holds the newest rows, so no older SSD copy of a condemned key reappears.
             self._core.ssd.delete(name, gone)  # rewrites the segments that held them
+            self._core.memory.discard(name, gone)
         if rule.ttl_passes is not None:
             self._core.pending_keys[name].prune(self._core.passes - rule.ttl_passes)
         return int(len(gone))

@@ -110,11 +110,21 @@ class TableWriter:
         self._values.append(values.astype(EXPORT_DTYPES[self.dtype], copy=False))
         self._last = int(keys[-1])
 
+    def abort(self) -> None:
+        """Close the files of keys and values without finishing them, after a failure: a descriptor
+        left open would keep the space of the removed files in use."""
+        self._keys.abort()
+        self._values.abort()
+
     def close(self, deleted: np.ndarray) -> dict[str, int]:
         """Finish keys and values, then write the fences, ``deleted`` (m,) int64 sorted unique and the
         filter of both; returns the crc32c of each array's content, by name."""
-        self._keys.close()
-        self._values.close()
+        try:
+            self._keys.close()
+            self._values.close()
+        except BaseException:
+            self.abort()
+            raise
         deleted = np.ascontiguousarray(deleted, np.int64)
         fences = np.concatenate(self._fences) if self._fences else np.empty(0, np.int64)
         z = self._zstore
