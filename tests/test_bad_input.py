@@ -33,6 +33,20 @@ def _still_whole(store: hierps.Store, rows: np.ndarray) -> None:
         np.testing.assert_array_equal(again.read_rows("t", KEYS), rows)
 
 
+def _whole(store: hierps.Store, keys: list[int]) -> np.ndarray:
+    """Whole decoded rows of ``keys`` as ``write_rows`` takes them: weights, optimizer state (as
+    read) and counters (zeros)."""
+    rows = store.read_rows("t", np.array(keys))
+    return np.hstack([rows, np.zeros((len(keys), store.tables["t"].width - rows.shape[1]), np.float32)])
+
+
+def _with(rows: np.ndarray, at: tuple[int, int], value: float) -> np.ndarray:
+    """A copy of decoded ``rows`` with one value replaced."""
+    out = rows.copy()
+    out[at] = value
+    return out
+
+
 # Each: (what, call(store, bag), error, message).
 CASES: list[tuple[str, Callable[[hierps.Store, Any], Any], type[Exception], str]] = [
     ("int tag", lambda s, b: s.checkpoint(tag=1000), errors.ConfigError, "tag: expected a str"),
@@ -93,6 +107,87 @@ CASES: list[tuple[str, Callable[[hierps.Store, Any], Any], type[Exception], str]
     ("write_rows list", lambda s, b: s.write_rows("t", [1], [[0.0]]), errors.ConfigError, "rows of shape"),
     ("write_rows str", lambda s, b: s.write_rows("t", [1], "rows"), errors.ConfigError, "real numbers"),
     ("write str", lambda s, b: s.write("t", [1], [["a"] * 4]), errors.ConfigError, "real numbers"),
+    (
+        "write_rows repeated key",
+        lambda s, b: s.write_rows("t", [7, 3, 7], _whole(s, [7, 3, 7])),
+        errors.ConfigError,
+        "keys must be unique; key 7 appears more than once",
+    ),
+    (
+        "write_rows NaN",
+        lambda s, b: s.write_rows("t", [3, 4], _with(_whole(s, [3, 4]), (1, 2), np.nan)),
+        errors.ConfigError,
+        "row 1 holds nan in column 2; rows must be finite",
+    ),
+    (
+        "write_rows inf counter",
+        lambda s, b: s.write_rows("t", [3], _with(_whole(s, [3]), (0, 9), np.inf)),
+        errors.ConfigError,
+        "row 0 holds inf in column 9",
+    ),
+    (
+        "write_rows beyond float32",
+        lambda s, b: s.write_rows("t", [3], _with(_whole(s, [3]).astype(np.float64), (0, 0), 1e39)),
+        errors.ConfigError,
+        "holds 1e\\+39 in column 0; rows must be finite float32",
+    ),
+    (
+        "write_rows negative adagrad sum",
+        lambda s, b: s.write_rows("t", [3], _with(_whole(s, [3]), (0, 5), -0.5)),
+        errors.ConfigError,
+        "column 5, its adagrad state 'sum': a sum of squared gradients, which cannot be negative",
+    ),
+    ("num_rows unknown table", lambda s, b: s.num_rows("nope"), errors.ConfigError, "unknown table 'nope'"),
+    ("end_pass outside a pass", lambda s, b: s.end_pass(), errors.ConfigError, "end_pass: no pass is open"),
+    ("retire keep str", lambda s, b: s.retire_checkpoints("x"), errors.ConfigError, "keep is a str"),
+    ("retire keep int", lambda s, b: s.retire_checkpoints(1), errors.ConfigError, "keep is a int"),
+    ("retire unknown id", lambda s, b: s.retire_checkpoints([999]), errors.ConfigError, "no checkpoint 999"),
+    ("retire bool id", lambda s, b: s.retire_checkpoints([True]), errors.ConfigError, "keep holds True"),
+    ("retire float id", lambda s, b: s.retire_checkpoints([1.0]), errors.ConfigError, "keep holds 1.0"),
+    ("observe click 2", lambda s, b: s.observe("t", [1, 2], [0, 2]), errors.ConfigError, "click label 2.0"),
+    (
+        "observe click -1",
+        lambda s, b: s.observe("t", [1, 2], [-1, 1]),
+        errors.ConfigError,
+        "click label -1.0",
+    ),
+    (
+        "observe click 0.5",
+        lambda s, b: s.observe("t", [1], [0.5]),
+        errors.ConfigError,
+        "clicked \\(1\\) or not",
+    ),
+    ("observe str clicks", lambda s, b: s.observe("t", [1], ["yes"]), errors.ConfigError, "must be numbers"),
+    (
+        "another initializer",
+        lambda s, b: s.table("t", 4, initializer="zeros"),
+        errors.TableMismatchError,
+        "cannot follow a new initializer",
+    ),
+    (
+        "partial_rowwise_adam eps 0",
+        lambda s, b: s.table("u", 4, optimizer={"type": "partial_rowwise_adam", "params": {"eps": 0}}),
+        errors.ConfigError,
+        "partial_rowwise_adam needs eps > 0",
+    ),
+    (
+        "adam eps 0",
+        lambda s, b: s.table("u", 4, optimizer={"type": "adam", "params": {"eps": 0.0}}),
+        errors.ConfigError,
+        "adam needs eps > 0",
+    ),
+    (
+        "adagrad eps 0",
+        lambda s, b: s.table("u", 4, optimizer={"type": "adagrad", "params": {"eps": 0}}),
+        errors.ConfigError,
+        "adagrad needs eps > 0 or initial_accumulator_value > 0",
+    ),
+    (
+        "rowwise_adagrad eps 0",
+        lambda s, b: s.table("u", 4, optimizer={"type": "rowwise_adagrad", "params": {"eps": 0}}),
+        errors.ConfigError,
+        "rowwise_adagrad needs eps > 0",
+    ),
     (
         "write complex",
         lambda s, b: s.write("t", [1], np.ones((1, 4), np.complex64)),
@@ -203,3 +298,53 @@ def test_checkpoint_reader_closes_its_files(trained):
         found, _ = reader.read("t", KEYS)
         assert found.sum() == 32 and len(reader.ssd._files) > 0
     assert len(reader.ssd._files) == 0
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (
+            ["inspect", "{store}", "--json", "/nonexistent/x.json"],
+            "its directory '/nonexistent' does not exist",
+        ),
+        (["inspect", "{store}", "--json", "{store}"], "is a directory"),
+        (["demo", "--examples", "-5"], "examples: expected an int >= 1. Got -5 instead."),
+        (["demo", "--batch-size", "0"], "batch_size: expected an int >= 1. Got 0 instead."),
+        (["demo", "--pass-batches", "0"], "pass_batches: expected an int >= 1"),
+        (["demo", "--max-rows", "0"], "max_rows: expected an int >= 1 or null"),
+        (["demo", "--examples", "5", "--no-progress"], "an AUC needs both clicks and non-clicks"),
+        (["demo", "--data", "/nonexistent/day_0"], "data: no file or directory"),
+        (["demo", "--json", "/nonexistent/x.json"], "its directory '/nonexistent' does not exist"),
+    ],
+)
+def test_the_command_line_says_what_is_wrong_in_one_line(trained, capsys, argv, message):
+    from hierps.cli import main
+
+    store, _ = trained
+    path = str(store.path)
+    store.close()  # inspect reads it from outside
+    assert main([a.format(store=path) for a in argv]) == 2
+    out, err = capsys.readouterr()
+    assert err.count("\n") == 1 and message in err and "Traceback" not in err, err
+    assert out == ""  # refused before any work
+
+
+def test_batch_ids_index_dicts_and_tuples_only(trained):
+    """``{"user": 5}`` on a batch that is a tensor read its sixth row as ids; it is refused, and a
+    module name the engine does not train is refused when the loader is made."""
+    from types import SimpleNamespace
+
+    from hierps.integrations.loader import PassLoader
+
+    store, bag = trained
+    batches = [torch.arange(8 * i, 8 * i + 8).reshape(8, 1) for i in range(3)]
+    with pytest.raises(
+        errors.ConfigError, match=r"reads batch\[5\], which this batch does not have \(a Tensor\)"
+    ):
+        list(PassLoader(batches, {"t": 5}, store, pass_batches=2))
+    assert store.passes == 0
+    engine = SimpleNamespace(hierps_store=store, hierps_modules={"t": bag}, hierps_config=None)
+    with pytest.raises(errors.ConfigError, match=r"batch_ids: 'user' is not a module the store trains"):
+        PassLoader(batches, {"user": 0}, engine)
+    loader = PassLoader([(b, b) for b in batches], {"t": 0}, engine, pass_batches=2)
+    assert [int(x.sum()) for x, _ in loader] == [int(b.sum()) for b in batches] and store.passes == 2

@@ -279,3 +279,81 @@ def test_offsets_changed_in_place_are_checked_again(trained):
         bag(torch.arange(0, 8), offsets)
     with pytest.raises(errors.OffsetsError, match="past the end of input"):
         bag(torch.arange(0, 3), torch.tensor([0, 4]))
+
+
+def test_write_rows_with_a_repeated_key_is_refused_and_checkpoints_go_on(make_store):
+    """A key repeated across the slices write_rows sorts and encodes (2^18 rows each) is found too;
+    nothing is written, and every later checkpoint works (repeated keys in the RAM tier made every
+    checkpoint fail, for the rest of the process)."""
+    store = make_store(memory_budget="1MiB")
+    info = store.table("t", 4)
+    n = (1 << 18) + 1
+    keys = np.arange(n, dtype=np.int64)
+    keys[-1] = (1 << 18) - 1  # sorted, the two copies meet where the first slice ends
+    rows = np.zeros((n, info.width), np.float32)
+    with pytest.raises(errors.ConfigError, match=f"key {(1 << 18) - 1} appears more than once"):
+        store.write_rows("t", keys, rows)
+    assert store.num_rows("t") == {"device": 0, "memory": 0, "ssd": 0}
+    store.write_rows("t", keys[:-1][::-1], rows[:-1])  # unique, in reverse order: written
+    ckpt = store.checkpoint()
+    path = store.path
+    store.close()
+    with hierps.Store(path, device="cpu") as again:
+        assert again.checkpoint_id == ckpt and again.num_rows("t")["ssd"] == n - 1
+
+
+def test_end_pass_counts_each_pass_once(trained):
+    store, bag = trained
+    with pytest.raises(errors.ConfigError, match="no pass is open"):
+        store.end_pass()
+    assert store.passes == 0
+    with store.run_pass({"t": torch.arange(0, 10)}):
+        bag(torch.arange(0, 10), torch.tensor([0, 5])).sum().backward()
+        store.step()
+    assert store.passes == 1
+    with pytest.raises(errors.ConfigError, match=r"no pass is open \(1 passes closed"):
+        store.end_pass()  # a repeated end_pass does not count the pass again
+    assert store.passes == 1
+
+
+def test_retire_checkpoints_keeps_only_checkpoint_ids(make_store):
+    store = make_store(keep_checkpoints=10)
+    store.table("t", 4)
+    for i in range(4):
+        store.write("t", [i], np.full((1, 4), i, np.float32))
+        store.checkpoint(tag=f"c{i}")
+    ids = [c["id"] for c in store.list_checkpoints()]
+    for keep, message in [("x", "keep is a str"), ([999], "no checkpoint 999"), ({1, "2"}, "keep holds '2'")]:
+        with pytest.raises(errors.ConfigError, match=message):
+            store.retire_checkpoints(keep)
+        assert [c["id"] for c in store.list_checkpoints()] == ids  # nothing retired
+    store.retire_checkpoints([np.int64(ids[1])])
+    assert [c["id"] for c in store.list_checkpoints()] == [ids[1], ids[-1]]  # and the current one
+
+
+def test_a_table_keeps_its_initializer(make_store, tmp_path):
+    store = make_store(seed=3)
+    info = store.table("t", 4, initializer="uniform", optimizer={"type": "adagrad", "params": {"lr": 0.1}})
+    before = store.lookup("t", [5, 6]).clone()
+    with pytest.raises(errors.TableMismatchError, match=r"initializer \{'type': 'uniform'"):
+        store.table("t", 4, initializer={"type": "uniform", "params": {"low": -1.0, "high": 1.0}})
+    assert store.table("t", 4, initializer="uniform") is info  # the same one: taken
+    store.checkpoint()
+    store.close()
+    with hierps.Store(tmp_path / "store", device="cpu") as again:
+        with pytest.raises(errors.TableMismatchError, match="cannot follow a new initializer"):
+            again.table("t", 4, initializer="normal", optimizer={"type": "adagrad", "params": {"lr": 0.5}})
+        assert again.tables["t"].optimizer.params["lr"] == 0.1  # refused whole: nothing else changed
+        again.table("t", 4, optimizer={"type": "adagrad", "params": {"lr": 0.5}})  # new hyper-parameters
+        assert again.tables["t"].optimizer.params["lr"] == 0.5
+        torch.testing.assert_close(again.lookup("t", [5, 6]), before, rtol=0, atol=0)
+
+
+def test_eps_zero_is_taken_only_where_no_step_divides_by_zero(make_store):
+    store = make_store()
+    opt = {"type": "adagrad", "params": {"eps": 0, "initial_accumulator_value": 0.1}}
+    assert store.table("a", 4, optimizer=opt).optimizer.params["eps"] == 0
+    with pytest.raises(errors.ConfigError, match="rowwise_adagrad needs eps > 0"):
+        store.table("r", 4, optimizer={"type": "rowwise_adagrad", "params": {"eps": 0.0}})
+    with pytest.raises(errors.ConfigError, match=r"eps: expected a number >= 0.0"):
+        store.table("r", 4, optimizer={"type": "adam", "params": {"eps": -1e-8}})

@@ -4,7 +4,8 @@ Ranks are threads (:mod:`thread_world`); the oracle is one ``hierps.Store`` trai
 global batches. Checked: the same rows as one process at world sizes 2 and 3 (pooled tables of
 two dims and a plain ``Embedding``), no key travelling per mini-batch, all-to-all bytes within
 1.3x of the rows and gradients that must travel, mini-batches other than the announced ones
-(every rank falls back together, same results), and a NaN on one rank.
+(every rank falls back together, same results: the whole mini-batch, or the second table of a
+pooled pair on one rank only), and a NaN on one rank.
 """
 
 from __future__ import annotations
@@ -37,9 +38,13 @@ def global_batches(seed: int = 0) -> list[dict[str, np.ndarray]]:
     return out
 
 
+Bags = list[tuple[str, int, str]]
+
+
 class Model(torch.nn.Module):
-    def __init__(self, store: Any) -> None:
+    def __init__(self, store: Any, bags: Bags = BAGS) -> None:
         super().__init__()
+        self.names = [name for name, _, _ in bags]
         self.bags = torch.nn.ModuleDict(
             {
                 name: hierps.EmbeddingBag(
@@ -50,7 +55,7 @@ class Model(torch.nn.Module):
                     name=name,
                     optimizer={"type": opt, "params": PARAMS[opt]},
                 )
-                for name, dim, opt in BAGS
+                for name, dim, opt in bags
             }
         )
         self.emb = hierps.Embedding(
@@ -60,17 +65,17 @@ class Model(torch.nn.Module):
     def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         n = batch["a"].shape[0]
         offsets = torch.arange(n)
-        outs = [self.bags[name](batch[name], offsets) for name, _, _ in BAGS]
+        outs = [self.bags[name](batch[name], offsets) for name in self.names]
         x = torch.cat([outs[0] * outs[1], outs[2], self.emb(batch["e"]).sum(1)], dim=1)
         return (x.sum(1) + 0.5 * x.pow(2).sum(1)).mean()  # the mean over this rank's examples
 
 
 def train(
-    store: Any, rank: int, world: int, ran: list[dict[str, np.ndarray]] | None = None
+    store: Any, rank: int, world: int, ran: list[dict[str, np.ndarray]] | None = None, bags: Bags = BAGS
 ) -> dict[str, Any]:
     """Train on this rank's slice of the global batches (``ran``: the ids really run, if they are
     not the announced ones)."""
-    model = Model(store)
+    model = Model(store, bags)
     share = GLOBAL // world
     announced = [{t: v[rank * share : (rank + 1) * share] for t, v in b.items()} for b in global_batches()]
     actual = [
@@ -93,16 +98,20 @@ def train(
     }
 
 
-def one_process(path: Path, ran: list[dict[str, np.ndarray]] | None = None) -> dict[str, Any]:
+def one_process(
+    path: Path, ran: list[dict[str, np.ndarray]] | None = None, bags: Bags = BAGS
+) -> dict[str, Any]:
     with hierps.Store(path, device="cpu", memory_budget="4KiB") as store:
-        return train(store, 0, 1, ran)
+        return train(store, 0, 1, ran, bags)
 
 
-def sharded(path: Path, world: int, ran: list[dict[str, np.ndarray]] | None = None) -> list[dict[str, Any]]:
+def sharded(
+    path: Path, world: int, ran: list[dict[str, np.ndarray]] | None = None, bags: Bags = BAGS
+) -> list[dict[str, Any]]:
     def rank_main(transport: ThreadTransport) -> dict[str, Any]:
         store = hierps.ShardedStore(path, transport, device="cpu", memory_budget="4KiB")
         try:
-            return train(store, transport.rank, world, ran)
+            return train(store, transport.rank, world, ran, bags)
         finally:
             store.close()
 
@@ -149,6 +158,25 @@ def test_mini_batches_other_than_the_announced_fall_back_together(tmp_path):
     assert all(r["fetched"] > 0 for r in results)  # the rest of that pass went key by key
 
 
+@pytest.mark.parametrize("opt", ["adagrad", "adam"])
+def test_a_second_table_other_than_announced_on_one_rank_falls_back_on_every_rank(tmp_path, opt):
+    """Mini-batch 5 runs the announced ids of table "a" everywhere, and of table "b" (pooled with
+    "a", so its rows were fetched with a's) on rank 0 only: both ranks go key by key from table "b"
+    on, and step exactly what one process steps (with Adam, b's announced rows, which no forward
+    took, are not stepped with zero gradients)."""
+    bags = [("a", 8, opt), ("b", 8, opt), ("c", 24, "adam")]  # a and b pool together, e (dim 16) apart
+    ran = global_batches()
+    share = GLOBAL // 2
+    ran[5]["b"] = np.concatenate([ran[5]["b"][:share], global_batches(seed=9)[5]["b"][share:]])
+    assert not np.array_equal(ran[5]["b"][share:], global_batches()[5]["b"][share:])
+    ref = one_process(tmp_path / "one", ran, bags)
+    results = sharded(tmp_path / "store", 2, ran, bags)
+    for got in results:
+        for t, rows in ref["rows"].items():
+            np.testing.assert_allclose(got["rows"][t], rows, rtol=1e-5, atol=1e-6, err_msg=t)
+        assert got["fetched"] > 0  # the rest of that pass went key by key
+
+
 def test_nan_on_one_rank_skips_the_step_on_every_rank(tmp_path):
     def rank_main(transport: ThreadTransport) -> tuple[np.ndarray, np.ndarray]:
         store = hierps.ShardedStore(tmp_path / "s", transport, device="cpu")
@@ -169,3 +197,21 @@ def test_nan_on_one_rank_skips_the_step_on_every_rank(tmp_path):
 
     for before, after in run_ranks(2, rank_main):
         np.testing.assert_array_equal(after, before)
+
+
+def test_end_pass_outside_a_pass_is_refused_on_every_rank(tmp_path):
+    def rank_main(transport: ThreadTransport) -> int:
+        store = hierps.ShardedStore(tmp_path / "s", transport, device="cpu")
+        try:
+            bag = hierps.EmbeddingBag(None, 4, mode="sum", store=store, name="a")
+            ids = torch.from_numpy(KEYS[transport.rank * 10 : transport.rank * 10 + 20])
+            with store.run_pass([{"a": ids}]):
+                bag(ids, torch.arange(ids.numel())).sum().backward()
+                store.step()
+            with pytest.raises(hierps.ConfigError, match="end_pass: no pass is open"):
+                store.end_pass()  # repeated: the pass counts once
+            return store.local.passes
+        finally:
+            store.close()
+
+    assert run_ranks(2, rank_main) == [1, 1]

@@ -97,12 +97,13 @@ class Checkpoints:
 
     def retire(self, keep: Collection[int] | None = None) -> None:
         """Retire every checkpoint not in ``keep`` (default: the newest ``keep_checkpoints``) but the
-        current one, and collect the segments no kept checkpoint names."""
+        current one, and collect the segments no kept checkpoint names. ``keep``: a collection of
+        checkpoint ids of this store; ``ConfigError`` for anything else, before anything is retired."""
         core = self.core
         core.check_open()
-        self.pipe.drain()
         ids = core.catalog.ids()
-        kept = set(ids[-core.keep_checkpoints :] if keep is None else keep)
+        kept = set(ids[-core.keep_checkpoints :]) if keep is None else _checkpoint_ids(keep, ids)
+        self.pipe.drain()
         for old in ids:
             if old not in kept and old != core.checkpoint_id:
                 core.catalog.delete(old)
@@ -194,6 +195,22 @@ class Checkpoints:
             m = self.core.catalog.manifest(ckpt)
             out.append({"id": ckpt, "tag": m.tag, "created": m.created})
         return out
+
+
+def _checkpoint_ids(keep: Any, ids: list[int]) -> set[int]:
+    """``retire(keep=)``: a collection of ints, each the id of one of the checkpoints ``ids`` -> a set."""
+    hint = "pass a list of checkpoint ids to keep (list_checkpoints() gives them), or None"
+    if isinstance(keep, (str, bytes)) or not isinstance(keep, Collection):
+        raise ConfigError(f"retire_checkpoints: keep is a {type(keep).__name__} ({keep!r}); {hint}.")
+    wrong = [k for k in keep if isinstance(k, bool) or not isinstance(k, (int, np.integer))]
+    if wrong:
+        raise ConfigError(f"retire_checkpoints: keep holds {wrong[0]!r}, not a checkpoint id; {hint}.")
+    unknown = sorted(int(k) for k in keep if int(k) not in ids)
+    if unknown:
+        raise ConfigError(
+            f"retire_checkpoints: no checkpoint {unknown[0]} to keep; the store has {ids}. Nothing was retired."
+        )
+    return {int(k) for k in keep}
 
 
 def _parse_extra(extra: Any) -> dict[str, Any]:

@@ -246,8 +246,11 @@ class StoreCore:
     def open_table(self, name: str, dim: int, spec: TableSpec | None, settings: TableSettings) -> TableInfo:
         """Create table ``name`` of ``dim`` floats per row with ``spec`` and ``settings`` (keywords
         replacing the spec's; unset settings: the store's defaults), or reopen it:
-        ``TableMismatchError`` when its dim, precisions or optimizer type differ from the stored
-        ones; other settings given replace the stored ones."""
+        ``TableMismatchError`` when its dim, precisions, optimizer type or initializer differ from
+        the stored ones; other settings given replace the stored ones. The initializer stays: a key's
+        first row comes from ``(seed, table, key)`` and the initializer alone, whichever tier or pass
+        first sees it, so rows already read or trained from the old one could not match rows drawn
+        from a new one."""
         self.check_open()
         problem = table_name_problem(name)
         if problem is not None:
@@ -290,6 +293,13 @@ class StoreCore:
                     f"{asked!r}. Rows keep the precision they were created with: pass {held!r} "
                     "(or nothing), or use another table name or another store directory."
                 )
+        if spec.initializer is not None and spec.initializer != info.initializer:
+            raise TableMismatchError(
+                f"table {name!r}: its rows start from the initializer {info.initializer.to_json()}, asked "
+                f"for {spec.initializer.to_json()}. Rows already drawn (read, trained or checkpointed) "
+                "cannot follow a new initializer: pass the stored one (or none), or use another table "
+                "name or another store directory."
+            )
         opt = spec.optimizer
         if opt is not None and info.optimizer != opt:
             if info.optimizer.type != opt.type:
@@ -307,6 +317,7 @@ class StoreCore:
 
     def num_rows(self, table: str) -> dict[str, int]:
         """Rows of ``table`` per tier: ``{"device", "memory", "ssd"}``, once the pipeline is quiet."""
+        self.info(table)  # an unknown table: ConfigError naming the tables
         self.pipe.drain()
         return {
             "device": self.device_tier.num_rows(table),

@@ -17,6 +17,7 @@ import torch
 from hierps._core import StoreCore
 from hierps.errors import ConfigError
 from hierps.rows import _ids
+from hierps.rows._optim import state_parts
 from hierps.rows._table import TableInfo
 from hierps.training._pipeline import PassPipeline
 from hierps.training._trainer import SparseTrainer
@@ -56,10 +57,9 @@ class RowAccess:
         """Set the weights of unique ``keys`` (n,) to ``weights`` (n, dim); optimizer state starts afresh."""
         core = self.core
         info, keys, w = self._checked("write", table, keys, weights, "weights", "dim")
-        if len(np.unique(keys)) != len(keys):
-            raise ConfigError(f"write to {table!r}: keys must be unique.")
-        self.pipe.drain()
         order = np.argsort(keys, kind="stable")
+        _refuse_repeats("write", table, keys, order)
+        self.pipe.drain()
         keys = keys[order]
         rows = info.fresh_rows(keys, core.passes, w[order].astype(np.float32))
         core.pending_keys[table].remove(keys)
@@ -74,12 +74,19 @@ class RowAccess:
             core.memory.put(table, keys[part], rows[part], dirty=True)
 
     def write_rows(self, table: str, keys: Any, rows: Any) -> None:
-        """Set whole decoded rows (n, width) of unique ``keys`` (n,), stored in the table's precisions."""
+        """Set whole decoded rows (n, width) of unique ``keys`` (n,), stored in the table's precisions.
+
+        Refused (``ConfigError``, nothing written) when a key repeats, a value is NaN or inf, or a
+        sum of squared gradients in the optimizer state is negative; each check reads the rows a
+        slice at a time, so memory stays bounded however many rows are written."""
         core = self.core
         info, keys, rows = self._checked("write_rows", table, keys, rows, "rows", "width")
+        order = None if _ids.strictly_increasing(keys) else np.argsort(keys, kind="stable")
+        if order is not None:
+            _refuse_repeats("write_rows", table, keys, order)
+        _refuse_bad_rows(info, rows)
         self.pipe.drain()
         core.device_tier.discard(table)
-        order = None if _ids.strictly_increasing(keys) else np.argsort(keys, kind="stable")
         for start in range(0, len(keys), _ENCODE_ROWS):
             part = (
                 slice(start, start + _ENCODE_ROWS) if order is None else order[start : start + _ENCODE_ROWS]
@@ -116,6 +123,58 @@ class RowAccess:
         core.memory.discard(table)
         core.ssd.reset(table)
         info.step = 0
+
+
+def _refuse_repeats(what: str, table: str, keys: np.ndarray, order: np.ndarray) -> None:
+    """``ConfigError`` naming a key that appears twice in ``keys`` (n,), sorted by ``order`` (n,);
+    the sorted keys are compared a slice at a time (no sorted copy of them all)."""
+    last = None
+    for start in range(0, len(order), _ENCODE_ROWS):
+        run = keys[order[start : start + _ENCODE_ROWS]]
+        if last is not None:
+            run = np.concatenate([last, run])
+        same = np.flatnonzero(run[1:] == run[:-1])
+        if len(same):
+            raise ConfigError(
+                f"{what} to {table!r}: keys must be unique; key {int(run[same[0]])} appears more than "
+                "once. Pass each key once (with the row it should end with)."
+            )
+        last = run[-1:]
+
+
+# State parts that sum (or average) squared gradients: never negative, or a step takes the square
+# root of a negative number (see hierps.rows._optim).
+_SQUARED_STATE = frozenset({"sum", "exp_avg_sq", "n"})
+
+
+def _refuse_bad_rows(info: TableInfo, rows: np.ndarray) -> None:
+    """``ConfigError`` for decoded ``rows`` (n, width) holding a NaN or inf anywhere, or a negative
+    value in a part of the optimizer state that sums squared gradients; read a slice at a time."""
+    squared, column = [], info.dim
+    for name, count, _ in state_parts(info.optimizer.type, info.dim):
+        if name in _SQUARED_STATE:
+            squared.append((name, column, column + count))
+        column += count
+    for start in range(0, len(rows), _ENCODE_ROWS):
+        part = rows[start : start + _ENCODE_ROWS]
+        with np.errstate(over="ignore"):  # float64 beyond float32's range: inf once stored
+            bad = ~np.isfinite(part.astype(np.float32, copy=False))
+        if bad.any():
+            row, col = (int(i[0]) for i in np.nonzero(bad))
+            raise ConfigError(
+                f"write_rows to {info.name!r}: row {start + row} holds {part[row, col]} in column {col}; "
+                "rows must be finite float32 (weights, optimizer state and counters). Nothing was written."
+            )
+        for name, a, b in squared:
+            negative = part[:, a:b] < 0
+            if negative.any():
+                row, col = (int(i[0]) for i in np.nonzero(negative))
+                raise ConfigError(
+                    f"write_rows to {info.name!r}: row {start + row} holds {part[row, a + col]} in column "
+                    f"{a + col}, its {info.optimizer.type} state {name!r}: a sum of squared gradients, "
+                    "which cannot be negative. Nothing was written; pass the state a row was read with "
+                    "(read_rows) or 0."
+                )
 
 
 def real_array(data: Any, what: str) -> np.ndarray:

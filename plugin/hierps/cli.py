@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from hierps.errors import ConfigError, HierpsError
 
@@ -17,14 +19,41 @@ def _demo(args: argparse.Namespace) -> int:
     from hierps.demo.app import DemoConfig, run_demo
 
     given = ("examples", "data", "max_rows", "batch_size", "pass_batches", "memory_budget", "device_budget")
+    _check_json_target(args.json)
     cfg = DemoConfig(
         **{name: getattr(args, name) for name in (*given, "store", "seed")}, progress=not args.no_progress
     )
     result = run_demo(cfg)
-    if args.json:
-        with open(args.json, "w", encoding="utf-8") as f:
-            json.dump(result, f, indent=1)
+    _write_json(args.json, result)
     return 0
+
+
+def _check_json_target(path: str | None) -> None:
+    """``--json PATH``: a file that can be written, checked before the work it reports on."""
+    if path is None:
+        return
+    target = Path(path)
+    folder = target.parent
+    if target.is_dir():
+        problem = "is a directory"
+    elif not folder.is_dir():
+        problem = f"its directory {str(folder)!r} does not exist"
+    elif not os.access(folder, os.W_OK):
+        problem = f"its directory {str(folder)!r} is not writable"
+    else:
+        return
+    raise ConfigError(f"--json {path!r}: {problem}; give a file path in an existing, writable directory.")
+
+
+def _write_json(path: str | None, report: Any) -> None:
+    """Write ``report`` to ``--json PATH`` (if given); ``ConfigError`` when the file cannot be written."""
+    if path is None:
+        return
+    try:
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump(report, f, indent=1)
+    except OSError as exc:
+        raise ConfigError(f"--json {path!r}: cannot be written ({exc.strerror or exc}).") from exc
 
 
 def _bench(args: argparse.Namespace) -> int:
@@ -41,11 +70,10 @@ def _ref(text: str) -> int | str:
 def _inspect(args: argparse.Namespace) -> int:
     from hierps.lifecycle._inspection import format_report, inspect_path
 
+    _check_json_target(args.json)
     report = inspect_path(args.path, counts=not args.no_counts)
     print(format_report(report))
-    if args.json:
-        with open(args.json, "w", encoding="utf-8") as f:
-            json.dump(report, f, indent=1)
+    _write_json(args.json, report)
     return 0
 
 

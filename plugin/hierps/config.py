@@ -32,6 +32,8 @@ __all__ = [
     "TableSettings",
     "TableSpec",
     "parse_dtype",
+    "parse_int",
+    "parse_number",
     "parse_setting",
     "parse_size",
 ]
@@ -91,9 +93,11 @@ def parse_size(value: Any, name: str = "size") -> int:
     return n
 
 
-def _check_number(
+def parse_number(
     name: str, value: Any, *, low: float | None = None, high: float | None = None, low_open: bool = False
 ) -> float:
+    """A finite int or float within the bounds (``low_open``: above ``low``) -> float; ``ConfigError``
+    naming ``name`` and the value otherwise (a bool is not a number here)."""
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
         raise ConfigError(f"{name}: expected a finite number. Got {value!r} instead.")
     if low is not None and (value < low or (low_open and value == low)):
@@ -158,26 +162,36 @@ class OptimizerConfig:
         if "lr" in merged and merged["lr"] is None:
             raise ConfigError("optimizer.params.lr: sgd needs a learning rate (like torch.optim.SGD).")
         if "lr" in merged:
-            _check_number("optimizer.params.lr", merged["lr"], low=0.0)
+            parse_number("optimizer.params.lr", merged["lr"], low=0.0)
         if "alpha" in merged:
-            _check_number("optimizer.params.alpha", merged["alpha"], low=0.0, low_open=True)
+            parse_number("optimizer.params.alpha", merged["alpha"], low=0.0, low_open=True)
         for name in ("beta", "lambda1", "lambda2"):
             if name in merged:
-                _check_number(f"optimizer.params.{name}", merged[name], low=0.0)
+                parse_number(f"optimizer.params.{name}", merged[name], low=0.0)
         if "eps" in merged:
-            _check_number("optimizer.params.eps", merged["eps"], low=0.0)
+            parse_number("optimizer.params.eps", merged["eps"], low=0.0)
         if "lr_decay" in merged:
-            _check_number("optimizer.params.lr_decay", merged["lr_decay"], low=0.0)
+            parse_number("optimizer.params.lr_decay", merged["lr_decay"], low=0.0)
         if "initial_accumulator_value" in merged:
-            _check_number(
+            parse_number(
                 "optimizer.params.initial_accumulator_value", merged["initial_accumulator_value"], low=0.0
+            )
+        if merged.get("eps") == 0 and not merged.get("initial_accumulator_value"):
+            # The step divides by sqrt(second moment) + eps, and a row's second moment is 0 until a
+            # gradient reaches it: a coordinate (a row, for the row-wise ones) whose gradient is 0
+            # would get 0 / 0 = NaN. torch.optim.SparseAdam refuses eps=0 for the same reason.
+            start = " or initial_accumulator_value > 0" if "initial_accumulator_value" in merged else ""
+            raise ConfigError(
+                f"optimizer.params.eps: {self.type} needs eps > 0{start}: with 0, a zero gradient on a "
+                f"row whose second moment is still 0 gives NaN weights. Got {merged['eps']!r} instead; use "
+                f"the default ({allowed['eps']!r})."
             )
         if "betas" in merged:
             betas = merged["betas"]
             if not isinstance(betas, (list, tuple)) or len(betas) != 2:
                 raise ConfigError(f"optimizer.params.betas: expected two numbers. Got {betas!r} instead.")
             for b in betas:
-                _check_number("optimizer.params.betas", b, low=0.0, high=1.0)
+                parse_number("optimizer.params.betas", b, low=0.0, high=1.0)
             if betas[0] >= 1.0 or betas[1] >= 1.0:
                 raise ConfigError(f"optimizer.params.betas: each beta must be < 1. Got {betas!r} instead.")
             merged["betas"] = (float(betas[0]), float(betas[1]))
@@ -227,7 +241,7 @@ class InitializerConfig:
         if unknown:
             raise ConfigError(f"initializer.params: {self.type} takes no parameter {unknown[0]!r}.")
         merged = {
-            k: _check_number(f"initializer.params.{k}", v) for k, v in {**allowed, **self.params}.items()
+            k: parse_number(f"initializer.params.{k}", v) for k, v in {**allowed, **self.params}.items()
         }
         if self.type == "normal" and merged["std"] < 0:
             raise ConfigError(f"initializer.params.std: must be >= 0. Got {merged['std']!r} instead.")
@@ -277,7 +291,9 @@ def _rekey(exc: ConfigError, default: str, key: str) -> ConfigError:
     return ConfigError(key + text[len(default) :] if text.startswith(default) else text)
 
 
-def _check_int(name: str, value: Any, low: int, *, optional: bool = False) -> int | None:
+def parse_int(name: str, value: Any, low: int, *, optional: bool = False) -> int | None:
+    """An int >= ``low`` (or None when ``optional``); ``ConfigError`` naming ``name`` and the value
+    otherwise (a bool is not an int here)."""
     if value is None and optional:
         return None
     if isinstance(value, bool) or not isinstance(value, int) or value < low:
@@ -310,13 +326,13 @@ class AdmissionConfig:
         self._validate("admission")
 
     def _validate(self, key: str) -> None:
-        _check_int(f"{key}.min_count", self.min_count, 1, optional=True)
-        _check_number(f"{key}.admit_probability", self.admit_probability, low=0.0, high=1.0)
+        parse_int(f"{key}.min_count", self.min_count, 1, optional=True)
+        parse_number(f"{key}.admit_probability", self.admit_probability, low=0.0, high=1.0)
         if self.unadmitted not in UNADMITTED_VALUES:
             raise ConfigError(
                 f"{key}.unadmitted: expected one of {UNADMITTED_VALUES}. Got {self.unadmitted!r} instead."
             )
-        _check_int(f"{key}.max_pending", self.max_pending, 1)
+        parse_int(f"{key}.max_pending", self.max_pending, 1)
         if self.min_count is None and self.admit_probability == 0.0:
             raise ConfigError(
                 f"{key}: min_count is null and admit_probability is 0, so no key would ever be "
@@ -383,10 +399,10 @@ class EvictionConfig:
         self._validate("eviction")
 
     def _validate(self, key: str) -> None:
-        _check_int(f"{key}.ttl_passes", self.ttl_passes, 1, optional=True)
-        _check_number(f"{key}.min_decayed_count", self.min_decayed_count, low=0.0)
-        _check_number(f"{key}.decay", self.decay, low=0.0, high=1.0, low_open=True)
-        _check_int(f"{key}.every_passes", self.every_passes, 1, optional=True)
+        parse_int(f"{key}.ttl_passes", self.ttl_passes, 1, optional=True)
+        parse_number(f"{key}.min_decayed_count", self.min_decayed_count, low=0.0)
+        parse_number(f"{key}.decay", self.decay, low=0.0, high=1.0, low_open=True)
+        parse_int(f"{key}.every_passes", self.every_passes, 1, optional=True)
         if not isinstance(self.reclaim_disk, bool):
             raise ConfigError(
                 f"{key}.reclaim_disk: expected true or false. Got {self.reclaim_disk!r} instead."
@@ -480,11 +496,11 @@ _SETTINGS: dict[str, Any] = {
     "device_budget": lambda v: parse_size(v, "device_budget"),
     "device": _parse_device,
     "eviction": _parse_eviction,
-    "seed": lambda v: _check_int("seed", v, 0),
+    "seed": lambda v: parse_int("seed", v, 0),
     "optimizer": OptimizerConfig.parse,
     "initializer": InitializerConfig.parse,
-    "keep_checkpoints": lambda v: _check_int("keep_checkpoints", v, 1, optional=True),
-    "max_segments": lambda v: _check_int("max_segments", v, 2),
+    "keep_checkpoints": lambda v: parse_int("keep_checkpoints", v, 1, optional=True),
+    "max_segments": lambda v: parse_int("max_segments", v, 2),
     "pipeline": _parse_bool("pipeline"),
 }
 
@@ -575,7 +591,8 @@ class TableSpec:
     """Sparse optimizer (``"adagrad"``, ``{"type": "sgd", "params": {"lr": 0.1}}``); its type is
     fixed when the table is created (the state layout), its hyper-parameters may change."""
     initializer: InitializerConfig | None = None
-    """How a never-seen key's row starts (``"normal"``, ``"uniform"``, ``"zeros"``)."""
+    """How a never-seen key's row starts (``"normal"``, ``"uniform"``, ``"zeros"``); fixed when the
+    table is created (rows already drawn from it cannot follow another)."""
     admission: AdmissionConfig | None = None
     """When a new key gets a trained row (a mapping like ``{"min_count": 3}``)."""
     eviction: EvictionConfig | None = None

@@ -97,7 +97,17 @@ class PassLoader:
                 )
         self.ids_of: IdsFn | None = None  # None: found from the first batches (infer_batch_ids)
         if ids is not None:
-            self.ids_of = ids if callable(ids) else _by_key(parse_batch_ids(ids))
+            self.ids_of = ids if callable(ids) else _by_key(self._checked(parse_batch_ids(ids)))
+
+    def _checked(self, places: dict[str, BatchIds]) -> dict[str, BatchIds]:
+        """``batch_ids`` naming only modules the engine swapped (when the loader has an engine)."""
+        unknown = sorted(set(places) - set(self.modules)) if self.modules else []
+        if unknown:
+            raise ConfigError(
+                f"batch_ids: {unknown[0]!r} is not a module the store trains; its modules are "
+                f"{sorted(self.modules)}. Map each of them to where its ids are in a batch."
+            )
+        return places
 
     def __len__(self) -> int:
         return len(self.loader)  # type: ignore[arg-type]
@@ -208,7 +218,8 @@ def _by_key(mapping: Mapping[str, BatchIds]) -> IdsFn:
             except (KeyError, IndexError, TypeError):
                 raise ConfigError(
                     f"batch_ids: module {module!r} reads batch{where.describe()}, which this batch does not "
-                    f"have (a {type(batch).__name__}). Map each module to a key of the batch."
+                    f"have (a {type(batch).__name__}). Map each module to a key of the batch: a dict's key "
+                    'or a tuple\'s index, then {"path": [...], "columns": [a, b]} for columns of a tensor.'
                 ) from None
         return out
 
@@ -232,9 +243,15 @@ class BatchIds:
     columns: tuple[int, int] | None = None
 
     def __call__(self, batch: Any) -> Any:
+        """The ids at this place of ``batch``; ``KeyError`` / ``IndexError`` / ``TypeError`` where the
+        batch has no such place (a key of the path indexes a mapping, a list or a tuple, never a
+        tensor: ``batch[5]`` of a tensor batch would be its sixth row, not ids)."""
         leaf = batch
         for key in self.path:
-            leaf = leaf[key]
+            if not isinstance(leaf, (Mapping, list, tuple)):
+                raise TypeError(f"a {type(leaf).__name__} is not indexed by a key of batch_ids")
+            node: Any = leaf  # a str key of a list raises TypeError, as the caller expects
+            leaf = node[key]
         if self.columns is not None:
             leaf = leaf[:, self.columns[0] : self.columns[1]]
         if isinstance(leaf, torch.Tensor) and leaf.dtype.is_floating_point:

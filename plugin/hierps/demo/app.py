@@ -19,9 +19,11 @@ import torch
 from torch import nn
 
 import hierps
+from hierps.config import parse_int, parse_number, parse_size
 from hierps.demo.data import CriteoData, CriteoSpec, generate, read_criteo_tsv
 from hierps.demo.metrics import auc
 from hierps.demo.models import ClickModel, make_model
+from hierps.errors import ConfigError
 
 __all__ = ["DemoConfig", "build_model", "load_data", "run_demo", "table_names"]
 
@@ -45,17 +47,51 @@ class DemoConfig:
     seed: int = 0
     progress: bool = True
 
+    def __post_init__(self) -> None:
+        """Every setting checked here, before any data is made or read (``ConfigError`` naming it)."""
+        for name in ("examples", "batch_size", "pass_batches", "embedding_dim"):
+            parse_int(name, getattr(self, name), 1)
+        parse_int("max_rows", self.max_rows, 1, optional=True)
+        parse_int("seed", self.seed, 0)
+        parse_number("test_fraction", self.test_fraction, low=0.0, high=1.0, low_open=True)
+        if self.test_fraction == 1.0:
+            raise ConfigError(
+                "test_fraction: expected a number < 1 (some examples must train). Got 1.0 instead."
+            )
+        for name in ("lr_sparse", "lr_dense"):
+            parse_number(name, getattr(self, name), low=0.0)
+        for name in ("memory_budget", "device_budget"):
+            parse_size(getattr(self, name), name)
+        if self.data is not None and not Path(self.data).exists():
+            raise ConfigError(
+                f"data: no file or directory {self.data!r}; give Criteo TSV file(s), or no data."
+            )
+
 
 def table_names(n_sparse: int = 26) -> list[str]:
     return [f"tables.{i}" for i in range(n_sparse)]
 
 
 def load_data(cfg: DemoConfig) -> tuple[CriteoData, CriteoData]:
+    """(train, test) examples; ``ConfigError`` for a TSV file that does not parse."""
     if cfg.data:
-        data = read_criteo_tsv(cfg.data, max_rows=cfg.max_rows)
+        try:
+            data = read_criteo_tsv(cfg.data, max_rows=cfg.max_rows)
+        except ValueError as exc:  # a line that is not Criteo TSV: the message names the file
+            raise ConfigError(f"data: {exc}") from exc
     else:
         data = generate(CriteoSpec(seed=cfg.seed), cfg.examples, seed=cfg.seed)
     return data.split(1.0 - cfg.test_fraction)
+
+
+def _check_split(train: CriteoData, probe: CriteoData) -> None:
+    """Enough examples to train on and to measure an AUC (clicks and non-clicks among the probe's)."""
+    labels = set(np.unique(probe.labels).tolist())
+    if len(train) == 0 or labels != {0.0, 1.0}:
+        raise ConfigError(
+            f"examples: {len(train)} to train on and {len(probe)} to test, with labels {sorted(labels)}: an "
+            "AUC needs both clicks and non-clicks among the test examples. Use more examples (e.g. 10000)."
+        )
 
 
 def build_model(
@@ -112,6 +148,8 @@ def run_demo(cfg: DemoConfig, out: Callable[[str], Any] = print) -> dict[str, An
     """Train one epoch pass by pass; print per-pass stats and ``final AUC x.xxxx``."""
     t_start = time.perf_counter()
     train, test = load_data(cfg)
+    probe = test.subset(slice(0, min(len(test), 20_000)))  # the probe of each pass: part of the test set
+    _check_split(train, probe)
     n_sparse = train.sparse.shape[1]
     names = table_names(n_sparse)
     tmp: tempfile.TemporaryDirectory[str] | None = None
@@ -127,7 +165,6 @@ def run_demo(cfg: DemoConfig, out: Callable[[str], Any] = print) -> dict[str, An
         model = build_model(store, cfg, n_dense=train.dense.shape[1], n_sparse=n_sparse)
         dense_opt = torch.optim.Adam(model.parameters(), lr=cfg.lr_dense)
         loss_fn = nn.BCEWithLogitsLoss()
-        probe = test.subset(slice(0, min(len(test), 20_000)))
         batches = list(train.batches(cfg.batch_size, shuffle=True, seed=cfg.seed))
         n_passes = (len(batches) + cfg.pass_batches - 1) // cfg.pass_batches
         out(

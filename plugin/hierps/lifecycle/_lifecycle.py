@@ -154,16 +154,29 @@ class FeatureLifeCycle:
 
 def observation(table: str, ids: Any, clicks: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The arguments of :meth:`FeatureLifeCycle.observe` -> (keys (N,) int64, shows (N,) float32 ones,
-    clicks (N,) float64), checked: one click label per id, or None for impressions only."""
+    clicks (N,) float64), checked: one click label per id, each 0 or 1 (an id is one impression,
+    clicked or not), or None for impressions only."""
     keys = _ids.as_int64_array(ids, what=f"ids for table {table!r}")
     labels = np.zeros(len(keys))
     if clicks is not None:
-        labels = clicks.detach().cpu().numpy() if isinstance(clicks, torch.Tensor) else np.asarray(clicks)
-        labels = labels.reshape(-1).astype(np.float64)
+        try:
+            labels = clicks.detach().cpu().numpy() if isinstance(clicks, torch.Tensor) else np.asarray(clicks)
+            labels = labels.reshape(-1).astype(np.float64)
+        except (TypeError, ValueError) as exc:
+            raise ConfigError(
+                f"observe on {table!r}: clicks must be numbers, 0 or 1 per id. Got {type(clicks).__name__} ({exc})."
+            ) from exc
         if labels.shape != keys.shape:
             raise ConfigError(
                 f"observe on {table!r}: {labels.size} clicks for {keys.size} ids; pass one "
                 "click label per id (repeat each example's label over its ids)."
+            )
+        wrong = np.flatnonzero((labels != 0) & (labels != 1))
+        if len(wrong):
+            raise ConfigError(
+                f"observe on {table!r}: click label {float(labels[wrong[0]])} for id {int(keys[wrong[0]])} (entry "
+                f"{int(wrong[0])}); each id is one impression, clicked (1) or not (0). Count an example "
+                "seen several times by repeating its ids, one label each."
             )
     return keys, np.ones(len(keys), np.float32), labels
 

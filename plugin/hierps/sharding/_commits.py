@@ -234,8 +234,10 @@ class ShardCheckpoints:
         self.collectives.barrier()  # every rank sees the same checkpoints from here on
 
     def _parts(self, snaps: list[Snapshot]) -> set[int]:
-        """This rank's checkpoints that ``snaps`` name."""
-        return {s.parts[self.rank] for s in snaps if self.rank < s.world_size}
+        """This rank's checkpoints that ``snaps`` name (those its store holds: keeping a part that is
+        gone keeps nothing, and restoring that snapshot says it is missing)."""
+        held = set(self.parts.core.catalog.ids())
+        return {s.parts[self.rank] for s in snaps if self.rank < s.world_size} & held
 
     # -- agreement -----------------------------------------------------------------------------
     def _agree_parts(self, value: int) -> list[int]:

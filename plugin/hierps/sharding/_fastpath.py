@@ -15,14 +15,17 @@
   gradients from every rank and updates the rows of all tables with the store's fused step.
 
 Every choice that changes which collectives run is taken by all ranks together: one small
-all-reduce per pass (is the pass the one announced everywhere?) and per fetched mini-batch (are
-these the announced ids everywhere?); otherwise the generic path of ``ShardedStore.gather``
-runs, key by key, with the same results.
+all-reduce per pass (is the pass the one announced everywhere?) and per table of a fetched
+mini-batch (are these the announced ids everywhere?), before the table takes any row: the first
+table's agreement comes before the fetch of the whole group, the others' before they take their
+rows from it. Once some rank's ids differ, every rank goes on with the generic path of
+``ShardedStore.gather``, key by key, with the same results; the tables that took their rows from
+a fetch before that step with them, and only those.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -31,7 +34,7 @@ import numpy as np
 import torch
 
 from hierps._store import Store, store_parts
-from hierps.errors import ConfigError
+from hierps.errors import HierpsError
 from hierps.sharding._local import OwnerParts
 from hierps.sharding._routes import (
     Asked,
@@ -78,7 +81,7 @@ class _Leaf:
     leaf: torch.Tensor
     take: torch.Tensor | None
     start: int
-    tables: list[str]
+    tables: Collection[str]  # the tables whose forwards used it (a pooled leaf: those that took a piece)
 
 
 @dataclass
@@ -94,6 +97,7 @@ class Fetched:
     generation: int  # the device tier's generation then
     leaves: list[_Leaf] = field(default_factory=list)
     fused: FusedBags | None = None
+    agreed: set[str] = field(default_factory=set)  # tables every rank agreed take their rows from here
 
 
 @dataclass
@@ -249,19 +253,20 @@ class PassRouter:
         k = batches.cursor.get(table, 0)
         found = batches.next_plan(table, ids, 0)
         fetched = fp.fetched.get((dim, k))
-        if fetched is None:
+        if fetched is None or table not in fetched.agreed:
+            # Once per table and mini-batch (a forward may ask twice: pooled, then alone), on every
+            # rank, before this table takes a row: all ranks go on fast, or all key by key.
             if not self._agree(found is not None):
                 self.fast = None  # these are not the announced mini-batches: key by key from here on
                 return None
-            fetched = fp.fetched[dim, k] = self._exchange(fp, dim, k)
-            self._pend(fetched)
-        elif found is None:
-            raise ConfigError(
-                f"table {table!r}: the ids of this forward are not those announced for mini-batch {k} "
-                "of the pass, whose rows were already fetched for its other tables. On a sharded store "
-                "each rank's training forwards take the mini-batches given to begin_pass, in order."
+            if fetched is None:
+                fetched = fp.fetched[dim, k] = self._exchange(fp, dim, k)
+                self._pend(fetched)
+            fetched.agreed.add(table)
+        if found is None:  # agreed for these ids, asked again with others in the same forward
+            raise HierpsError(
+                f"table {table!r}: mini-batch {k} of the pass was asked for with other ids within one forward."
             )
-        assert found is not None
         return fetched, k, found[1]
 
     def _ran(self, fp: _FastPass, table: str, dim: int, k: int) -> None:
@@ -321,7 +326,7 @@ class PassRouter:
             fused = fetched.fused = FusedBags(
                 leaf, {}, dict(zip(fetched.asked.batch.plans, pooled)), offsets, mode
             )
-            fetched.leaves.append(_Leaf(leaf, take, 0, list(fetched.asked.batch.plans)))
+            fetched.leaves.append(_Leaf(leaf, take, 0, fused.used))  # the tables that take their piece
         if (
             table in fused.used
             or mode != fused.mode
@@ -436,7 +441,7 @@ class PassRouter:
                 got = got * scale
             at = 0
             for t, n in zip(s.tables, s.splits):
-                if t in stepped:
+                if t in stepped and t in f.agreed:  # not a table that went key by key at this mini-batch
                     out.setdefault(t, []).append((f, at, got[at : at + n]))
                 at += n
         return out

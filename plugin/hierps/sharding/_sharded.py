@@ -337,9 +337,13 @@ class ShardedStore:
         self._passes.prefetch(self._parts.passes.parse_batches(batches))
 
     def end_pass(self) -> None:
-        """Close the pass on every rank: each owner writes its rows back (collective)."""
-        self._passes.end_pass()
-        self.local.end_pass()
+        """Close the pass on every rank: each owner writes its rows back (collective). ``ConfigError``
+        when no pass is open (see :meth:`hierps.Store.end_pass`), before anything changes."""
+        try:
+            self.local.end_pass()
+        finally:
+            if not self._parts.passes.in_pass:  # closed, even by an end_pass that raised
+                self._passes.end_pass()
 
     def run_pass(self, batches: Batches) -> AbstractContextManager[None]:
         """``with sharded.run_pass(batches): ...`` = begin_pass(batches) ... end_pass() (collective)."""

@@ -18,7 +18,7 @@ import torch
 
 from hierps._core import StoreCore
 from hierps._faults import fault_point
-from hierps.errors import DeviceBudgetError, InvalidIdsError
+from hierps.errors import ConfigError, DeviceBudgetError, InvalidIdsError
 from hierps.lifecycle._features import Features
 from hierps.rows import _ids
 from hierps.training._batchplan import Batch, PassBatches, same_batches, translate, union_positions
@@ -179,8 +179,17 @@ class PassRunner:
         the next pass begins (rows it shares stay resident). Tables whose eviction settings ask
         for it (``every_passes``) are shrunk here. When the disk refuses rows of the write-back
         (``StoreFullError``: they stay in RAM), the pass is closed all the same, without its shrink or
-        compaction, and then the error is raised."""
+        compaction, and then the error is raised.
+
+        ``ConfigError`` when no pass is open (none begun, or this one closed already, even by an
+        end_pass that raised): a pass counts once, so ``ttl_passes`` and ``last_pass`` count passes."""
         self._core.check_open()
+        if not self.in_pass:
+            raise ConfigError(
+                f"end_pass: no pass is open ({self._core.passes} passes closed, none begun since). Call "
+                "begin_pass(batches) first. An end_pass that raised (e.g. StoreFullError: its rows stay in "
+                "RAM) closed its pass all the same; do not repeat it."
+            )
         refused: OSError | None = None
         if not self._core.settings.pipeline:
             try:
