@@ -332,7 +332,8 @@ class Store:
         ``optimizer`` (``"adagrad"``, or a dict / :class:`~hierps.config.OptimizerConfig`) and
         ``initializer`` default to the store's. On reopening, an optimizer of the same type replaces
         the stored hyper-parameters from now on; another type raises
-        :class:`~hierps.errors.TableMismatchError` (the rows carry its state).
+        :class:`~hierps.errors.TableMismatchError` (the rows carry its state), and so does another
+        initializer (a key's first row comes from it, whichever tier first sees the key).
 
         ``weights_dtype`` (``"fp32"``, the default, ``"bf16"`` or ``"fp16"``) and ``state_dtype``
         (``"fp32"`` or ``"bf16"``: the per-coordinate optimizer state) are the precisions rows are

@@ -141,7 +141,9 @@ def ssd_tier_read(
         for i, name in enumerate(names):
             info = store.table(name, cfg["dim"])
             keys = np.unique(work.data.sparse[:, i])
-            store.write_rows(name, keys, rng.standard_normal((len(keys), info.width), dtype=np.float32))
+            rows = rng.standard_normal((len(keys), info.width), dtype=np.float32)
+            rows[:, info.dim :] = np.abs(rows[:, info.dim :])  # optimizer state sums squares: >= 0
+            store.write_rows(name, keys, rows)
         store.checkpoint()
         reader = hierps.CheckpointReader(store.path)  # its SSD tier reads the store's segments
         ssd = reader.ssd
