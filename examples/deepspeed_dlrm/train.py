@@ -5,7 +5,7 @@ section of ``ds_config.json`` moves the tables into the store, where they are ke
 Criteo feature ids (no hashing into a fixed range, no collisions) and spill from RAM to SSD.
 DeepSpeed trains the MLPs. Launch with any of::
 
-    python examples/deepspeed_dlrm/train.py
+    python examples/deepspeed_dlrm/train.py   # one rank: initialize sets RANK=0, WORLD_SIZE=1, ...
     deepspeed --num_gpus 1 examples/deepspeed_dlrm/train.py
     torchrun --nproc_per_node 1 examples/deepspeed_dlrm/train.py
     torchrun --nproc_per_node 2 examples/deepspeed_dlrm/train.py   # tables sharded over 2 ranks
@@ -18,8 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import socket
 import time
 from pathlib import Path
 
@@ -51,23 +49,6 @@ def parse_args() -> argparse.Namespace:
     return p.parse_args()
 
 
-def single_process_defaults() -> None:
-    """Let plain ``python train.py`` form a one-rank process group, as the launchers would."""
-    if "RANK" in os.environ or "HOROVOD_RANK" in os.environ:  # a launcher's job; horovodrun's is mapped
-        return
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    for key, value in {
-        "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(port),
-        "RANK": "0",
-        "WORLD_SIZE": "1",
-        "LOCAL_RANK": "0",
-    }.items():
-        os.environ.setdefault(key, value)
-
-
 def load_data(args: argparse.Namespace) -> tuple[CriteoData, CriteoData]:
     if args.data:
         data = read_criteo_tsv(args.data, max_rows=args.max_rows)
@@ -90,7 +71,6 @@ def evaluate(engine, data: CriteoData, dtype: torch.dtype, batch_size: int = 819
 
 def main() -> None:
     args = parse_args()
-    single_process_defaults()
     config = json.loads(Path(args.config).read_text())
     if args.store:
         config["hierarchical_ps"]["path"] = args.store

@@ -21,11 +21,23 @@ deleted; by default every id gets a row at first sight and none is ever deleted.
 are the precisions the table's rows are stored in (see :meth:`hierps.Store.table`); forwards and
 gradients stay float32. These six settings may also come as one value, ``spec=hierps.TableSpec.of(...)``,
 shared by several modules; a keyword given beside it replaces the spec's setting.
+
+State dicts: a module with ``num_embeddings`` N puts rows 0..N-1 of its table in ``state_dict()`` as
+``weight``, the (N, dim) tensor ``nn.Embedding`` would hold, when that is at most
+``state_dict_max_bytes`` (256 MiB); a larger or unbounded table, or one the store holds more than N
+rows of (fed raw ids beyond 0..N-1), raises :class:`~hierps.errors.NotSupportedError` saying how to
+save it (a store checkpoint, and the dense state under :func:`without_tables`). ``load_state_dict``
+writes a ``weight`` it finds into the store, so a checkpoint of the plain torch model warm-starts the
+hierps one; a state dict without it leaves the store's rows as they are (the store, not the state
+dict, holds the rows).
 """
 
 from __future__ import annotations
 
 import weakref
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from typing import Any, ClassVar, Self, Unpack
 
 import torch
@@ -33,13 +45,21 @@ import torch.nn.functional as F
 from torch import nn
 
 from hierps.config import TableSettings, TableSpec
-from hierps.errors import ConfigError, OffsetsError
+from hierps.errors import ConfigError, NotSupportedError, OffsetsError
 from hierps.interface import StoreInterface
 from hierps.rows._ids import check_ids_tensor, same_device
 
-__all__ = ["Embedding", "EmbeddingBag", "get_default_store", "set_default_store"]
+__all__ = ["Embedding", "EmbeddingBag", "get_default_store", "set_default_store", "without_tables"]
 
 _default_store: StoreInterface | None = None
+# True within without_tables(): state_dict() of the modules holds no table.
+_without_tables: ContextVar[bool] = ContextVar("hierps_without_tables", default=False)
+_HOW_TO_SAVE = (
+    "Save the rows with the store instead: engine.save_checkpoint(dir) under hierps.deepspeed (DeepSpeed's "
+    "files and a store checkpoint of the same tag), or store.checkpoint() beside torch.save of the dense "
+    "state taken under `with hierps.modules.without_tables(): model.state_dict()`; store.export(dir) "
+    "writes the rows for serving."
+)
 
 
 def set_default_store(store: StoreInterface | None) -> None:
@@ -55,6 +75,23 @@ def get_default_store() -> StoreInterface:
             "hierps.set_default_store(store) once before building modules."
         )
     return _default_store
+
+
+@contextmanager
+def without_tables() -> Iterator[None]:
+    """Within it, ``state_dict()`` of hierps modules holds no table: the dense state alone.
+
+    For rows saved by other means (a store checkpoint, as ``engine.save_checkpoint`` makes)::
+
+        with hierps.modules.without_tables():
+            torch.save(model.state_dict(), "dense.pt")
+        store.checkpoint()
+    """
+    token = _without_tables.set(True)
+    try:
+        yield
+    finally:
+        _without_tables.reset(token)
 
 
 class _StoreEmbedding(nn.Module):
@@ -158,6 +195,84 @@ class _StoreEmbedding(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self.num_embeddings}, {self.embedding_dim}, table={self.table!r}"
+
+    # -- state dicts: the table as the torch module's weight, where one can hold it -------------
+    # The largest table state_dict() copies out whole (rows x dim x 4 bytes): a state dict lives in
+    # memory at once, and a table past this is what the store is for.
+    state_dict_max_bytes: int = 256 * 2**20
+
+    def _save_to_state_dict(self, destination: dict[str, Any], prefix: str, keep_vars: bool) -> None:
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        if not _without_tables.get():
+            destination[prefix + "weight"] = self._table_weight(prefix + "weight")
+
+    def _table_weight(self, key: str) -> torch.Tensor:
+        """Rows 0..N-1 of the table: (N, dim) float32, as ``nn.Embedding.weight``; or why there is none."""
+        what = f"state_dict: {key!r} is table {self.table!r} of a hierps.{type(self).__name__}"
+        n, world = self.num_embeddings, getattr(self._store, "world_size", 1)
+        if n is None:
+            raise NotSupportedError(
+                f"{what} built with num_embeddings=None: any int64 id has a row, so no (N, "
+                f"{self.embedding_dim}) weight holds them. {_HOW_TO_SAVE}"
+            )
+        if world > 1:
+            raise NotSupportedError(
+                f"{what}, its rows sharded over {world} ranks (reading them is collective). {_HOW_TO_SAVE}"
+            )
+        size = n * self.embedding_dim * 4
+        if size > self.state_dict_max_bytes:
+            raise NotSupportedError(
+                f"{what}: {n:,} rows x {self.embedding_dim} float32 = {size / 2**20:,.1f} MiB, more than "
+                f"state_dict_max_bytes = {self.state_dict_max_bytes / 2**20:,.1f} MiB (raise it on the "
+                f"module to copy it out anyway). {_HOW_TO_SAVE}"
+            )
+        held = max(self._store.num_rows(self.table).values())
+        if held > n:
+            raise NotSupportedError(
+                f"{what}: the store holds {held:,} rows of it, more than num_embeddings={n:,}: its ids are "
+                f"not 0..{n - 1}, so a weight of {n:,} rows would leave rows out. {_HOW_TO_SAVE}"
+            )
+        return self.lookup(torch.arange(n))
+
+    def _load_from_state_dict(
+        self,
+        state_dict: dict[str, Any],
+        prefix: str,
+        local_metadata: dict[str, Any],
+        strict: bool,
+        missing_keys: list[str],
+        unexpected_keys: list[str],
+        error_msgs: list[str],
+    ) -> None:
+        key = prefix + "weight"
+        weight = state_dict.get(key)
+        if weight is not None:  # a torch module's weight (a warm start) or one state_dict() wrote
+            expected = (self.num_embeddings, self.embedding_dim)
+            shape = tuple(weight.shape) if isinstance(weight, torch.Tensor) else None
+            if (
+                shape is None
+                or len(shape) != 2
+                or shape[1] != self.embedding_dim
+                or self.num_embeddings not in (None, shape[0])
+            ):
+                error_msgs.append(
+                    f"size mismatch for {key}: copying a param with shape {shape} from checkpoint, the "
+                    f"table {self.table!r} in the store has rows of {expected[1]} floats"
+                    + (f" and num_embeddings {expected[0]}." if expected[0] is not None else ".")
+                )
+            else:
+                self._load_rows(weight, overwrite=True)
+            state_dict = {k: v for k, v in state_dict.items() if k != key}
+        super()._load_from_state_dict(
+            state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+        )
+
+    def __getstate__(self) -> dict[str, Any]:
+        raise NotSupportedError(
+            f"a hierps.{type(self).__name__} (table {self.table!r}) cannot be pickled (torch.save(model), "
+            "copy.deepcopy): its rows live in an open store. torch.save(model.state_dict()) holds tables of "
+            f"up to state_dict_max_bytes. {_HOW_TO_SAVE}"
+        )
 
 
 class Embedding(_StoreEmbedding):

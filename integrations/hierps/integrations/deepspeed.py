@@ -25,7 +25,8 @@ When the config has an enabled ``"hierarchical_ps"`` section it:
    latest checkpoint of the directory committed for all ranks, resharded when another number of
    ranks wrote it (one process can take over what many trained);
 3. logs one line saying which embedding modules went into the store and which stayed dense, and
-   why (``engine.hierps_swap``), warning when ``"auto"`` left one dense; the old modules' weights
+   why (``engine.hierps_swap``; rank 0, INFO on the ``hierps.deepspeed`` logger, on stderr while
+   the application has not configured logging), warning when ``"auto"`` left one dense; the old modules' weights
    become :class:`~hierps.integrations.swap.StaleWeight`, which raise ``StaleWeightError`` when used;
 4. builds the engine with ``deepspeed.initialize`` and extends its class with
    :class:`HierpsEngine`: ``step()`` runs DeepSpeed's step and then, when that step was an
@@ -52,7 +53,9 @@ see the dense parameters; the sparse rows get their true, unclipped gradients.
 from __future__ import annotations
 
 import copy
+import logging
 import os
+import sys
 import warnings
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -65,11 +68,10 @@ from deepspeed.constants import TORCH_DISTRIBUTED_DEFAULT_PORT
 from deepspeed.pipe import PipelineModule
 from deepspeed.runtime.base_optimizer import ZeROOptimizer
 from deepspeed.runtime.tensor_parallel.init_utils import load_ds_config
-from deepspeed.utils import log_dist
 from torch import nn
 
 from hierps._faults import fault_point
-from hierps._store import Store
+from hierps._store import Store, store_parts
 from hierps.config import TableSettings, TableSpec
 from hierps.errors import ConfigError
 from hierps.integrations.config import (
@@ -83,6 +85,7 @@ from hierps.integrations.config import (
 )
 from hierps.integrations.horovod import map_horovod_env
 from hierps.integrations.loader import PassLoader
+from hierps.integrations.rendezvous import free_port
 from hierps.integrations.swap import (
     DenseEmbeddingWarning,
     SwapReport,
@@ -91,7 +94,7 @@ from hierps.integrations.swap import (
     retire_weights,
 )
 from hierps.integrations.transport import HorovodTransport, TorchDistributedTransport
-from hierps.modules import Embedding, EmbeddingBag
+from hierps.modules import Embedding, EmbeddingBag, without_tables
 from hierps.rows._ids import same_device
 from hierps.sharding._commits import ALONE, ShardCheckpoints, rank_dir
 from hierps.sharding._sharded import ShardedStore, owner_of
@@ -101,6 +104,75 @@ __all__ = ["HierarchicalPSConfig", "HierpsEngine", "PassLoader", "initialize", "
 
 _RECORD_FORMAT = "hierps-deepspeed-checkpoint"
 _CLIENT_KEY = "hierps"  # in DeepSpeed's client state: which store checkpoint its files go with
+
+# Jobs DeepSpeed sets up itself when RANK, WORLD_SIZE, ... are missing: MPI launchers (OpenMPI,
+# MPICH / Intel MPI, PMIx, MVAPICH; read through mpi4py), AzureML and SageMaker.
+_SELF_DISCOVERED = (
+    "OMPI_COMM_WORLD_SIZE",
+    "PMI_SIZE",
+    "PMIX_RANK",
+    "MV2_COMM_WORLD_SIZE",
+    "AZUREML_EXPERIMENT_ID",
+    "SM_TRAINING_ENV",
+)
+
+
+class _UnconfiguredLogging(logging.Handler):
+    """Writes a record to stderr when no handler of the application's would: logging not set up.
+
+    Why not the usual ``NullHandler``: the swap line says what ``initialize`` did to the user's
+    model (which tables left its parameters), and a library default that hides it is how nobody
+    saw it. Why not WARNING: nothing is wrong, and a warning on every healthy start trains people
+    to ignore warnings. So the line is INFO on the ``hierps.deepspeed`` logger: once the
+    application configures logging (a handler on the root logger, ``logging.basicConfig``), it
+    goes there like any record and this handler stays silent; until then it reaches stderr, as
+    Python's own last-resort handler does for warnings. ``logging.getLogger("hierps.deepspeed")
+    .setLevel(logging.WARNING)`` silences it.
+    """
+
+    def emit(self, record: logging.LogRecord) -> None:
+        logger: logging.Logger | None = logging.getLogger(record.name)
+        while logger is not None:
+            if any(h is not self for h in logger.handlers):
+                return  # the application's handlers have it
+            logger = logger.parent if logger.propagate else None
+        try:
+            sys.stderr.write(self.format(record) + "\n")  # sys.stderr now: a redirected one too
+        except Exception:
+            self.handleError(record)
+
+
+_log = logging.getLogger("hierps.deepspeed")
+if _log.level == logging.NOTSET:  # a level set before this import is the application's
+    _log.setLevel(logging.INFO)
+_log.addHandler(_UnconfiguredLogging())
+
+
+def _single_process_env(dist_init_required: bool | None) -> dict[str, str]:
+    """Set what ``torchrun --nproc_per_node 1`` would for a process no launcher started.
+
+    ``python train.py`` has no RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR or MASTER_PORT, and
+    ``deepspeed.init_distributed`` then looks for an MPI job (``No module named 'mpi4py'``). When
+    neither RANK nor WORLD_SIZE is set (a launcher always sets both), no MPI / AzureML / SageMaker
+    job is found, and no process group exists or is refused (``dist_init_required=False``), this sets
+    RANK=0, WORLD_SIZE=1, LOCAL_RANK=0, LOCAL_WORLD_SIZE=1, MASTER_ADDR=127.0.0.1 and MASTER_PORT
+    (a free port), each unless already set (a chosen port, a LOCAL_RANK picking the device). Returns
+    what it set.
+    """
+    env = os.environ
+    if (
+        dist_init_required is False
+        or torch.distributed.is_initialized()
+        or any(name in env for name in ("RANK", "WORLD_SIZE", *_SELF_DISCOVERED))
+    ):
+        return {}
+    defaults = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"}
+    defaults["MASTER_ADDR"] = "127.0.0.1"
+    if "MASTER_PORT" not in env:
+        defaults["MASTER_PORT"] = str(free_port())
+    added = {k: v for k, v in defaults.items() if k not in env}
+    env.update(added)
+    return added
 
 
 def initialize(
@@ -126,7 +198,8 @@ def initialize(
     this is exactly ``deepspeed.initialize``. With one, the returned engine is a
     :class:`HierpsEngine`: ``engine.module.<name>`` is the hierps module (``lookup(ids)`` reads
     its rows), ``engine.hierps_store`` the store. A bad section raises ``ConfigError`` before
-    anything is built.
+    anything is built. In a process no launcher started (``python train.py``: no RANK or
+    WORLD_SIZE), it sets world-size-1 defaults first, as ``torchrun`` would.
     """
     kwargs = {
         "args": args,
@@ -193,6 +266,7 @@ def _initialize_with_store(
     chosen = select_modules(model, section)
     check_not_shared(model, chosen)
     map_horovod_env()  # under horovodrun: RANK, MASTER_ADDR, ... from HOROVOD_*; else nothing
+    _single_process_env(kwargs["dist_init_required"])  # plain `python train.py`: one rank, as torchrun
     # What deepspeed.initialize does first; done here so that rank and world size are known.
     deepspeed.init_distributed(
         dist_backend=get_accelerator().communication_backend_name(),
@@ -231,7 +305,8 @@ def _initialize_with_store(
         store.close()
         raise
     retire_weights(chosen, {name: getattr(t, "table", name) for name, t in twins.items()})
-    log_dist(report.line(), ranks=[0])
+    if first_rank:
+        _log.info("%s", report.line())
     if loader is not None and twins:  # DeepSpeed's loader of training_data, made pass-aware
         loader = PassLoader(loader, None, engine)
     return engine, optimizer, loader, scheduler
@@ -375,6 +450,12 @@ def _attach(
     engine.hierps_modules = twins
     engine.hierps_dense_allreduce = dense_allreduce
     engine._hierps_average = average
+    if isinstance(store, Store):  # steps at accumulation boundaries: gathers between them are expected
+        trainer = store_parts(store).trainer
+        # 4x: a micro-batch may gather a table more than once (a module the model calls twice).
+        trainer.gathers_before_warning = max(
+            trainer.gathers_before_warning, 4 * int(engine.gradient_accumulation_steps())
+        )
     dtype = torch.bfloat16 if engine.bfloat16_enabled() else torch.half if engine.fp16_enabled() else None
     for twin in {id(t): t for t in twins.values()}.values():
         twin.register_forward_hook(_OutputHook(engine, dtype))
@@ -470,7 +551,8 @@ class HierpsEngine:
         being saved either whole or refused when loaded:
 
         1. the store checkpoint is made durable; older store checkpoints are not retired yet;
-        2. DeepSpeed writes its files, the store checkpoint's id in their client state;
+        2. DeepSpeed writes its files (the dense state, no table), the store checkpoint's id in
+           their client state;
         3. ``<save_dir>/<tag>/hierps-rank-NNNNN.json`` names the store checkpoint: the tag is whole;
         4. ``latest`` names the tag (written atomically, once every rank finished 3);
         5. store checkpoints beyond ``keep_checkpoints`` are retired.
@@ -482,13 +564,14 @@ class HierpsEngine:
         ckpt = self.hierps_checkpoints.checkpoint(tag, retire=False)
         fault_point("deepspeed.store_saved")
         state = {**(client_state or {}), _CLIENT_KEY: {"checkpoint": ckpt, "tag": tag}}
-        out = super().save_checkpoint(  # type: ignore[misc]
-            save_dir,
-            tag=tag,
-            client_state=state,
-            save_latest=False,
-            exclude_frozen_parameters=exclude_frozen_parameters,
-        )
+        with without_tables():  # the store checkpoint holds the rows: none in DeepSpeed's files
+            out = super().save_checkpoint(  # type: ignore[misc]
+                save_dir,
+                tag=tag,
+                client_state=state,
+                save_latest=False,
+                exclude_frozen_parameters=exclude_frozen_parameters,
+            )
         fault_point("deepspeed.files_saved")
         record = _record_path(save_dir, tag, self.global_rank)
         record.parent.mkdir(parents=True, exist_ok=True)

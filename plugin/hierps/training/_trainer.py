@@ -17,10 +17,15 @@ optimizer step per touched row:
   and the tables of one arena, optimizer, dim and step count are updated by one gather, one
   :func:`~hierps.rows._optim.apply_step` and one scatter (:meth:`SparseTrainer._apply_steps`): the same
   arithmetic as row by row.
+
+A loop that never calls ``step()`` trains nothing, and its pending leaves hold memory: when one
+table has been gathered for training more than :attr:`SparseTrainer.gathers_before_warning` times
+since the last step (or ``zero_grad()``), a :class:`MissingStepWarning` says so, once per store.
 """
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,7 +43,11 @@ from hierps.rows._table import TableInfo
 from hierps.training._batchplan import Batch, BatchPlan, FusedBags, pool_bags
 from hierps.training._passes import PassRunner
 
-__all__ = ["SparseTrainer"]
+__all__ = ["MissingStepWarning", "SparseTrainer"]
+
+
+class MissingStepWarning(UserWarning):
+    """Forwards gathered rows for training many times over without a ``store.step()``."""
 
 
 @dataclass
@@ -57,11 +66,34 @@ class SparseTrainer:
     """Training gathers and the optimizer step: the part of :class:`hierps.Store` behind ``gather``,
     ``step``, ``apply_gradients`` and ``zero_grad``."""
 
+    # Gradient accumulation over k micro-batches gathers each table k times per step (more for a
+    # module a model calls twice): far fewer than this. hierps.deepspeed raises it for its
+    # gradient_accumulation_steps.
+    gathers_before_warning: int = 64
+
     def __init__(self, core: StoreCore, passes: PassRunner, features: Features) -> None:
         self._core = core
         self._passes = passes
         self._features = features
         self.pending: list[_Pending] = []  # what forwards gathered since the last step
+        self._gathers: dict[str, int] = {}  # table -> its entries in pending
+        self._warned = False
+
+    def _record(self, pending: _Pending) -> None:
+        """Keep what a forward gathered for the next step; warn once when steps seem forgotten."""
+        self.pending.append(pending)
+        n = self._gathers[pending.table] = self._gathers.get(pending.table, 0) + 1
+        if n > self.gathers_before_warning and not self._warned:
+            self._warned = True
+            warnings.warn(
+                f"hierps: table {pending.table!r} was gathered for training {n} times without a "
+                "store.step(): its rows are not trained, and the gathered rows and their gradients "
+                "are held in memory until a step. Call store.step() after each backward (after "
+                "the last micro-batch when accumulating gradients), or store.zero_grad() to discard "
+                "them; forwards that only evaluate run under torch.no_grad() or model.eval().",
+                MissingStepWarning,
+                stacklevel=4,
+            )
 
     def check_no_pending(self, what: str) -> None:
         """Raise ``ConfigError`` when rows were gathered for a step that has not run yet."""
@@ -74,6 +106,7 @@ class SparseTrainer:
     def drop(self, table: str | None = None) -> None:
         """Forget what forwards gathered (of ``table`` only, when given) without a step."""
         self.pending = [p for p in self.pending if table is not None and p.table != table]
+        self._gathers = {t: n for t, n in self._gathers.items() if table is not None and t != table}
 
     def gather_planned(self, table: str, ids: torch.Tensor) -> tuple[torch.Tensor, BatchPlan] | None:
         """The training gather of an announced mini-batch, or None when ``ids`` are not the next one.
@@ -95,7 +128,7 @@ class SparseTrainer:
             table, plan.slots, plan.counts, info.counter_word, self._core.passes, info.eviction.decay
         )
         weights = tier.weights(table, plan.slots, info.layout).requires_grad_(True)
-        self.pending.append(_Pending(table, plan.keys, plan.slots, tier.generation, weights))
+        self._record(_Pending(table, plan.keys, plan.slots, tier.generation, weights))
         return weights, plan
 
     def fused_bag(
@@ -144,9 +177,7 @@ class SparseTrainer:
         tier.defer_seen(
             table, plan.slots, plan.counts, info.counter_word, self._core.passes, info.eviction.decay
         )
-        self.pending.append(
-            _Pending(table, plan.keys, plan.slots, tier.generation, fused.leaf, fused.rows[table])
-        )
+        self._record(_Pending(table, plan.keys, plan.slots, tier.generation, fused.leaf, fused.rows[table]))
         return fused.pieces[table]
 
     def _fuse(self, batch: Batch, table: str, offsets: torch.Tensor, mode: str) -> FusedBags:
@@ -202,7 +233,7 @@ class SparseTrainer:
         self._features.count_seen(info, slots, counts)
         self._core.device_tier.touch(table, slots)
         weights = self._core.device_tier.weights(table, slots, info.layout).requires_grad_(True)
-        self.pending.append(_Pending(table, keys, slots, self._core.device_tier.generation, weights))
+        self._record(_Pending(table, keys, slots, self._core.device_tier.generation, weights))
         return weights
 
     def read_weights(self, table: str, keys: torch.Tensor) -> torch.Tensor:
@@ -247,7 +278,7 @@ class SparseTrainer:
             weights.requires_grad_(True)
             # Recorded even without rows: the table's step count (Adam's bias correction) then
             # advances as in an unfiltered run, so admitted rows train as unfiltered rows do.
-            self.pending.append(
+            self._record(
                 _Pending(info.name, keys[at], slots, self._core.device_tier.generation, weights, rows=at)
             )
         return weights
@@ -321,7 +352,7 @@ class SparseTrainer:
         self._core.check_open()
         self._core.device_tier.tick()
         pending = [p for p in self.pending if p.leaf.grad is not None]
-        self.pending = []
+        self.pending, self._gathers = [], {}
         if not pending:
             return
         leaves = list({id(p.leaf): p.leaf for p in pending}.values())  # fused tables share a leaf
@@ -431,7 +462,7 @@ class SparseTrainer:
 
     def zero_grad(self) -> None:
         """Forget gradients gathered since the last step."""
-        self.pending = []
+        self.pending, self._gathers = [], {}
 
 
 def summed_grads(leaves: list[torch.Tensor]) -> list[torch.Tensor]:
