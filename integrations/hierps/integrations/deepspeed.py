@@ -86,6 +86,7 @@ from hierps.integrations.config import (
 from hierps.integrations.horovod import map_horovod_env
 from hierps.integrations.loader import PassLoader
 from hierps.integrations.rendezvous import free_port
+from hierps.integrations.schedule import TablesFollowLr, configured_lr
 from hierps.integrations.swap import (
     DenseEmbeddingWarning,
     SwapReport,
@@ -267,6 +268,7 @@ def _initialize_with_store(
     check_not_shared(model, chosen)
     map_horovod_env()  # under horovodrun: RANK, MASTER_ADDR, ... from HOROVOD_*; else nothing
     _single_process_env(kwargs["dist_init_required"])  # plain `python train.py`: one rank, as torchrun
+    dense_lr = configured_lr(kwargs["optimizer"], kwargs["config"])  # before a scheduler moves it
     # What deepspeed.initialize does first; done here so that rank and world size are known.
     deepspeed.init_distributed(
         dist_backend=get_accelerator().communication_backend_name(),
@@ -296,7 +298,7 @@ def _initialize_with_store(
         kwargs["model_parameters"] = _dense_parameters(kwargs["model_parameters"], dropped)
         _drop_from_optimizer(kwargs["optimizer"], dropped)
         engine, optimizer, loader, scheduler = deepspeed.initialize(**kwargs)
-        _attach(engine, store, section, twins, transport, dense_allreduce)
+        _attach(engine, store, section, twins, transport, dense_allreduce, dense_lr)
         engine.hierps_checkpoints = checkpoints
         engine.hierps_swap = report
     except BaseException:
@@ -427,6 +429,7 @@ def _attach(
     twins: dict[str, nn.Module],
     transport: Any,
     dense_allreduce: DenseAllreduce,
+    dense_lr: float | None = None,
 ) -> None:
     if not same_device(store.device, engine.device):
         raise ConfigError(
@@ -450,6 +453,7 @@ def _attach(
     engine.hierps_modules = twins
     engine.hierps_dense_allreduce = dense_allreduce
     engine._hierps_average = average
+    engine._hierps_lr = TablesFollowLr(store, [getattr(t, "table", n) for n, t in twins.items()], dense_lr)
     if isinstance(store, Store):  # steps at accumulation boundaries: gathers between them are expected
         trainer = store_parts(store).trainer
         # 4x: a micro-batch may gather a table more than once (a module the model calls twice).
@@ -509,9 +513,11 @@ class HierpsEngine:
     hierps_dense_allreduce: DenseAllreduce
     hierps_swap: SwapReport
     _hierps_average: Callable[[list[nn.Parameter]], None] | None
+    _hierps_lr: TablesFollowLr
 
     if TYPE_CHECKING:  # provided by the DeepSpeed engine class this one is mixed into
         module: nn.Module
+        optimizer: Any
         global_steps: int
         global_rank: int
         world_size: int
@@ -525,14 +531,19 @@ class HierpsEngine:
         """DeepSpeed's step; at an accumulation boundary, then one sparse step for every touched row.
 
         When DeepSpeed skipped the dense update (fp16 overflow), the sparse gradients are
-        dropped as well, so both parts stay on the same steps.
+        dropped as well, so both parts stay on the same steps. The sparse step runs at the
+        learning rate of the dense one, scaled to the tables' (see
+        :mod:`hierps.integrations.schedule`): a scheduler moves both.
         """
         boundary = not self.managed_gradient_accumulation() or self.is_gradient_accumulation_boundary()
         if boundary and self._hierps_average is not None:
             self._hierps_average([p for p in self.module.parameters() if p.requires_grad])
+        # The rate this step's dense update uses: a scheduler DeepSpeed steps moves it after it.
+        factor = self._hierps_lr.factor(self.optimizer) if boundary else 1.0
         super().step(lr_kwargs)  # type: ignore[misc]
         if boundary:
             if self.was_step_applied():
+                self._hierps_lr.apply(factor)
                 self.hierps_store.step()
             else:
                 self.hierps_store.zero_grad()
