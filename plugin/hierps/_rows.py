@@ -24,7 +24,7 @@ from hierps.training._trainer import SparseTrainer
 
 __all__ = ["RowAccess", "real_array"]
 
-_PUT_ROWS = 1 << 16  # rows handed to the RAM tier per call
+_FRESH_ROWS = 1 << 14  # rows made afresh per step of a write: its temporaries stay in cache
 _ENCODE_ROWS = (
     1 << 18
 )  # rows gathered (sorted) and encoded per step: the caller's array is never copied whole
@@ -54,14 +54,25 @@ class RowAccess:
         return self.core.whole_rows(table, keys)[:, : self.core.info(table).state_end]
 
     def write(self, table: str, keys: Any, weights: Any) -> None:
-        """Set the weights of unique ``keys`` (n,) to ``weights`` (n, dim); optimizer state starts afresh."""
+        """Set the weights of unique ``keys`` (n,) to ``weights`` (n, dim); optimizer state starts afresh.
+
+        Streams at memory speed: keys already sorted (rows 0..n-1 of a torch module) are neither
+        sorted nor copied, the stored rows are made a cache-sized slice at a time into one array,
+        and the RAM tier takes them in one call (grown once, its index merged once; what exceeds
+        its budget goes on to the SSD tier in one batch)."""
         core = self.core
         info, keys, w = self._checked("write", table, keys, weights, "weights", "dim")
-        order = np.argsort(keys, kind="stable")
-        _refuse_repeats("write", table, keys, order)
+        order = None if _ids.strictly_increasing(keys) else np.argsort(keys, kind="stable")
+        if order is not None:
+            _refuse_repeats("write", table, keys, order)
         self.pipe.drain()
-        keys = keys[order]
-        rows = info.fresh_rows(keys, core.passes, w[order].astype(np.float32))
+        if order is not None:
+            keys = keys[order]
+        rows = np.empty((len(keys), info.words), np.float32)
+        for start in range(0, len(keys), _FRESH_ROWS):
+            part = slice(start, start + _FRESH_ROWS)
+            given = w[part] if order is None else w[order[part]]
+            rows[part] = info.fresh_rows(keys[part], core.passes, given.astype(np.float32, copy=False))
         core.pending_keys[table].remove(keys)
         found, slots = core.device_tier.resolve(table, torch.from_numpy(keys).to(core.device))
         if found.any():
@@ -69,9 +80,7 @@ class RowAccess:
             core.device_tier.rows(table)[slots[found]] = torch.from_numpy(rows[f_np]).to(core.device)
             core.device_tier.mark_dirty(table, slots[found])
             keys, rows = keys[~f_np], rows[~f_np]
-        for start in range(0, len(keys), _PUT_ROWS):
-            part = slice(start, start + _PUT_ROWS)
-            core.memory.put(table, keys[part], rows[part], dirty=True)
+        core.memory.put(table, keys, rows, dirty=True)
 
     def write_rows(self, table: str, keys: Any, rows: Any) -> None:
         """Set whole decoded rows (n, width) of unique ``keys`` (n,), stored in the table's precisions.

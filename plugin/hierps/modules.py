@@ -155,7 +155,18 @@ class _StoreEmbedding(nn.Module):
         ``hierps.EmbeddingBag.from_module(nn.EmbeddingBag)``), with its arguments (mode, padding_idx,
         ...) and its rows 0..N-1 from ``module.weight``, unless the store already holds the table (a
         resumed run keeps its rows; ``overwrite`` True writes them anyway, False never). ``spec`` and
-        the keywords are the table's settings, as for the constructor."""
+        the keywords are the table's settings, as for the constructor.
+
+        A module built on the ``meta`` device (``with torch.device("meta"): ...``, a table too large
+        to allocate) has no rows: none is copied, nothing of its size is allocated, and each key's
+        row comes from the table's initializer when the key is first read. ``nn.Embedding`` and
+        ``nn.EmbeddingBag`` initialise their weight N(0, 1), the padding row zero: the store's
+        default initializer (``"normal"``, mean 0, std 1) has that distribution and the padding row
+        is written zero, but its numbers are drawn from (seed, table, key), not from torch's
+        generator: the same distribution as an eager build, not the same numbers. An init the
+        model applies itself (``nn.init.uniform_(emb.weight, ...)``) does nothing on the meta
+        device; give the table that initializer instead (``initializer={"type": "uniform", ...}``).
+        """
         arguments = {attr: getattr(module, attr) for attr in cls._TORCH_ARGUMENTS}
         out = cls(**arguments, store=store, name=name, spec=TableSpec.of(spec, **settings))
         out._load_rows(module.weight, overwrite)
@@ -188,7 +199,17 @@ class _StoreEmbedding(nn.Module):
         return weights, local, pad
 
     def _load_rows(self, weight: torch.Tensor, overwrite: bool | None) -> None:
-        """Rows 0..N-1 from a torch weight, unless the store already holds the table's rows."""
+        """Rows 0..N-1 from a torch weight, unless the store already holds the table's rows or the
+        weight is on the meta device (no rows: the initializer gives them)."""
+        if weight.is_meta:
+            if overwrite:
+                raise ConfigError(
+                    f"table {self.table!r}: overwrite=True, but the weight given is on the meta device "
+                    f"(shape {tuple(weight.shape)}) and holds no rows to write. Build the module on a real "
+                    "device to copy its rows in, or leave overwrite unset: a new table's rows then come "
+                    "from its initializer, and a table the store holds keeps its rows."
+                )
+            return
         if overwrite if overwrite is not None else self._created:
             n = weight.shape[0]
             self._store.write(self.table, torch.arange(n), weight.detach().to(torch.float32).cpu())

@@ -18,10 +18,15 @@ When the config has an enabled ``"hierarchical_ps"`` section it:
    ``hierps.EmbeddingBag`` (rows 0..N-1 from their weights, table named by the qualified module
    name, e.g. ``tables.3``). These have no parameters, so DeepSpeed, ZeRO and their broadcasts
    never see the tables; the embedding weights are also dropped from ``model_parameters`` and
-   from a client optimizer. One rank keeps its rows in a :class:`hierps.Store` under
-   ``<path>/rank-00000``; several ranks in a :class:`hierps.ShardedStore` (one shard per rank,
-   ``<path>/rank-NNNNN``; rows and gradients travel by all-to-all, over torch.distributed, or
-   over Horovod when ``dense_allreduce`` resolves to ``horovod``). Either way it opens at the
+   from a client optimizer. A model built on the ``meta`` device (tables too large to allocate)
+   allocates no table: their rows come from the section's initializer; its other layers are
+   then materialised on the CPU and initialised by their ``reset_parameters()``
+   (:func:`~hierps.integrations.swap.materialize` says which values that reproduces), and the
+   optimizer and ``model_parameters`` given are pointed at them. One rank keeps its rows in a
+   :class:`hierps.Store` under ``<path>/rank-00000``; several ranks in a
+   :class:`hierps.ShardedStore` (one shard per rank, ``<path>/rank-NNNNN``; rows and gradients
+   travel by all-to-all, over torch.distributed, or over Horovod when ``dense_allreduce``
+   resolves to ``horovod``). Either way it opens at the
    latest checkpoint of the directory committed for all ranks, resharded when another number of
    ranks wrote it (one process can take over what many trained);
 3. logs one line saying which embedding modules went into the store and which stayed dense, and
@@ -91,6 +96,7 @@ from hierps.integrations.swap import (
     DenseEmbeddingWarning,
     SwapReport,
     check_not_shared,
+    materialize,
     report_swap,
     retire_weights,
 )
@@ -295,8 +301,10 @@ def _initialize_with_store(
             undo=swaps,
         )
         dropped = {id(p) for m in chosen.values() for p in m.parameters()}
-        kwargs["model_parameters"] = _dense_parameters(kwargs["model_parameters"], dropped)
-        _drop_from_optimizer(kwargs["optimizer"], dropped)
+        # A meta-device model: the dense layers, on the CPU as an eager build holds them.
+        made = materialize(model, torch.device("cpu"))
+        kwargs["model_parameters"] = _dense_parameters(kwargs["model_parameters"], dropped, made)
+        _rebind_optimizer(kwargs["optimizer"], dropped, made)
         engine, optimizer, loader, scheduler = deepspeed.initialize(**kwargs)
         _attach(engine, store, section, twins, transport, dense_allreduce, dense_lr)
         engine.hierps_checkpoints = checkpoints
@@ -357,7 +365,8 @@ def swap_embeddings(
 
     ``modules``: qualified name -> module (as :func:`select_modules` gives). Every reference to
     a module is replaced (a module shared by two parents stays shared), and the twin holds rows
-    0..N-1 of its weight in table ``name`` (unless the store already holds that table: resume).
+    0..N-1 of its weight in table ``name`` (unless the store already holds that table: resume; a
+    module on the meta device has none: the table's initializer gives them).
     ``undo`` receives ``(parent, attribute, original)`` for each replacement. ``spec`` and the
     keywords (``optimizer=``, ``weights_dtype=``, ...) are the tables' settings (see
     :meth:`hierps.Store.table`). Returns name -> twin.
@@ -390,8 +399,20 @@ def swap_embeddings(
     return twins
 
 
-def _dense_parameters(params: Any, dropped: set[int]) -> list[Any] | None:
-    """``model_parameters`` (tensors or param-group dicts) without the swapped embedding weights."""
+_Materialised = Mapping[int, tuple[torch.Tensor, torch.Tensor]]  # id(meta tensor) -> (it, its twin)
+
+
+def _rebound(p: Any, dropped: set[int], made: _Materialised) -> list[Any]:
+    """What a parameter the user handed over becomes: [] for a swapped embedding weight, [its
+    materialised twin] for a meta one, [itself] otherwise."""
+    if id(p) in dropped:
+        return []
+    return [made[id(p)][1]] if id(p) in made else [p]
+
+
+def _dense_parameters(params: Any, dropped: set[int], made: _Materialised) -> list[Any] | None:
+    """``model_parameters`` (tensors or param-group dicts) without the swapped embedding weights,
+    the materialised tensors in place of meta ones."""
     if params is None:
         return None
     out: list[Any] = []
@@ -399,20 +420,21 @@ def _dense_parameters(params: Any, dropped: set[int]) -> list[Any] | None:
         if isinstance(p, Mapping):
             group = dict(p)
             members = [group["params"]] if isinstance(group["params"], torch.Tensor) else group["params"]
-            group["params"] = [q for q in members if id(q) not in dropped]
+            group["params"] = [r for q in members for r in _rebound(q, dropped, made)]
             out.append(group)
-        elif id(p) not in dropped:
-            out.append(p)
+        else:
+            out.extend(_rebound(p, dropped, made))
     return out
 
 
-def _drop_from_optimizer(optimizer: Any, dropped: set[int]) -> None:
-    """Take the swapped embedding weights (and their state) out of a client torch optimizer, in place."""
+def _rebind_optimizer(optimizer: Any, dropped: set[int], made: _Materialised) -> None:
+    """A client torch optimizer, in place: without the swapped embedding weights (and their state),
+    the materialised tensors in place of meta ones (whose state, if any, held no values)."""
     if not isinstance(optimizer, torch.optim.Optimizer):
         return  # None, or a callable DeepSpeed calls with the dense model_parameters
     for group in optimizer.param_groups:
-        group["params"] = [q for q in group["params"] if id(q) not in dropped]
-    for p in [p for p in optimizer.state if id(p) in dropped]:
+        group["params"] = [r for q in group["params"] for r in _rebound(q, dropped, made)]
+    for p in [p for p in optimizer.state if id(p) in dropped or id(p) in made]:
         del optimizer.state[p]
 
 

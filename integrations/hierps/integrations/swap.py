@@ -8,10 +8,13 @@ dense, and why (one line for the log, warnings where ``"auto"`` left an embeddin
 regularisation, the old module object itself) gets a :class:`hierps.errors.StaleWeightError`
 naming the table at its first use, instead of silently reading or training a tensor that no longer
 takes part in training.
+:func:`materialize` gives the layers of a model built on the ``meta`` device, once its tables are
+in the store, memory and torch's initial values.
 """
 
 from __future__ import annotations
 
+import math
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -28,6 +31,7 @@ __all__ = [
     "StaleWeight",
     "SwapReport",
     "check_not_shared",
+    "materialize",
     "report_swap",
     "retire_weights",
 ]
@@ -178,3 +182,83 @@ def retire_weights(chosen: Mapping[str, nn.Module], tables: Mapping[str, str]) -
         stale = cast(StaleWeight, weight)
         stale.hierps_table = tables.get(name, name)
         stale.hierps_module = name
+
+
+def materialize(model: nn.Module, device: torch.device) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+    """Give each parameter and buffer of ``model`` still on the meta device memory on ``device`` and
+    torch's initial values; returns ``id(old) -> (old, new)`` for whoever holds the old tensors (a
+    client optimizer, ``model_parameters``). A model with nothing on the meta device is left as is.
+
+    Call it once the tables are swapped out: what is left is the dense part, small by design. A
+    tensor shared by several modules stays shared (``nn.Module.to_empty`` would untie it). Then
+    every module holding a meta tensor of its own runs its ``reset_parameters()`` once, in
+    ``model.modules()`` order, drawing from torch's generator as it stands when this runs.
+
+    What that reproduces: the values an eager build (``torch.manual_seed(s); model = Net()``) gives
+    these layers, bit for bit, when the generator is consumed in the same order: each module's
+    construction initialises it as its ``reset_parameters()`` does (true of torch's ``Linear``,
+    ``Conv*``, ``BatchNorm*``, ``LayerNorm``, ``Embedding``, ...), modules are constructed in the
+    order ``model.modules()`` lists them (the order they are assigned in), and nothing else draws
+    from torch's generator between the seed and this call. A table is part of that stream in the
+    eager build (its weight is drawn N(0, 1)) but not here, so layers constructed after a swapped
+    table get other values than eagerly; construct the tables last to keep every dense value. Init
+    code of the model's own (``nn.init.xavier_uniform_(self.fc.weight)`` in ``__init__``) does
+    nothing on the meta device and is not replayed.
+
+    ``ConfigError``, before any module is reset, when a module holding a meta tensor has no
+    ``reset_parameters()``; and after, when a ``reset_parameters()`` left a floating tensor unset
+    (materialised tensors start as NaN, so what no rule wrote is found).
+    """
+    owners = [(n, m) for n, m in model.named_modules() if any(t.is_meta for _, t in _own_tensors(m))]
+    orphans = [n or "<model>" for n, m in owners if not callable(getattr(m, "reset_parameters", None))]
+    if orphans:
+        raise ConfigError(
+            f"{SECTION}: the model was built on the meta device, and module(s) {orphans} hold parameters or "
+            "buffers there but have no reset_parameters() to initialise them once the tables are in the "
+            "store. Give them a reset_parameters(), or build those layers on a real device (only the "
+            "tables need the meta device)."
+        )
+    made: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    for _, module in owners:
+        for holder in (module._parameters, module._buffers):
+            for key, old in holder.items():
+                if old is not None and old.is_meta:
+                    if id(old) not in made:
+                        made[id(old)] = (old, _unset_like(old, device))
+                    holder[key] = made[id(old)][1]
+    fresh = {id(new) for _, new in made.values()}
+    with torch.no_grad():
+        for _, module in owners:
+            kept = {key: t.clone() for key, t in _own_tensors(module) if id(t) not in fresh}
+            module.reset_parameters()
+            for key, t in _own_tensors(module):
+                if key in kept:  # not on the meta device: its values stay
+                    t.copy_(kept[key])
+    unset = [
+        f"{name}.{key}" if name else key
+        for name, module in owners
+        for key, t in _own_tensors(module)
+        if id(t) in fresh and t.is_floating_point() and bool(torch.isnan(t).any())
+    ]
+    if unset:
+        raise ConfigError(
+            f"{SECTION}: the model was built on the meta device, and reset_parameters() left {unset} unset "
+            "(NaN where no initial value was written). Make reset_parameters() initialise every parameter "
+            "and buffer of its module, or build that layer on a real device."
+        )
+    return made
+
+
+def _unset_like(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A tensor like meta ``t`` on ``device``: NaN (floating) or 0, a Parameter if ``t`` is one."""
+    out = torch.empty_like(t, device=device)
+    if out.is_floating_point() or out.is_complex():
+        out.fill_(math.nan)
+    else:
+        out.zero_()
+    return nn.Parameter(out, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else out
+
+
+def _own_tensors(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """A module's own parameters and buffers (not its children's), by attribute name."""
+    return [(k, t) for h in (module._parameters, module._buffers) for k, t in h.items() if t is not None]
