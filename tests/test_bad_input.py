@@ -164,29 +164,19 @@ CASES: list[tuple[str, Callable[[hierps.Store, Any], Any], type[Exception], str]
         errors.TableMismatchError,
         "cannot follow a new initializer",
     ),
-    (
-        "partial_rowwise_adam eps 0",
-        lambda s, b: s.table("u", 4, optimizer={"type": "partial_rowwise_adam", "params": {"eps": 0}}),
-        errors.ConfigError,
-        "partial_rowwise_adam needs eps > 0",
-    ),
-    (
-        "adam eps 0",
-        lambda s, b: s.table("u", 4, optimizer={"type": "adam", "params": {"eps": 0.0}}),
-        errors.ConfigError,
-        "adam needs eps > 0",
-    ),
-    (
-        "adagrad eps 0",
-        lambda s, b: s.table("u", 4, optimizer={"type": "adagrad", "params": {"eps": 0}}),
-        errors.ConfigError,
-        "adagrad needs eps > 0 or initial_accumulator_value > 0",
-    ),
-    (
-        "rowwise_adagrad eps 0",
-        lambda s, b: s.table("u", 4, optimizer={"type": "rowwise_adagrad", "params": {"eps": 0}}),
-        errors.ConfigError,
-        "rowwise_adagrad needs eps > 0",
+    *(
+        (
+            f"{opt} eps 0",
+            lambda s, b, opt=opt: s.table("u", 4, optimizer={"type": opt, "params": {"eps": 0}}),
+            errors.ConfigError,
+            message,
+        )
+        for opt, message in (
+            ("partial_rowwise_adam", "partial_rowwise_adam needs eps > 0"),
+            ("adam", "adam needs eps > 0"),
+            ("adagrad", "adagrad needs eps > 0 or initial_accumulator_value > 0"),
+            ("rowwise_adagrad", "rowwise_adagrad needs eps > 0"),
+        )
     ),
     (
         "write complex",

@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import deepspeed
@@ -32,9 +33,9 @@ TOL = {"rtol": 1e-5, "atol": 1e-6}
 LOSS = nn.BCEWithLogitsLoss()
 
 
-@pytest.fixture(scope="module", autouse=True)
-def process_group():
-    """A single-rank gloo group, as the deepspeed launcher would set it up (once: it outlives the module)."""
+def launcher_group() -> Iterator[None]:
+    """A single-rank gloo group, as the deepspeed launcher would set it up (once: it outlives its
+    user); the launcher's variables are restored after."""
     env = {
         "MASTER_ADDR": "127.0.0.1",
         "MASTER_PORT": str(free_port()),
@@ -52,6 +53,11 @@ def process_group():
             os.environ.pop(k, None)
         else:
             os.environ[k] = v
+
+
+@pytest.fixture(scope="module", autouse=True)
+def process_group():
+    yield from launcher_group()
 
 
 def skip_shm_build() -> None:

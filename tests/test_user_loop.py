@@ -22,18 +22,16 @@ import sys
 import warnings
 from pathlib import Path
 
-import deepspeed
-import deepspeed.ops
 import pytest
 import torch
 from oracle import TinyModel, zipf_batches
+from test_deepspeed import launcher_group
 from torch import nn
 
 import hierps
 from hierps._store import store_parts
 from hierps.errors import NotSupportedError
 from hierps.integrations import deepspeed as hds
-from hierps.integrations.rendezvous import free_port
 from hierps.modules import without_tables
 from hierps.storage._files import read_json_checked
 from hierps.training._trainer import MissingStepWarning
@@ -168,18 +166,7 @@ def test_single_process_defaults_only_where_no_launcher_set_any(monkeypatch, env
 
 @pytest.fixture(scope="module")
 def process_group():
-    """A single-rank gloo group (once: it outlives the module), the variables a launcher would set."""
-    env = dict(zip(LAUNCHER_ENV[:3] + LAUNCHER_ENV[4:], ("0", "1", "0", "127.0.0.1", str(free_port()))))
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
-    deepspeed.init_distributed(dist_backend="gloo")
-    yield
-    for k, v in saved.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
+    yield from launcher_group()
 
 
 @pytest.fixture
