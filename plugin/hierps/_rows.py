@@ -25,9 +25,8 @@ from hierps.training._trainer import SparseTrainer
 __all__ = ["RowAccess", "real_array"]
 
 _FRESH_ROWS = 1 << 14  # rows made afresh per step of a write: its temporaries stay in cache
-_ENCODE_ROWS = (
-    1 << 18
-)  # rows gathered (sorted) and encoded per step: the caller's array is never copied whole
+# Rows gathered (sorted) and encoded per step of write_rows: the caller's array is never copied whole.
+_ENCODE_ROWS = 1 << 18
 
 
 class RowAccess:

@@ -308,7 +308,7 @@ Rows = Iterator[tuple[np.ndarray, np.ndarray]]
 def _weights(reader: CheckpointReader, table: str, dim: int, dtype: str) -> Rows:
     """Every stored row's weights as served in ``dtype``: ``(keys (b,) int64 sorted, weights (b, dim)
     float32, each exactly representable in dtype)`` batches."""
-    if table in reader.tables:
+    if table in reader.meta.tables:
         for keys, rows in reader.iter_rows(table):
             yield keys, _served(rows[:, :dim], table, dtype)
 
@@ -356,7 +356,7 @@ def _deleted(now: list[CheckpointReader], table: str, gone: list[np.ndarray]) ->
     """(m,) int64 sorted: keys a rank's old checkpoint held and no rank's new checkpoint holds."""
     keys = np.unique(np.concatenate(gone)) if gone else np.empty(0, np.int64)
     for reader in now:
-        if len(keys) and table in reader.tables and len(now) > 1:  # (moved to another rank: not deleted)
+        if len(keys) and table in reader.meta.tables and len(now) > 1:  # (moved to another rank: not deleted)
             found, _ = reader.read(table, keys)
             keys = keys[~found]
     return keys
