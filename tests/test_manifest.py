@@ -93,3 +93,33 @@ def test_usage_counts_the_rows_of_each_tier_and_the_ssd_traffic(tmp_path):
         read = after.ssd_bytes_read - before.ssd_bytes_read
         assert read > 0 and read % (4 * store.info("t").layout.words) == 0
         assert after.ssd_read_seconds > before.ssd_read_seconds
+
+
+def test_usage_counts_the_disk_while_segments_are_removed_under_it(tmp_path, monkeypatch):
+    """The pipeline's worker merges and collects segments while ``usage()`` walks the directory: a
+    folder or file removed during the walk counts as gone, never raises (as a real pipelined run
+    showed: FileNotFoundError from a segment collected mid-walk)."""
+    import os
+
+    with _store_with_rows(tmp_path / "s", memory_budget="2KiB") as store:
+        store.checkpoint()
+        ssd_root = tmp_path / "s" / "segments"
+        gone = sorted(p for p in ssd_root.rglob("*") if p.is_dir() and p.parent.parent == ssd_root)[0]
+        real_scandir, real_stat = os.scandir, os.stat
+
+        def scandir(path="."):  # the folder listed by the walk's parent vanishes before it is entered
+            if os.fspath(path) == os.fspath(gone):
+                raise FileNotFoundError(2, "No such file or directory", os.fspath(path))
+            return real_scandir(path)
+
+        def stat(path, *args, **kwargs):  # and one file goes after it was listed
+            if os.fspath(path).endswith("zarr.json") and "rows" in os.fspath(path):
+                raise FileNotFoundError(2, "No such file or directory", os.fspath(path))
+            return real_stat(path, *args, **kwargs)
+
+        monkeypatch.setattr(os, "scandir", scandir)
+        monkeypatch.setattr(os, "stat", stat)
+        counted = store.usage().disk_bytes
+        monkeypatch.undo()
+        everything = sum(p.stat().st_size for p in ssd_root.rglob("*") if p.is_file())
+        assert 0 < counted < everything

@@ -438,7 +438,8 @@ class Store:
 
     def usage(self) -> StoreUsage:
         """Bytes and rows each tier holds now; SSD traffic and pipeline stage times since the store
-        opened (:class:`~hierps.tiers.StoreUsage`). Reads counters only: it waits for nothing."""
+        opened (:class:`~hierps.tiers.StoreUsage`). It waits for nothing: the background may be
+        merging segments meanwhile (``disk_bytes`` counts the files there at the moment)."""
         core, pipe = self._core, self._pipe
         stages = (pipe.prepare_seconds, pipe.writeback_seconds, pipe.wait_seconds)
         return usage_of(core.device_tier, core.memory, core.ssd, list(core.tables), stages)

@@ -24,6 +24,7 @@ use) and a count of its live rows (those that are the newest of their key).
 from __future__ import annotations
 
 import errno
+import os
 import shutil
 import time
 import weakref
@@ -557,7 +558,16 @@ class SsdTier:
         return best
 
     def disk_bytes(self) -> int:
-        return sum(p.stat().st_size for p in self.root.rglob("*") if p.is_file())
+        """Bytes of the files under the tier's directory now. The pipeline's worker may merge and
+        collect segments meanwhile: a file or directory removed during the walk counts as gone."""
+        total = 0
+        for folder, _, files in os.walk(self.root):  # a folder removed meanwhile is skipped
+            for name in files:
+                try:
+                    total += os.stat(os.path.join(folder, name)).st_size
+                except FileNotFoundError:
+                    pass  # removed since the walk listed it
+        return total
 
     def close(self) -> None:
         """Close the segment files kept open for reads (they reopen on the next read)."""
