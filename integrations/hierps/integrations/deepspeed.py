@@ -270,6 +270,8 @@ def _initialize_with_store(
     dense_allreduce = resolve_dense_allreduce(
         section.dense_allreduce, zero_stage=int(zero.get("stage", 0) or 0)
     )
+    swaps: list[tuple[nn.Module, str, nn.Module]] = []
+    _adapt_torchrec(model, swaps)  # a TorchRec model: its collections' tables become modules to swap
     chosen = select_modules(model, section)
     check_not_shared(model, chosen)
     map_horovod_env()  # under horovodrun: RANK, MASTER_ADDR, ... from HOROVOD_*; else nothing
@@ -287,7 +289,6 @@ def _initialize_with_store(
             warnings.simplefilter("ignore", DenseEmbeddingWarning)
         report = report_swap(model, chosen, section)
     store, transport, checkpoints = _open_store(section, dense_allreduce, _training_device(kwargs["args"]))
-    swaps: list[tuple[nn.Module, str, nn.Module]] = []
     try:
         twins = swap_embeddings(
             model,
@@ -320,6 +321,16 @@ def _initialize_with_store(
     if loader is not None and twins:  # DeepSpeed's loader of training_data, made pass-aware
         loader = PassLoader(loader, None, engine)
     return engine, optimizer, loader, scheduler
+
+
+def _adapt_torchrec(model: nn.Module, undo: list[tuple[nn.Module, str, nn.Module]]) -> None:
+    """TorchRec collections of ``model`` hold their tables as the torch modules swapped here, under
+    TorchRec's qualified names (:func:`hierps.integrations.torchrec.adapt_collections`: the same
+    weights, nothing copied). Only when the model's code imported torchrec: hierps never needs it."""
+    if "torchrec" in sys.modules:
+        from hierps.integrations.torchrec import adapt_collections
+
+        adapt_collections(model, undo=undo)
 
 
 def _open_store(
