@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-__all__ = ["spawn"]
+__all__ = ["single_rank_env", "spawn"]
 
 
 def spawn(spec: dict[str, Any], timeout: float) -> dict[str, Any]:
@@ -29,3 +29,12 @@ def spawn(spec: dict[str, Any], timeout: float) -> dict[str, Any]:
     if proc.returncode != 0 or not out.exists():
         return {"error": (proc.stderr or proc.stdout or f"exit status {proc.returncode}")[-2000:]}
     return json.loads(out.read_text(encoding="utf-8"))
+
+
+def single_rank_env() -> None:
+    """Set the launcher variables of a one-rank job where none are set (a worker runs no launcher)."""
+    from hierps.integrations.rendezvous import free_port
+
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "RANK": "0", "WORLD_SIZE": "1"}
+    for key, value in {**env, "LOCAL_RANK": "0", "LOCAL_SIZE": "1"}.items():
+        os.environ.setdefault(key, value)

@@ -38,8 +38,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from hierps.bench._worker import spawn
-from hierps.integrations.rendezvous import free_port
+from hierps.bench._worker import single_rank_env, spawn
 
 __all__ = ["DROPIN_VARIANTS", "FieldModel", "run_from_args", "run_phase"]
 
@@ -134,15 +133,9 @@ def _torch(cfg: dict[str, Any], sparse: bool) -> dict[str, Any]:
     return _epochs(step, _loader(data, cfg))
 
 
-def _one_rank() -> None:
-    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "RANK": "0", "WORLD_SIZE": "1"}
-    for key, value in {**env, "LOCAL_RANK": "0", "LOCAL_SIZE": "1"}.items():
-        os.environ.setdefault(key, value)
-
-
 def _hierps(cfg: dict[str, Any], tmp: Path, training_data: bool) -> dict[str, Any]:
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    _one_rank()
+    single_rank_env()
     import deepspeed
     import deepspeed.ops
 

@@ -112,6 +112,10 @@ def _worker(spec: dict[str, Any]) -> dict[str, Any]:
         from hierps.bench.dropin import run_phase as run_dropin_phase
 
         return run_dropin_phase(spec)
+    if spec["task"] == "dlrm-ref":  # one variant of hierps bench --model dlrm-ref
+        from hierps.bench.dlrm_ref import run_phase as run_ref_phase
+
+        return run_ref_phase(spec)
     if spec["task"] == "serving":  # one phase of hierps bench --serving
         from hierps.bench.serving import run_phase as run_serving_phase
 
@@ -275,7 +279,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of ``hierps bench``."""
     a = parser.add_argument
     a("--examples", type=_count, help="examples per epoch (default 65536; --quick 32768)")
-    a("--model", choices=("dlrm", "wide"), help="dlrm (the demo model, default) or wide (embedding-bound)")
+    a(
+        "--model",
+        choices=("dlrm", "wide", "dlrm-ref"),
+        help="dlrm (the demo model, default), wide (embedding-bound), or dlrm-ref: instead, the reference "
+        "DLRM (dlrm's Criteo Kaggle setup, bags of ids, 7.9M rows) in plain PyTorch against hierps in RAM, "
+        "on SSD and without a PassLoader, on the same batches (hierps.bench.dlrm_ref)",
+    )
+    a(
+        "--max-ind-range",
+        type=_count,
+        help="with --model dlrm-ref: rows per table at most (default 1466000: 7.9M rows in all)",
+    )
+    a(
+        "--optimizer",
+        choices=("sgd", "adagrad"),
+        help="with --model dlrm-ref: optimizer of the tables and the dense layers (default sgd)",
+    )
     a("--rows", type=_count, help="id population over the 26 features (default 1000000)")
     a("--dim", type=_count, help="embedding dim (default 16)")
     a("--batch-size", type=_count, help="default 4096")
@@ -334,7 +354,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="with --scale / --serving: comma-separated table sizes (default 1000000,10000000)",
     )
     a("--passes", type=_count, help="with --scale: passes of 4 x 4096 fresh keys per size (default 8)")
-    a("--memory-budget", help="with --scale: the store's RAM budget (default 256MiB)")
+    a(
+        "--memory-budget",
+        help="with --scale: the store's RAM budget (default 256MiB); with --model dlrm-ref: hierps-ssd's (default 64MiB)",
+    )
     a(
         "--keep",
         action="store_true",
@@ -416,6 +439,17 @@ def run_from_args(args: argparse.Namespace) -> int:
         if args.json:
             Path(args.json).write_text(json.dumps(results, indent=1), encoding="utf-8")
         return 0
+    if args.model == "dlrm-ref" and args.dropin:
+        print(
+            "hierps bench: --dropin trains its own DeepFM-style model; --model dlrm-ref is a bench of its own. "
+            "Give one of them.",
+            file=sys.stderr,
+        )
+        return 2
+    if args.model == "dlrm-ref":
+        from hierps.bench.dlrm_ref import run_from_args as run_ref
+
+        return run_ref(args)
     if args.dropin:
         from hierps.bench.dropin import run_from_args as run_dropin
 

@@ -19,6 +19,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -27,9 +28,16 @@ from numpy.lib.stride_tricks import sliding_window_view
 from hierps.rows import splitmix64
 
 __all__ = [
+    "DEFAULT_MAX_IND_RANGE",
+    "KAGGLE_TABLE_SIZES",
+    "BagBatch",
+    "BagData",
+    "BagSpec",
     "CriteoData",
     "CriteoSpec",
     "generate",
+    "generate_bags",
+    "kaggle_table_sizes",
     "power_law_vocab_sizes",
     "read_criteo_tsv",
     "teacher_logits",
@@ -410,3 +418,181 @@ def write_criteo_tsv(data: CriteoData, path: str | Path) -> None:
     opener = gzip.open if path.suffix == ".gz" else open
     with opener(path, "wt", encoding="ascii", newline="\n") as f:
         f.write(text)
+
+
+# -- bags of ids per table: the reference DLRM's input ------------------------------------------------
+# Rows per table of the Criteo Kaggle data set, as dlrm's preprocessing counts them (26 features).
+KAGGLE_TABLE_SIZES = (
+    1460, 583, 10131227, 2202608, 305, 24, 12517, 633, 3, 93145, 5683, 8351593, 3194,
+    27, 14992, 5461306, 10, 5652, 2173, 4, 7046547, 18, 15, 286181, 105, 142572,
+)  # fmt: skip
+# The cap of ids per table (dlrm's --max-ind-range) that leaves about 7.9M rows in all:
+# 569,296 rows in the 21 tables below it, plus five tables of 1,466,000.
+DEFAULT_MAX_IND_RANGE = 1_466_000
+
+
+def kaggle_table_sizes(max_ind_range: int | None = DEFAULT_MAX_IND_RANGE) -> tuple[int, ...]:
+    """The Kaggle table sizes, each capped at ``max_ind_range`` rows (None: uncapped, 33.8M rows).
+
+    ``kaggle_table_sizes()`` sums to 7,899,296 rows; ``kaggle_table_sizes(1000)`` to 16,727.
+    """
+    if max_ind_range is None:
+        return KAGGLE_TABLE_SIZES
+    if isinstance(max_ind_range, bool) or not isinstance(max_ind_range, int) or max_ind_range < 1:
+        raise ValueError(f"max_ind_range: expected an int >= 1 or None. Got {max_ind_range!r} instead.")
+    return tuple(min(n, max_ind_range) for n in KAGGLE_TABLE_SIZES)
+
+
+@dataclass(frozen=True)
+class BagSpec:
+    """Shape of synthetic multi-hot click data and of its hidden teacher.
+
+    Each example has ``n_dense`` dense features (as :class:`CriteoSpec` draws them) and, for each
+    table ``k``, a bag of ``min_bag..max_bag`` row ids in ``[0, table_sizes[k])``, Zipf-distributed
+    (hot rows scattered over the table by a per-table affine permutation). ``seed`` fixes the
+    population and the teacher; the seed given to :func:`generate_bags` picks the examples.
+    """
+
+    table_sizes: tuple[int, ...] = KAGGLE_TABLE_SIZES
+    n_dense: int = 13
+    min_bag: int = 1
+    max_bag: int = 10
+    zipf_exponent: float = 1.1
+    seed: int = 0
+    base_ctr: float = 0.25
+    sparse_scale: float = 0.3  # std of a typical table's teacher term
+    interaction_scale: float = 0.4
+
+    def __post_init__(self) -> None:
+        sizes = tuple(int(n) for n in self.table_sizes)
+        object.__setattr__(self, "table_sizes", sizes)
+        if len(sizes) < 2 or min(sizes) < 1:
+            raise ValueError(f"table_sizes: expected at least 2 positive sizes. Got {sizes} instead.")
+        if not 1 <= self.min_bag <= self.max_bag:
+            raise ValueError(f"bags: expected 1 <= min_bag <= max_bag. Got {self.min_bag}..{self.max_bag}.")
+        if not 0.0 < self.base_ctr < 1.0:
+            raise ValueError("base_ctr must lie in (0, 1)")
+
+    @property
+    def criteo(self) -> CriteoSpec:
+        """The :class:`CriteoSpec` whose dense features these examples share."""
+        return CriteoSpec(n_dense=self.n_dense, seed=self.seed)
+
+
+class BagBatch(NamedTuple):
+    """One mini-batch of ``B`` examples: ``dense (B, n_dense) float32``, per table ``k``
+    ``ids[k] (N_k,) int64`` and ``offsets[k] (B,) int64`` (start of each example's bag in ``ids[k]``),
+    ``labels (B,) float32``. Call table ``k`` as ``nn.EmbeddingBag(...)(ids[k], offsets[k])``."""
+
+    dense: torch.Tensor
+    ids: tuple[torch.Tensor, ...]
+    offsets: tuple[torch.Tensor, ...]
+    labels: torch.Tensor
+
+
+@dataclass
+class BagData:
+    """Examples with a bag of ids per table: ``dense (N, n_dense)``, ``lengths (N, F)`` bag sizes,
+    ``ids[k]`` every id of table ``k``, example by example (``lengths[:, k].sum()`` of them)."""
+
+    dense: np.ndarray
+    lengths: np.ndarray
+    ids: tuple[np.ndarray, ...]
+    labels: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def batches(self, batch_size: int, drop_last: bool = False) -> Iterator[BagBatch]:
+        """Consecutive :class:`BagBatch` es of ``batch_size`` examples (CPU tensors), in order."""
+        starts = np.zeros((len(self) + 1, self.lengths.shape[1]), np.int64)
+        np.cumsum(self.lengths, axis=0, out=starts[1:])
+        stop = len(self) - len(self) % batch_size if drop_last else len(self)
+        for a in range(0, stop, batch_size):
+            b = min(a + batch_size, len(self))
+            ids = tuple(torch.from_numpy(t[starts[a, k] : starts[b, k]]) for k, t in enumerate(self.ids))
+            offsets = tuple(torch.from_numpy(starts[a:b, k] - starts[a, k]) for k in range(len(self.ids)))
+            yield BagBatch(
+                torch.from_numpy(self.dense[a:b]), ids, offsets, torch.from_numpy(self.labels[a:b])
+            )
+
+
+def _bag_features(
+    spec: BagSpec, n: int, rng: np.random.Generator
+) -> tuple[np.ndarray, np.ndarray, list[np.ndarray]]:
+    """``n`` examples' features: (dense (n, n_dense) float32, lengths (n, F), ids per table)."""
+    criteo = spec.criteo
+    mu, sigma, p_zero = _dense_params(criteo)
+    counts = np.floor(np.exp(mu + sigma * rng.standard_normal((n, spec.n_dense))))
+    counts[rng.random((n, spec.n_dense)) < p_zero] = 0.0
+    dense = np.log1p(np.minimum(counts, 100_000.0)).astype(np.float32)
+    lengths = rng.integers(spec.min_bag, spec.max_bag + 1, (n, len(spec.table_sizes)))
+    ids = []
+    for k, size in enumerate(spec.table_sizes):
+        ranks = _zipf_ranks(rng.random(int(lengths[:, k].sum())), np.asarray(size), spec.zipf_exponent)
+        ids.append(_scatter(ranks, size, _salt(spec.seed, 9, k)))
+    return dense, lengths, ids
+
+
+def _scatter(ranks: np.ndarray, size: int, salt: np.uint64) -> np.ndarray:
+    """Zipf ranks -> row ids by ``(a * rank + b) % size`` with ``gcd(a, size) = 1``: a bijection of
+    ``[0, size)`` that scatters the hot rows over the table, as a real table's ids are."""
+    a = 1 + int(salt) % max(size - 1, 1)
+    while math.gcd(a, size) != 1:
+        a += 1
+    b = int(splitmix64(int(salt))) % size
+    return (ranks.astype(object if size > 1 << 31 else np.int64) * a + b) % size
+
+
+def _bag_means(values: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """Per-id values of one table (every bag's, in order) -> ``(n,)`` mean over each bag."""
+    starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
+    return np.add.reduceat(values, starts) / lengths
+
+
+def _raw_bag_teacher(
+    spec: BagSpec, dense: np.ndarray, lengths: np.ndarray, ids: list[np.ndarray]
+) -> np.ndarray:
+    """The teacher's logit without its bias, ``(n,)`` float64: per-table bag means of hashed id
+    weights, a linear dense term, and two low-rank table pairs (what a dot interaction can learn)."""
+    n_tables = len(spec.table_sizes)
+    order = np.argsort(splitmix64(_salt(spec.seed, 3) + np.arange(n_tables, dtype=np.uint64)))
+    importance = np.linspace(0.25, 1.75, n_tables)[order]
+
+    def weights(k: int, purpose: int, component: int = 0) -> np.ndarray:
+        h = splitmix64(ids[k].astype(np.int64).view(np.uint64) ^ _salt(spec.seed, purpose, k, component))
+        return _bag_means(_centred(h), lengths[:, k])
+
+    # A mean of L independent unit weights has variance 1/L: scale the bags back to unit variance.
+    unit = np.sqrt(lengths)
+    logit = sum(spec.sparse_scale * importance[k] * unit[:, k] * weights(k, 4) for k in range(n_tables))
+    mu, sigma, _ = _dense_params(spec.criteo)
+    w_dense = _centred(splitmix64(_salt(spec.seed, 5) + np.arange(spec.n_dense, dtype=np.uint64)))
+    logit = logit + ((dense - np.log1p(np.exp(mu))) / sigma) @ (0.15 * w_dense / np.sqrt(np.mean(w_dense**2)))
+    rank = 4
+    for p, (a, b) in enumerate([(n_tables // 8, n_tables // 3), (n_tables // 4, n_tables // 2)]):
+        u = np.stack([unit[:, a] * weights(a, 6 + 2 * p, r) for r in range(rank)], axis=1)
+        v = np.stack([unit[:, b] * weights(b, 7 + 2 * p, r) for r in range(rank)], axis=1)
+        logit = logit + spec.interaction_scale * (u * v).sum(axis=1) / math.sqrt(rank)
+    return np.asarray(logit, np.float64)
+
+
+@lru_cache(maxsize=16)
+def _bag_teacher_bias(spec: BagSpec) -> float:
+    """Bias that puts the mean click rate at ``spec.base_ctr``, fitted on a fixed sample."""
+    dense, lengths, ids = _bag_features(spec, 1 << 14, np.random.default_rng((spec.seed, 0xB1A5)))
+    raw = _raw_bag_teacher(spec, dense, lengths, ids)
+    lo, hi = -30.0, 30.0
+    for _ in range(60):
+        mid = 0.5 * (lo + hi)
+        lo, hi = (mid, hi) if np.mean(1.0 / (1.0 + np.exp(-(raw + mid)))) < spec.base_ctr else (lo, mid)
+    return 0.5 * (lo + hi)
+
+
+def generate_bags(spec: BagSpec, n_examples: int, seed: int = 0) -> BagData:
+    """Draw ``n_examples`` i.i.d. examples with labels ~ Bernoulli(sigmoid(teacher logit))."""
+    rng = np.random.default_rng((spec.seed, seed))
+    dense, lengths, ids = _bag_features(spec, n_examples, rng)
+    logit = _raw_bag_teacher(spec, dense, lengths, ids) + _bag_teacher_bias(spec)
+    labels = (rng.random(n_examples) < 1.0 / (1.0 + np.exp(-logit))).astype(np.float32)
+    return BagData(dense, lengths.astype(np.int64), tuple(np.asarray(t, np.int64) for t in ids), labels)

@@ -1,4 +1,6 @@
-"""Click models built only from standard torch modules: a small DLRM, and a wide (logistic) model.
+"""Click models built only from standard torch modules: a small DLRM, a wide (logistic) model, and
+the reference DLRM of dlrm's Criteo Kaggle setup (:class:`ReferenceDLRM`: bags of ids, one offsets
+tensor per table).
 
 Every categorical feature owns one plain ``nn.EmbeddingBag`` in ``model.tables`` (state-dict
 names ``tables.0.weight`` ... ``tables.25.weight``), called as ``table(ids, offsets)`` with one
@@ -21,7 +23,7 @@ from torch import nn
 
 from hierps.rows import splitmix64
 
-__all__ = ["DLRM", "MODELS", "ClickModel", "Wide", "make_model", "remap_ids"]
+__all__ = ["DLRM", "MODELS", "ClickModel", "ReferenceDLRM", "Wide", "make_model", "remap_ids"]
 
 
 @overload
@@ -217,3 +219,91 @@ def make_model(kind: str, vocab_sizes: Sequence[int] | int, embedding_dim: int, 
     if kind not in MODELS:
         raise ValueError(f"model: expected one of {sorted(MODELS)}. Got {kind!r} instead.")
     return MODELS[kind](vocab_sizes, embedding_dim=embedding_dim, **kwargs)
+
+
+class ReferenceDLRM(nn.Module):
+    """The reference DLRM of the Criteo Kaggle setup: multi-hot bags, each table with its own offsets.
+
+    Bottom MLP ``n_dense -> 512 -> 256 -> 64 -> dim`` (ReLU after every layer); one
+    ``nn.EmbeddingBag(n_k, dim, mode="sum", sparse=True)`` per table in ``tables``; the "dot"
+    interaction of the ``F + 1`` vectors (bottom output and the ``F`` pooled bags): their pairwise
+    dot products without self-products, ``(F + 1) F / 2`` of them, next to the bottom output; top MLP
+    ``dim + (F + 1) F / 2 -> 512 -> 256 -> 1`` (ReLU between), then a sigmoid. With 26 tables of
+    dim 16 the top MLP takes 16 + 351 = 367 features. Train with ``nn.BCELoss``.
+
+    The dense layers are built first and keep torch's own initialisation (their
+    ``reset_parameters()``), the tables last, so that a build on the meta device
+    (``with torch.device("meta"): ReferenceDLRM(sizes)``) materialised by ``hierps.deepspeed.initialize``
+    gets the dense values of an eager build under the same seed. An eager build then draws each table
+    uniform in ``±sqrt(1 / n_k)`` (the reference's rule; on the meta device it does nothing, and the
+    store's initializer gives the rows).
+
+    Args:
+        table_sizes: rows of each table (e.g. ``hierps.demo.data.kaggle_table_sizes()``).
+        embedding_dim: ``dim`` of every table; the bottom MLP ends there.
+        n_dense: dense features.
+        bottom: widths of the bottom MLP's hidden layers (its last layer has ``embedding_dim``).
+        top: widths of the top MLP's hidden layers (a last layer to one output follows).
+    """
+
+    def __init__(
+        self,
+        table_sizes: Sequence[int],
+        embedding_dim: int = 16,
+        n_dense: int = 13,
+        bottom: Sequence[int] = (512, 256, 64),
+        top: Sequence[int] = (512, 256),
+    ) -> None:
+        super().__init__()
+        if len(table_sizes) < 1 or min(table_sizes) < 1:
+            raise ValueError(f"table_sizes: expected positive row counts. Got {tuple(table_sizes)} instead.")
+        n_vectors = len(table_sizes) + 1
+        self.n_pairs = n_vectors * (n_vectors - 1) // 2
+        self.bottom = _mlp(n_dense, (*bottom, embedding_dim), relu_last=True)
+        self.top = _mlp(embedding_dim + self.n_pairs, (*top, 1), relu_last=False)
+        self.tables = nn.ModuleList(
+            nn.EmbeddingBag(int(n), embedding_dim, mode="sum", sparse=True) for n in table_sizes
+        )
+        with torch.no_grad():
+            for table in self.tables:
+                table = cast(nn.EmbeddingBag, table)
+                bound = 1.0 / math.sqrt(table.num_embeddings)
+                table.weight.uniform_(-bound, bound)
+        # Not buffers: a meta build would leave them unset, and they are a function of the shape.
+        self._pairs: dict[torch.device, torch.Tensor] = {}
+
+    def _pair_index(self, n_vectors: int, device: torch.device) -> torch.Tensor:
+        """Flat indices into a ``(V, V)`` Gram matrix of its strict lower triangle, row by row."""
+        if device not in self._pairs:
+            rows, cols = torch.tril_indices(n_vectors, n_vectors, offset=-1, device="cpu")
+            self._pairs[device] = (rows * n_vectors + cols).to(device)
+        return self._pairs[device]
+
+    def interact(self, bottom_out: torch.Tensor, pooled: Sequence[torch.Tensor]) -> torch.Tensor:
+        """``(B, d)`` bottom output and F ``(B, d)`` pooled bags -> ``(B, d + (F + 1) F / 2)``."""
+        vectors = torch.stack([bottom_out, *pooled], dim=1)  # (B, F + 1, d)
+        gram = torch.bmm(vectors, vectors.transpose(1, 2)).flatten(1)  # (B, (F + 1)^2)
+        pairs = gram[:, self._pair_index(vectors.shape[1], gram.device)]
+        return torch.cat([bottom_out, pairs], dim=1)
+
+    def forward(
+        self, dense: torch.Tensor, ids: Sequence[torch.Tensor], offsets: Sequence[torch.Tensor]
+    ) -> torch.Tensor:
+        """``dense (B, n_dense) float32``; for each table ``k``: ``ids[k] (N_k,) int64`` rows and
+        ``offsets[k] (B,) int64`` bag starts -> ``(B,)`` click probabilities (float32)."""
+        if len(ids) != len(self.tables) or len(offsets) != len(self.tables):
+            raise ValueError(
+                f"expected ids and offsets for each of {len(self.tables)} tables. "
+                f"Got {len(ids)} ids and {len(offsets)} offsets tensors instead."
+            )
+        pooled = [table(ids[k], offsets[k]) for k, table in enumerate(self.tables)]
+        return torch.sigmoid(self.top(self.interact(self.bottom(dense), pooled)).squeeze(1))
+
+    def sparse_parameters(self) -> Iterator[nn.Parameter]:
+        """The tables' weights: sparse gradients."""
+        return self.tables.parameters()
+
+    def dense_parameters(self) -> Iterator[nn.Parameter]:
+        """The MLPs' weights and biases, bottom then top: dense gradients."""
+        yield from self.bottom.parameters()
+        yield from self.top.parameters()

@@ -1,0 +1,441 @@
+"""``hierps bench --model dlrm-ref``: the reference DLRM, plain PyTorch against hierps, on the same batches.
+
+The model is :class:`hierps.demo.models.ReferenceDLRM` (dlrm's Criteo Kaggle setup: 26 sparse
+``nn.EmbeddingBag`` tables of dim 16, each called with its own offsets, bottom MLP 13-512-256-64-16,
+dot interaction, top MLP 367-512-256-1, sigmoid, BCE), its tables capped at ``max_ind_range``
+rows (7.9M rows in all by default). The data are :func:`hierps.demo.data.generate_bags`: bags of
+1-10 Zipf-distributed ids per table and labels from a hidden teacher.
+
+=================  ==============================================================================
+variant            training
+=================  ==============================================================================
+torch              the model as written, eager: ``torch.optim.SGD`` (or ``Adagrad``) on the
+                   tables' sparse gradients and on the dense layers
+hierps-ram         built on the meta device and handed to ``hierps.deepspeed.initialize``; a
+                   ``PassLoader`` loads each pass's rows; the RAM tier holds every row it creates
+hierps-ssd         the same with a 64 MiB RAM tier: most rows live on SSD
+hierps-no-loader   as hierps-ram, the loop over the batches as they are: rows fetched on demand
+=================  ==============================================================================
+
+Every hierps variant has a 512 MiB device tier. Each variant runs in its own process (the bench
+worker, so peak RSS, ``VmHWM``, is its own): a warm-up epoch, then a timed one over the same
+batches (examples/s), every step's loss recorded. The tables of torch start from the rows the
+store's initializer gives the ids they meet (other rows are never read), so all variants train
+the same model from the same values: their losses agree step by step, which the report checks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import json
+import os
+import pstats
+import statistics
+import tempfile
+import time
+from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, cast
+
+import numpy as np
+import torch
+from torch import nn
+
+from hierps.bench._worker import single_rank_env, spawn
+
+if TYPE_CHECKING:
+    from hierps.demo.models import ReferenceDLRM
+
+__all__ = ["REF_VARIANTS", "config_from_args", "format_report", "run_from_args", "run_phase", "run_ref_bench"]
+
+REF_VARIANTS = ("torch", "hierps-ram", "hierps-no-loader", "hierps-ssd")
+_LR = {"sgd": 0.1, "adagrad": 0.01}
+_INIT_BOUND = 0.01  # the store's initializer: uniform in +-0.01 for every table
+_LOSS = nn.BCELoss()
+_MiB = float(1 << 20)
+
+
+def _config(args: argparse.Namespace) -> dict[str, Any]:
+    quick = bool(getattr(args, "quick", False))
+    optimizer = getattr(args, "optimizer", None) or "sgd"
+    return {
+        "max_ind_range": getattr(args, "max_ind_range", None) or 1_466_000,
+        "examples": args.examples or (49_152 if quick else 98_304),
+        "batch_size": args.batch_size or 1024,
+        "pass_batches": args.pass_batches or 8,
+        "dim": args.dim or 16,
+        "repeats": args.repeats or (1 if quick else 2),
+        "threads": args.threads or 1,
+        "optimizer": optimizer,
+        "lr": _LR[optimizer],
+        "ssd_memory_budget": args.memory_budget or "64MiB",
+        "device_budget": "512MiB",
+        # Flatter than the demo's 1.1: an epoch of this bench touches about 1M rows (111 MiB of SGD
+        # rows at the default size, 69 MiB with --quick), more than hierps-ssd's RAM tier holds.
+        "zipf_exponent": 1.0,
+        "seed": 0,
+        "variants": [v for v in args.variants.split(",") if v] if args.variants else list(REF_VARIANTS),
+    }
+
+
+config_from_args = _config
+
+
+# -- the workload ----------------------------------------------------------------------------------
+def _batches(cfg: dict[str, Any]) -> tuple[list[Any], tuple[int, ...]]:
+    """The epoch's :class:`~hierps.demo.data.BagBatch` es (deterministic) and the tables' sizes."""
+    from hierps.demo.data import BagSpec, generate_bags, kaggle_table_sizes
+
+    sizes = kaggle_table_sizes(cfg["max_ind_range"])
+    spec = BagSpec(sizes, zipf_exponent=cfg["zipf_exponent"], seed=cfg["seed"])
+    data = generate_bags(spec, cfg["examples"], seed=cfg["seed"])
+    return list(data.batches(cfg["batch_size"], drop_last=True)), sizes
+
+
+def _names(n_tables: int) -> list[str]:
+    return [f"tables.{k}" for k in range(n_tables)]
+
+
+def _optimizer(cfg: dict[str, Any], params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
+    if cfg["optimizer"] == "adagrad":
+        return torch.optim.Adagrad(params, lr=cfg["lr"])
+    return torch.optim.SGD(params, lr=cfg["lr"])
+
+
+def _initializer() -> dict[str, Any]:
+    return {"type": "uniform", "params": {"low": -_INIT_BOUND, "high": _INIT_BOUND}}
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident set (``VmHWM`` of ``/proc/self/status``), in bytes."""
+    with open("/proc/self/status", encoding="ascii") as f:
+        line = next(s for s in f if s.startswith("VmHWM:"))
+    return int(line.split()[1]) * 1024
+
+
+class _Run:
+    """Times a stream of two epochs from the first step of the second; profiles that epoch if asked."""
+
+    def __init__(self, epoch: int, profile: str | None) -> None:
+        self.epoch, self.profile = epoch, profile
+        self.profiler = cProfile.Profile() if profile else None
+        self.losses: list[float] = []
+        self.t0 = 0.0
+
+    def steps(self, batches: Iterable[Any]) -> Iterator[Any]:
+        """The batches of ``batches``, with the clock (and the profiler) started at the second epoch."""
+        for i, batch in enumerate(batches):
+            if i == self.epoch:
+                self.t0 = time.perf_counter()
+                if self.profiler is not None:
+                    self.profiler.enable()
+            yield batch
+
+    def record(self, **extra: Any) -> dict[str, Any]:
+        seconds = time.perf_counter() - self.t0
+        if self.profiler is not None:
+            self.profiler.disable()
+        examples = self.epoch * extra.pop("batch_size")
+        record = {
+            "seconds": seconds,
+            "examples": examples,
+            "examples_per_s": examples / seconds,
+            "losses": self.losses,
+            "final_loss": self.losses[-1],
+            **extra,
+        }
+        if self.profiler is not None and self.profile is not None:
+            record["breakdown"] = _write_profile(self.profiler, self.profile, self.epoch)
+        return record
+
+
+# -- torch -------------------------------------------------------------------------------------------
+def _torch(cfg: dict[str, Any], profile: str | None) -> dict[str, Any]:
+    from hierps.demo.models import ReferenceDLRM
+
+    batches, sizes = _batches(cfg)
+    torch.manual_seed(cfg["seed"])
+    model = ReferenceDLRM(sizes, cfg["dim"])
+    _start_from_initializer(model, batches, cfg)
+    opts = [_optimizer(cfg, model.sparse_parameters()), _optimizer(cfg, model.dense_parameters())]
+    run = _Run(len(batches), profile)
+    for b in run.steps(batches + batches):
+        loss = _LOSS(model(b.dense, b.ids, b.offsets), b.labels)
+        loss.backward()
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
+        run.losses.append(loss.item())
+    return run.record(batch_size=cfg["batch_size"], rows=sum(sizes))
+
+
+@torch.no_grad()
+def _start_from_initializer(model: ReferenceDLRM, batches: list[Any], cfg: dict[str, Any]) -> None:
+    """Give the rows ``batches`` read the values the store's initializer gives them in the hierps runs."""
+    from hierps.config import InitializerConfig
+    from hierps.rows import initial_rows, table_salt
+
+    init = InitializerConfig.parse(_initializer())
+    for k, name in enumerate(_names(len(batches[0].ids))):
+        table = cast(nn.EmbeddingBag, model.tables[k])
+        keys = np.unique(np.concatenate([b.ids[k].numpy() for b in batches]))
+        rows = initial_rows(keys, cfg["dim"], table_salt(cfg["seed"], name), init)
+        table.weight[torch.from_numpy(keys)] = torch.from_numpy(rows)
+
+
+# -- hierps ------------------------------------------------------------------------------------------
+def _hierps(cfg: dict[str, Any], tmp: Path, name: str, profile: str | None) -> dict[str, Any]:
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    single_rank_env()
+    import deepspeed.ops
+
+    import hierps.deepspeed
+    from hierps.demo.models import ReferenceDLRM
+    from hierps.rows import row_layout
+    from hierps.tiers import ram_row_bytes
+
+    # DeepSpeed compiles a shared-memory all-reduce for CPU ranks on first use; one rank needs none.
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    batches, sizes = _batches(cfg)
+    distinct = sum(
+        len(np.unique(np.concatenate([b.ids[k].numpy() for b in batches]))) for k in range(len(sizes))
+    )
+    row_bytes = ram_row_bytes(row_layout(cfg["optimizer"], cfg["dim"]).words)
+    memory_budget: int | str = (
+        cfg["ssd_memory_budget"] if name == "hierps-ssd" else max(64 << 20, 2 * distinct * row_bytes)
+    )
+    torch.manual_seed(cfg["seed"])
+    with torch.device("meta"):
+        model = ReferenceDLRM(sizes, cfg["dim"])
+    config = {
+        "train_micro_batch_size_per_gpu": cfg["batch_size"],
+        "gradient_accumulation_steps": 1,
+        "gradient_clipping": 0.0,
+        "zero_optimization": {"stage": 0},
+        "steps_per_print": 1 << 30,
+        "hierarchical_ps": {
+            "path": str(tmp / "store"),
+            "memory_budget": memory_budget,
+            "device_budget": cfg["device_budget"],
+            "modules": "auto",
+            "auto_min_rows": 1,
+            "pass_batches": cfg["pass_batches"],
+            "optimizer": {"type": cfg["optimizer"], "params": {"lr": cfg["lr"]}},
+            "initializer": _initializer(),
+            "seed": cfg["seed"],
+        },
+    }
+    engine, _, _, _ = hierps.deepspeed.initialize(
+        model=model, optimizer=_optimizer(cfg, model.parameters()), config=config
+    )
+    names = _names(len(sizes))
+    stream = batches + batches
+    loader: Iterable[Any] = stream
+    if name != "hierps-no-loader":
+        loader = hierps.deepspeed.PassLoader(stream, lambda b: dict(zip(names, b.ids)), engine)
+    run = _Run(len(batches), profile)
+    try:
+        for b in run.steps(loader):
+            loss = _LOSS(engine(b.dense, b.ids, b.offsets), b.labels)
+            engine.backward(loss)
+            engine.step()
+            run.losses.append(loss.item())
+        usage = engine.hierps_store.usage()
+        return run.record(
+            batch_size=cfg["batch_size"],
+            rows=sum(sizes),
+            distinct_rows=distinct,
+            memory_budget=memory_budget,
+            rows_memory=usage.memory_rows,
+            rows_ssd=usage.ssd_rows,
+            evicted_rows=usage.evicted_rows,
+            device_bytes=usage.device_bytes,
+            ssd_bytes_read=usage.ssd_bytes_read,
+            ssd_bytes_written=usage.ssd_bytes_written,
+            passes=engine.hierps_store.passes,
+        )
+    finally:
+        engine.destroy()
+
+
+def run_phase(spec: dict[str, Any]) -> dict[str, Any]:
+    """One variant of ``hierps bench --model dlrm-ref`` in this process (the bench worker's entry point)."""
+    cfg, name, profile = spec["config"], spec["name"], spec.get("profile")
+    t0 = time.perf_counter()
+    if name == "torch":
+        record = _torch(cfg, profile)
+    elif name in REF_VARIANTS:
+        record = _hierps(cfg, Path(spec["tmp"]), name, profile)
+    else:
+        raise ValueError(
+            f"dlrm-ref variant: expected one of {', '.join(REF_VARIANTS)}. Got {name!r} instead."
+        )
+    record["peak_rss_bytes"] = peak_rss_bytes()
+    record["process_seconds"] = time.perf_counter() - t0
+    return record
+
+
+# -- profile ---------------------------------------------------------------------------------------------
+# (label, file the function is in, its name): the parts of a step the breakdown reports.
+_PARTS = (
+    ("model forward", "demo/models.py", "forward"),
+    ("  table forward (per call)", "hierps/modules.py", "forward"),
+    ("  interaction", "demo/models.py", "interact"),
+    ("backward", "torch/autograd/__init__.py", "backward"),
+    ("engine.step", "integrations/deepspeed.py", "step"),
+    ("  store.step", "hierps/_store.py", "step"),
+    ("loader (between batches)", "integrations/loader.py", "__iter__"),
+    ("  begin_pass", "hierps/_store.py", "begin_pass"),
+    ("  prefetch", "hierps/_store.py", "prefetch"),
+    ("  end_pass", "hierps/_store.py", "end_pass"),
+    ("torch sparse optimizer step", "torch/optim/optimizer.py", "wrapper"),
+)
+
+
+def _write_profile(profiler: cProfile.Profile, path: str, steps: int) -> dict[str, dict[str, float]]:
+    """Write the profile's top functions to ``path``; return the parts of ``_PARTS`` it saw:
+    ``{label: {"ms_per_step", "calls_per_step", "ms_per_call"}}`` (cumulative times)."""
+    text = io.StringIO()
+    stats = pstats.Stats(profiler, stream=text)
+    breakdown: dict[str, dict[str, float]] = {}
+    table: dict[Any, Any] = stats.stats  # type: ignore[attr-defined]
+    for label, file, func in _PARTS:
+        hits = [v for (f, _, fn), v in table.items() if fn == func and f.replace("\\", "/").endswith(file)]
+        if not hits:
+            continue
+        calls = sum(v[1] for v in hits)
+        cum = sum(v[3] for v in hits)
+        breakdown[label] = {
+            "ms_per_step": 1e3 * cum / steps,
+            "calls_per_step": calls / steps,
+            "ms_per_call": 1e3 * cum / max(calls, 1),
+        }
+    text.write(f"{steps} measured steps; cumulative ms per step of the parts:\n")
+    for label, part in breakdown.items():
+        text.write(
+            f"  {label:30} {part['ms_per_step']:9.2f} ms/step  {part['calls_per_step']:6.1f} calls/step\n"
+        )
+    stats.strip_dirs()
+    stats.sort_stats("tottime").print_stats(30)
+    stats.sort_stats("cumulative").print_stats(40)
+    Path(path).write_text(text.getvalue(), encoding="utf-8")
+    return breakdown
+
+
+# -- the run ---------------------------------------------------------------------------------------------
+def run_ref_bench(cfg: dict[str, Any], tmp: str | None = None, profile: str | None = None) -> dict[str, Any]:
+    """Every variant of ``cfg`` ``repeats`` times, interleaved, each in its own process; medians."""
+    unknown = sorted(set(cfg["variants"]) - set(REF_VARIANTS))
+    if unknown or "torch" not in cfg["variants"]:
+        raise ValueError(
+            f"dlrm-ref variants: expected a subset of {','.join(REF_VARIANTS)} with torch (the baseline). "
+            f"Got {','.join(cfg['variants'])} instead."
+        )
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in cfg["variants"]}
+    started = time.perf_counter()
+    results: dict[str, Any] = {
+        "config": cfg,
+        "load_average_start": os.getloadavg(),
+        "cpu_count": os.cpu_count(),
+    }
+    with tempfile.TemporaryDirectory(prefix="hierps-dlrm-ref-", dir=tmp) as tmp_dir:
+
+        def one(name: str, label: str, **extra: Any) -> dict[str, Any]:
+            spec = {
+                "task": "dlrm-ref",
+                "name": name,
+                "config": cfg,
+                "tmp": str(Path(tmp_dir) / label),
+                **extra,
+            }
+            record = spawn(spec, timeout=1800.0)
+            rate = record.get("examples_per_s")
+            print(
+                f"  [{time.perf_counter() - started:5.0f} s] {label}: "
+                + (f"{rate:,.0f} examples/s" if rate else str(record.get("error", "?"))[-600:]),
+                flush=True,
+            )
+            return record
+
+        for r in range(cfg["repeats"]):
+            for name in cfg["variants"]:
+                runs[name].append(one(name, f"{name}-{r + 1}"))
+        if profile:
+            Path(profile).mkdir(parents=True, exist_ok=True)
+            results["profile"] = {}
+            for name in cfg["variants"]:
+                record = one(name, f"{name}-profiled", profile=str(Path(profile).resolve() / f"{name}.txt"))
+                results["profile"][name] = record.get("breakdown", {})
+    results["variants"] = {name: _median(rs) for name, rs in runs.items()}
+    results["seconds"] = time.perf_counter() - started
+    results["load_average_end"] = os.getloadavg()
+    _compare(results)
+    return results
+
+
+def _median(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The run of median examples/s, with every run's rate and the median peak RSS."""
+    ok = [r for r in runs if "examples_per_s" in r]
+    if not ok:
+        return {"error": runs[0].get("error", "no run finished") if runs else "not run"}
+    ordered = sorted(ok, key=lambda r: r["examples_per_s"])
+    record = dict(ordered[(len(ordered) - 1) // 2])
+    record["all_examples_per_s"] = [r["examples_per_s"] for r in ok]
+    record["examples_per_s"] = statistics.median(record["all_examples_per_s"])
+    record["peak_rss_bytes"] = int(statistics.median(r["peak_rss_bytes"] for r in ok))
+    record["failed_runs"] = len(runs) - len(ok)
+    return record
+
+
+def _compare(results: dict[str, Any]) -> None:
+    """Each variant's ratio to torch's examples/s and its largest step-loss difference from torch's."""
+    base = results["variants"].get("torch", {})
+    for record in results["variants"].values():
+        if "examples_per_s" not in record or "examples_per_s" not in base:
+            continue
+        record["vs_torch"] = record["examples_per_s"] / base["examples_per_s"]
+        a, b = np.asarray(record["losses"]), np.asarray(base["losses"])
+        record["max_loss_diff"] = float(np.abs(a - b).max()) if a.shape == b.shape else float("inf")
+
+
+def format_report(results: dict[str, Any], out: Callable[[str], Any] = print) -> None:
+    """The table: examples/s, ratio to torch, peak RSS, final loss and its largest step difference."""
+    cfg = results["config"]
+    rows = results["variants"].get("torch", {}).get("rows", 0)
+    out(
+        f"\nhierps bench --model dlrm-ref: {cfg['examples']:,} examples per epoch in batches of {cfg['batch_size']:,}, "
+        f"{rows:,} rows (max_ind_range {cfg['max_ind_range']:,}), {cfg['optimizer']} lr {cfg['lr']}, "
+        f"{cfg['threads']} torch thread(s), median of {cfg['repeats']}"
+    )
+    out(
+        f"{'variant':18} {'examples/s':>11} {'x torch':>8} {'peak RSS':>10} {'final loss':>11} {'max |dloss|':>12}"
+    )
+    for name, r in results["variants"].items():
+        if "examples_per_s" not in r:
+            out(f"{name:18} failed: {str(r.get('error', '?'))[-300:]}")
+            continue
+        out(
+            f"{name:18} {r['examples_per_s']:11,.0f} {r.get('vs_torch', float('nan')):8.2f} "
+            f"{r['peak_rss_bytes'] / _MiB:7,.0f}MiB {r['final_loss']:11.6f} {r.get('max_loss_diff', float('nan')):12.2e}"
+        )
+    for name, parts in results.get("profile", {}).items():
+        out(f"\n{name}: cumulative ms per measured step (cProfile, an extra run)")
+        for label, part in parts.items():
+            out(f"  {label:30} {part['ms_per_step']:9.2f} ms/step  {part['calls_per_step']:6.1f} calls/step")
+
+
+def run_from_args(args: argparse.Namespace) -> int:
+    """``hierps bench --model dlrm-ref``: run, print the table, write ``--json``."""
+    cfg = _config(args)
+    print(
+        f"hierps bench --model dlrm-ref: variants {','.join(cfg['variants'])}, each in its own process",
+        flush=True,
+    )
+    results = run_ref_bench(cfg, tmp=args.tmp, profile=args.profile)
+    format_report(results)
+    print(f"bench took {results['seconds']:.0f} s")
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1), encoding="utf-8")
+    return 0

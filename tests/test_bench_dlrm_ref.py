@@ -1,0 +1,44 @@
+"""``hierps bench --model dlrm-ref``: every variant in its own process trains the reference DLRM to the
+losses plain PyTorch reaches on the same batches, and the report says so."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from hierps.bench.dlrm_ref import REF_VARIANTS
+from hierps.cli import main
+
+
+def test_the_dlrm_ref_bench_reports_every_variant_at_torchs_losses(tmp_path, capsys):
+    out = tmp_path / "ref.json"
+    argv = ["bench", "--model", "dlrm-ref", "--max-ind-range", "200", "--examples", "2048"]
+    argv += ["--batch-size", "512", "--pass-batches", "2", "--repeats", "1", "--tmp", str(tmp_path)]
+    argv += ["--memory-budget", "64KiB"]  # hierps-ssd's RAM tier: most of the rows on SSD
+    assert main([*argv, "--json", str(out)]) == 0
+    results = json.loads(out.read_text())
+    variants = results["variants"]
+    assert list(variants) == list(REF_VARIANTS)
+    torch_run = variants["torch"]
+    assert len(torch_run["losses"]) == 2 * 4  # a warm-up epoch and a measured one, 4 batches each
+    for name, record in variants.items():
+        assert "error" not in record, (name, record.get("error"))
+        assert record["examples"] == 2048 and record["examples_per_s"] > 0
+        assert record["peak_rss_bytes"] > 50 << 20  # VmHWM of its own process: torch is loaded
+        assert record["max_loss_diff"] < 1e-5, name
+        assert record["final_loss"] == pytest.approx(torch_run["final_loss"], abs=1e-5)
+        assert record["vs_torch"] == pytest.approx(record["examples_per_s"] / torch_run["examples_per_s"])
+    ssd, ram = variants["hierps-ssd"], variants["hierps-ram"]
+    assert ssd["memory_budget"] == "64KiB" and ram["memory_budget"] >= 64 << 20
+    assert ssd["rows_memory"] < ssd["distinct_rows"] == ram["distinct_rows"]
+    assert variants["hierps-ram"]["passes"] == 4  # 8 batches in passes of 2
+    assert variants["hierps-no-loader"]["passes"] == 0
+    table = capsys.readouterr().out
+    for name in REF_VARIANTS:
+        assert f"\n{name} " in table
+
+
+def test_dropin_and_dlrm_ref_are_two_benches(capsys):
+    assert main(["bench", "--dropin", "--model", "dlrm-ref"]) == 2
+    assert "Give one of them" in capsys.readouterr().err
