@@ -49,6 +49,7 @@ from torchrec.optim.optimizers import in_backward_optimizer_filter  # noqa: E402
 
 import hierps  # noqa: E402
 from hierps.errors import ConfigError, NotSupportedError, StaleWeightError  # noqa: E402
+from hierps.integrations import deepspeed as hds  # noqa: E402
 from hierps.integrations import torchrec as htr  # noqa: E402
 
 __all__ = ["engines"]  # a fixture shared with test_deepspeed
@@ -280,6 +281,25 @@ def test_ebc_outputs_and_steps_like_torchrec(make_store, weighted):
     close(mine.state_dict()["embedding_bags.b.weight"], ref.state_dict()["embedding_bags.b.weight"])
 
 
+def test_ebc_expands_inverse_indices_like_torchrec(make_store):
+    """A deduplicated KJT (variable batch per feature, inverse indices to the batch of 4)."""
+    tables = [
+        EmbeddingBagConfig(name="a", embedding_dim=3, num_embeddings=10, feature_names=["f1"]),
+        EmbeddingBagConfig(name="b", embedding_dim=2, num_embeddings=10, feature_names=["f2"]),
+    ]
+    ref, mine, _ = ebc_pair(make_store, tables)
+    features = KeyedJaggedTensor(
+        keys=["f1", "f2"],
+        values=torch.tensor([1, 2, 3, 4, 5, 6, 7]),
+        lengths=torch.tensor([2, 1, 1, 2, 1]),
+        stride_per_key_per_rank=[[2], [3]],
+        inverse_indices=(["f1", "f2"], torch.tensor([[0, 1, 1, 0], [2, 1, 0, 2]])),
+    )
+    expected, got = ref(features), mine(features)
+    assert got.values().shape == (4, 5)
+    torch.testing.assert_close(got.values(), expected.values(), rtol=0, atol=1e-6)
+
+
 def test_ec_outputs_and_steps_like_torchrec(make_store):
     tables = [
         EmbeddingConfig(name="a", embedding_dim=4, num_embeddings=20, feature_names=["f1", "f2"]),
@@ -397,8 +417,9 @@ def test_swap_frees_the_old_weights_and_warm_starts_from_a_torchrec_checkpoint(m
 
 
 def test_deepspeed_initialize_swaps_the_tables_of_a_torchrec_model(engines, tmp_path, make_store):
-    """Under hierps.deepspeed.initialize a TorchRec model needs nothing: "auto" sees its collection's
-    tables under TorchRec's qualified names, the small one stays dense, and it trains as swap_torchrec."""
+    """Under hierps.deepspeed.initialize a TorchRec model needs nothing: "modules" names its collection's
+    tables by TorchRec's qualified names (the table left out stays dense, trained by DeepSpeed), a
+    PassLoader announces passes with batch_ids, and it trains as the same swap made by hand."""
     batches = dlrm_batches(steps=6)
     config = {
         "train_micro_batch_size_per_gpu": BATCH,
@@ -418,12 +439,15 @@ def test_deepspeed_initialize_swaps_the_tables_of_a_torchrec_model(engines, tmp_
     assert sorted(engine.hierps_swap.swapped) == [TABLE.format(0), TABLE.format(2)]
     assert list(engine.hierps_swap.dense) == [TABLE.format(1)]
     assert isinstance(engine.module.sparse_arch.embedding_bag_collection, htr.EmbeddingBagCollection)
+    ebc = engine.module.sparse_arch.embedding_bag_collection
+    assert sorted(ebc.batch_ids(batches[0][1])) == [TABLE.format(0), TABLE.format(2)]
     losses = []
-    for b in batches:
+    for b in hds.PassLoader(batches, lambda b: ebc.batch_ids(b[1]), engine, pass_batches=3):
         loss = bce(engine, b)
         engine.backward(loss)
         engine.step()
         losses.append(loss.item())
+    assert engine.hierps_store.passes == 2
 
     # The same model trained by hand: t0 and t2 in a store, t1 dense beside the dense layers.
     ref = dlrm()
@@ -444,7 +468,9 @@ def test_example_trains(tmp_path, capsys):
     spec = importlib.util.spec_from_file_location("torchrec_dlrm_train", EXAMPLE)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    losses = module.main(["--path", str(tmp_path / "store"), "--steps", "40", "--batch-size", "64"])
+    losses = module.main(
+        ["--path", str(tmp_path / "store"), "--steps", "40", "--batch-size", "64", "--rows", "2000"]
+    )
     assert len(losses) == 40 and all(0.0 < x < 2.0 for x in losses)
     assert sum(losses[-10:]) < sum(losses[:10])  # the rows learn the hidden weights
     assert (tmp_path / "store").is_dir() and "checkpoint in" in capsys.readouterr().out

@@ -23,12 +23,12 @@ import hierps
 from hierps.integrations.torchrec import swap_torchrec
 
 FEATURES = ["user", "item", "ad"]
-ROWS, DIM, DENSE = 50_000, 16, 8
+DIM, DENSE = 16, 8
 
 
-def build_model() -> DLRM:
+def build_model(rows: int) -> DLRM:
     tables = [
-        EmbeddingBagConfig(name=f"t_{f}", embedding_dim=DIM, num_embeddings=ROWS, feature_names=[f])
+        EmbeddingBagConfig(name=f"t_{f}", embedding_dim=DIM, num_embeddings=rows, feature_names=[f])
         for f in FEATURES
     ]
     return DLRM(
@@ -40,14 +40,14 @@ def build_model() -> DLRM:
 
 
 def batches(
-    steps: int, batch_size: int, seed: int = 0
+    steps: int, batch_size: int, rows: int, seed: int = 0
 ) -> Iterator[tuple[torch.Tensor, KeyedJaggedTensor, torch.Tensor]]:
     """(dense (B, 8), sparse KJT of 1-3 ids per feature (skewed), labels (B,)) for ``steps`` batches."""
     g = torch.Generator().manual_seed(seed)
-    hidden = torch.randn(len(FEATURES), ROWS, generator=g)
+    hidden = torch.randn(len(FEATURES), rows, generator=g)
     for _ in range(steps):
         lengths = torch.randint(1, 4, (len(FEATURES), batch_size), generator=g)
-        ids = (torch.rand(int(lengths.sum()), generator=g) ** 3 * ROWS).long()  # a few hot ids
+        ids = (torch.rand(int(lengths.sum()), generator=g) ** 3 * rows).long()  # a few hot ids
         which = torch.repeat_interleave(torch.arange(len(FEATURES)), lengths.sum(1))
         logit = torch.zeros(batch_size).index_add_(
             0,
@@ -64,11 +64,12 @@ def main(argv: list[str] | None = None) -> list[float]:
     ap.add_argument("--path", default=None, help="store directory (default: a temporary one)")
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--batch-size", type=int, default=256)
+    ap.add_argument("--rows", type=int, default=50_000, help="rows per table")
     args = ap.parse_args(argv)
     path = args.path or tempfile.mkdtemp(prefix="hierps-torchrec-")
 
     torch.manual_seed(0)
-    model = build_model()
+    model = build_model(args.rows)
     store = hierps.Store(
         path, memory_budget="64MiB", optimizer={"type": "adagrad", "params": {"lr": 0.05}}
     )  # hierps
@@ -76,7 +77,7 @@ def main(argv: list[str] | None = None) -> list[float]:
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)  # the dense layers: no table is a parameter
 
     losses = []
-    for step, (dense, sparse, labels) in enumerate(batches(args.steps, args.batch_size)):
+    for step, (dense, sparse, labels) in enumerate(batches(args.steps, args.batch_size, args.rows)):
         loss = F.binary_cross_entropy_with_logits(model(dense, sparse).squeeze(1), labels)
         loss.backward()
         optimizer.step()

@@ -186,11 +186,10 @@ class _Tables(nn.Module):
     @property
     def device(self) -> torch.device:
         """The device the outputs are on: the store's (or the dense tables' while none is swapped)."""
-        for child in self._tables().values():
-            if isinstance(child, (EmbeddingBag, Embedding)):
-                return child.store.device
-            return cast(torch.Tensor, child.weight).device
-        return torch.device("cpu")
+        child = next(iter(self._tables().values()), None)
+        if isinstance(child, (EmbeddingBag, Embedding)):
+            return child.store.device
+        return cast(torch.Tensor, child.weight).device if child is not None else torch.device("cpu")
 
     def batch_ids(self, features: KeyedJaggedTensor) -> dict[str, torch.Tensor]:
         """One mini-batch's ids per store table, as :meth:`hierps.Store.run_pass` (``begin_pass``,
@@ -256,14 +255,15 @@ class EmbeddingBagCollection(_Tables, EmbeddingBagCollectionInterface):
 
         tables = [EmbeddingBagConfig(name="t1", embedding_dim=3, num_embeddings=10, feature_names=["f1"]),
                   EmbeddingBagConfig(name="t2", embedding_dim=4, num_embeddings=10, feature_names=["f2"])]
-        ebc = EmbeddingBagCollection(tables, store=store)          # tables "t1", "t2" in the store
+        ebc = EmbeddingBagCollection(tables, store=store)   # tables embedding_bags.t1, .t2 in the store
         kt = ebc(KeyedJaggedTensor(keys=["f1", "f2"], values=torch.tensor([0, 1, 2, 3, 4, 5, 6, 7]),
                                    offsets=torch.tensor([0, 2, 2, 3, 4, 5, 8])))
         kt.values().shape, kt.keys(), kt.offset_per_key()   # (3, 7), ['f1', 'f2'], [0, 3, 7]
         kt.values().sum().backward(); store.step()
 
     ``store`` (default: :func:`hierps.get_default_store`), ``prefix`` (of the table names in the
-    store: ``prefix + "embedding_bags." + name``; empty: the config names alone), ``spec`` and
+    store, ``prefix + "embedding_bags." + name``: the qualified names of the tables' modules when
+    ``prefix`` is the collection's qualified name and a dot, as :func:`swap_torchrec` sets it), ``spec`` and
     the keywords (``optimizer=``, ``weights_dtype=``, ...) are the tables' settings, as
     :meth:`hierps.Store.table` takes them. Rows come from each config's default init (uniform
     within ``weight_init_min`` / ``weight_init_max``) as the store's initializer, key by key;
@@ -294,7 +294,7 @@ class EmbeddingBagCollection(_Tables, EmbeddingBagCollectionInterface):
                 raise ConfigError(
                     f"{what}: is_weighted=True needs SUM pooling, tables {means} pool MEAN: per-sample weights "
                     "are summed (torch's nn.EmbeddingBag refuses them with mode='mean'). Pool those tables SUM, "
-                    "or scale the weights so that each bag's sum to 1."
+                    "or divide each id's weight by its bag's length for a weighted mean."
                 )
         self._is_weighted = is_weighted
         if _bags is None:
@@ -338,8 +338,8 @@ class EmbeddingBagCollection(_Tables, EmbeddingBagCollectionInterface):
         for bag, names in zip(self.embedding_bags.values(), self._feature_names, strict=True):
             for name in names:
                 jt = by_feature[name]
-                # offsets without the last one (= the feature's ids count): bags that pool alike then
-                # take the store's fused path (include_last_offset=False).
+                # offsets without the last one (= the feature's ids count): the same bags, and the
+                # store's pooled path of announced mini-batches wants include_last_offset=False.
                 weights = jt.weights() if self._is_weighted else None
                 pooled.append(bag(jt.values(), jt.offsets()[:-1], per_sample_weights=weights).float())
         return KeyedTensor(
