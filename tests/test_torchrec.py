@@ -416,6 +416,35 @@ def test_swap_frees_the_old_weights_and_warm_starts_from_a_torchrec_checkpoint(m
     )
 
 
+def test_adapt_collections_keeps_the_very_parameters_and_the_outputs():
+    """What initialize does first: the collections hold the same weight Parameters (the client
+    optimizer's), as torch modules it can swap, and compute what TorchRec's did; undo restores them."""
+    torch.manual_seed(0)
+    model = torch.nn.Module()
+    model.ebc = torchrec.EmbeddingBagCollection(
+        tables=[EmbeddingBagConfig(name="a", embedding_dim=3, num_embeddings=20, feature_names=["f1", "f2"])]
+    )
+    model.ec = torchrec.EmbeddingCollection(
+        tables=[EmbeddingConfig(name="b", embedding_dim=3, num_embeddings=20, feature_names=["f3"])]
+    )
+    model.again = model.ebc  # a collection held twice stays one
+    before = {n: p for n, p in model.named_parameters()}
+    old_ebc, old_ec = model.ebc, model.ec
+    features = kjt(["f1", "f2", "f3"], 3, 20, torch.Generator().manual_seed(5))
+    expected_kt, expected_jts = model.ebc(features), model.ec(features)
+    undo: list = []
+    twins = htr.adapt_collections(model, undo=undo)
+    assert list(twins) == ["ebc", "ec"] and model.again is model.ebc
+    assert isinstance(model.ebc, htr.EmbeddingBagCollection) and isinstance(model.ec, htr.EmbeddingCollection)
+    assert {n: p for n, p in model.named_parameters()} == before  # same names, same objects
+    assert type(model.ebc.embedding_bags["a"]) is torch.nn.EmbeddingBag
+    torch.testing.assert_close(model.ebc(features).values(), expected_kt.values(), rtol=0, atol=1e-6)
+    assert torch.equal(model.ec(features)["f3"].values(), expected_jts["f3"].values())
+    for parent, attr, original in reversed(undo):
+        setattr(parent, attr, original)
+    assert model.ebc is old_ebc and model.again is old_ebc and model.ec is old_ec
+
+
 def test_deepspeed_initialize_swaps_the_tables_of_a_torchrec_model(engines, tmp_path, make_store):
     """Under hierps.deepspeed.initialize a TorchRec model needs nothing: "modules" names its collection's
     tables by TorchRec's qualified names (the table left out stays dense, trained by DeepSpeed), a
