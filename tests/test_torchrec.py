@@ -124,6 +124,7 @@ OPTIMIZERS = {
         {"type": "rowwise_adagrad", "params": {"lr": 0.1, "eps": 1e-8}},
     ),
 }
+FUSED = {"sgd": "exact_sgd", "adagrad": "exact_adagrad", "rowwise_adagrad": "exact_row_wise_adagrad"}
 DENSE_LR = 0.1
 TABLE = (
     "sparse_arch.embedding_bag_collection.embedding_bags.t{}"  # a table's module, and its name in the store
@@ -150,6 +151,9 @@ def train_torchrec_fused(opt, batches):
     )
     plan = planner.collective_plan(model, sharders, dist.GroupMember.WORLD)
     dmp = DistributedModelParallel(model, device=torch.device("cpu"), plan=plan, sharders=sharders)
+    # the tables are one FBGEMM TBE on the CPU, its optimizer fused: the path claimed above
+    tbe = dmp.module.sparse_arch.embedding_bag_collection._lookups[0]._emb_modules[0]._emb_module
+    assert type(tbe).__name__ == "SplitTableBatchedEmbeddingBagsCodegen" and str(tbe.optimizer) == FUSED[opt]
     state = dmp.state_dict()
     with (
         torch.no_grad()
