@@ -1,11 +1,17 @@
 """One rank of a sharded training job; launched by torchrun / horovodrun / the tests.
 
-usage: python dist_worker.py MODE STORE OUT [--transport torch|horovod] [--die-after N]
+usage: python dist_worker.py MODE STORE OUT [--transport torch|horovod] [--die-after N] [--every-pass]
 MODE train: train STEPS global batches (this rank takes its slice of each), checkpoint "final",
             write OUT/result-<rank>.npz (rows of all keys, dense params, losses, owned full rows).
+            With --every-pass, also checkpoint "pass<k>" after pass k and write OUT/pass<k>-<rank>.npz
+            (owned keys and full rows) once it returned.
 MODE load:  restore checkpoint "final" (resharding if needed), write OUT/loaded-<rank>.npz.
 MODE reopen: open the store, nothing else (no write, no restore), write OUT/reopened-<rank>.npz
-            (rows of all keys, this rank's full rows, its checkpoints' ids and world sizes).
+            (rows of all keys, this rank's full rows, its checkpoints' ids, world sizes and tags).
+
+HIERPS_HOLD=<point>:<n>[/<point>:<m>] makes the rank stop (sleep, as a process the test is about to
+kill) at the n-th time it reaches a fault point (the m-th hit of the second point after the n-th of
+the first), once it wrote OUT/held-<rank>: the test then SIGKILLs every process of its host.
 """
 
 from __future__ import annotations
@@ -13,6 +19,7 @@ from __future__ import annotations
 import argparse
 import os
 import signal
+import time
 from pathlib import Path
 
 import numpy as np
@@ -20,6 +27,7 @@ import torch
 from torch import nn
 
 import hierps
+from hierps import _faults
 from hierps._store import store_parts
 from hierps.integrations.transport import HorovodTransport, TorchDistributedTransport
 
@@ -33,6 +41,28 @@ def global_batches():
     for _ in range(STEPS):
         ids = ALL_KEYS[(rng.zipf(1.3, size=(GLOBAL_BATCH, BAG)) - 1) % VOCAB]
         yield torch.from_numpy(ids), torch.from_numpy(rng.integers(0, 2, GLOBAL_BATCH).astype(np.float32))
+
+
+class _Hold(list):
+    """A trace of fault points (:func:`hierps._faults.trace`) that stops this process at HIERPS_HOLD."""
+
+    def __init__(self, spec: str, marker: Path) -> None:
+        super().__init__()
+        self.steps = [(p, int(n)) for p, _, n in (part.partition(":") for part in spec.split("/"))]
+        self.marker = marker
+
+    def append(self, name: str) -> None:
+        point, n = self.steps[0]
+        if name != point:
+            return
+        n -= 1
+        self.steps[0] = (point, n)
+        if n > 0:
+            return
+        self.steps.pop(0)
+        if not self.steps:
+            self.marker.write_text(name)
+            time.sleep(600)  # killed by the test long before this returns
 
 
 def setup(kind: str):
@@ -76,9 +106,12 @@ def main() -> None:
     ap.add_argument("out")
     ap.add_argument("--transport", default="torch")
     ap.add_argument("--die-after", type=int, default=-1)
+    ap.add_argument("--every-pass", action="store_true")
     args = ap.parse_args()
     transport, average = setup(args.transport)
     rank, world = transport.rank, transport.world_size
+    if os.environ.get("HIERPS_HOLD"):
+        _faults.trace(_Hold(os.environ["HIERPS_HOLD"], Path(args.out) / f"held-{rank}"))
     store = hierps.ShardedStore(args.store, transport, memory_budget="1KiB", device="cpu")
     out = Path(args.out)
     if args.mode == "reopen":
@@ -90,6 +123,7 @@ def main() -> None:
             keys=owned,
             full=store.local.read_rows("t", owned),
             worlds=np.array([c["world_size"] for c in store.list_checkpoints()]),
+            tags=np.array([str(c["tag"]) for c in store.list_checkpoints()]),
         )
         store.close()
         return
@@ -130,6 +164,11 @@ def main() -> None:
             store.step()
             losses.append(float(transport.all_reduce_sum(loss.detach().reshape(1))[0]) / world)
         store.end_pass()
+        if args.every_pass:
+            tag = f"pass{start // PASS + 1}"
+            store.checkpoint(tag)
+            owned = ALL_KEYS[hierps.sharding._sharded.owner_of(ALL_KEYS, world) == rank]
+            np.savez(out / f"{tag}-{rank}.npz", keys=owned, rows=store.local.read_rows("t", owned))
     store.checkpoint("final")
     rows = store.lookup("t", torch.from_numpy(ALL_KEYS)).numpy()
     owned = ALL_KEYS[hierps.sharding._sharded.owner_of(ALL_KEYS, world) == rank]

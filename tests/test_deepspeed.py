@@ -417,7 +417,7 @@ def test_two_ranks_train_like_one_torch_process(tmp_path, launch):
         np.testing.assert_array_equal(
             r["clicks"], np.bincount(ids, clicks, minlength=VOCAB).astype(np.float32)
         )
-    assert sorted(p.name for p in (tmp_path / "store").iterdir()) == ["commits", "rank-00000", "rank-00001"]
+    assert sorted(p.name for p in (tmp_path / "store").iterdir()) == ["rank-00000", "rank-00001"]
     assert (tmp_path / "ckpt" / "end" / "hierps-rank-00001.json").exists()
     if launch == "torchrun":
         one_process_takes_over(tmp_path, results[0])

@@ -8,6 +8,7 @@ did not commit nor from a rank directory it does not name), and taken over by on
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +26,8 @@ from hierps.errors import ConfigError, StoreFormatError
 from hierps.lifecycle._export import export_store
 from hierps.lifecycle._inspection import inspect_path
 from hierps.sharding import owner_of
-from hierps.storage._commit_log import rank_dir, snapshots, write_record
+from hierps.storage._commit_log import opening_part, rank_dir, snapshots, write_record
+from hierps.storage._files import write_json_atomic
 from hierps.tiers._reader import CheckpointReader
 
 SETTINGS: dict[str, Any] = {"device": "cpu", "memory_budget": "2KiB"}
@@ -82,8 +84,6 @@ def trained(tmp_path_factory) -> tuple[Path, dict[str, Any]]:
 
 
 def copy_of(trained: tuple[Path, dict[str, Any]], tmp_path: Path) -> Path:
-    import shutil
-
     shutil.copytree(trained[0], tmp_path / "store")
     return tmp_path / "store"
 
@@ -115,8 +115,9 @@ def test_another_number_of_ranks_opens_every_row_counter_and_pending_key(trained
 
 def test_export_reads_the_checkpoint_committed_for_all_ranks(trained, tmp_path):
     root = copy_of(trained, tmp_path)
-    on_ranks(root, 3, lambda s: None)  # resharded into 3 ranks: checkpoint 2 of the directory
+    on_ranks(root, 3, lambda s: s.checkpoint("three"))  # resharded into 3 ranks, then saved by them
     first = snapshots(root)[-1]
+    assert (first.world_size, first.tag, first.resharded_from) == (3, "three", None)
 
     def more(store: hierps.ShardedStore) -> dict[str, Any]:  # two ranks train on, then "next"
         train(store, store.rank, 2)
@@ -144,7 +145,7 @@ def test_export_reads_the_checkpoint_committed_for_all_ranks(trained, tmp_path):
     # A key stored by two ranks at one committed checkpoint (files tampered with) is refused.
     rank0 = snapshots(root)[-1].parts[0]
     key = CheckpointReader(rank_dir(root, 0), rank0).keys("plain")[:1]
-    with hierps.Store(rank_dir(root, 1), **SETTINGS) as store:
+    with opening_part(), hierps.Store(rank_dir(root, 1), **SETTINGS) as store:
         store.table("plain", 4)
         store.write("plain", key, np.zeros((1, 4), np.float32))
         part = store.checkpoint(extra={"world_size": 2, "rank": 1})
@@ -163,31 +164,6 @@ def test_a_directory_of_rank_stores_without_a_committed_checkpoint_is_not_export
         export_store(root, tmp_path / "exp")
 
 
-def test_ranks_that_do_not_share_the_directory_are_told_so(tmp_path):
-    """Each rank given its own directory (local disks, no shared file system)."""
-
-    def rank_main(transport: ThreadTransport) -> str:
-        store = hierps.ShardedStore(tmp_path / f"machine-{transport.rank}", transport, **SETTINGS)
-        try:
-            store.table("t", 4)
-            with pytest.raises(ConfigError) as err:
-                store.checkpoint("a")
-            return str(err.value)
-        finally:
-            store.close()
-
-    messages = run_ranks(2, rank_main)
-    assert all("ranks [1] do not see the commit record rank 0 wrote" in m for m in messages), messages
-
-    def reopen(transport: ThreadTransport) -> str:
-        with pytest.raises(ConfigError) as err:
-            hierps.ShardedStore(tmp_path / f"machine-{transport.rank}", transport, **SETTINGS)
-        return str(err.value)
-
-    messages = run_ranks(2, reopen)
-    assert all("the ranks found different checkpoints" in m and "shared file system" in m for m in messages)
-
-
 def test_cli_shrink_of_rank_stores_commits_one_checkpoint_for_all_ranks(trained, tmp_path, capsys):
     root = copy_of(trained, tmp_path)
     assert main(["shrink", str(root), "--ttl-passes", "1"]) == 0
@@ -199,3 +175,19 @@ def test_cli_shrink_of_rank_stores_commits_one_checkpoint_for_all_ranks(trained,
     ref = merged(on_ranks(other, 2, lambda s: (s.shrink(ttl_passes=1), s.checkpoint("shrink"), state(s))[2]))
     assert sum(len(r) for r in ref["rows"].values()) < sum(len(r) for r in trained[1]["rows"].values())
     assert_same(merged(on_ranks(root, 2, state)), ref)
+
+
+def test_a_directory_an_earlier_hierps_wrote_opens_at_its_checkpoint(trained, tmp_path):
+    """Commit records in ``<root>/commits`` (one directory all ranks shared), none in the rank
+    directories: each rank adopts its records as it opens, and nothing is rolled back."""
+    root = copy_of(trained, tmp_path)
+    legacy = root / "commits"
+    legacy.mkdir()
+    for snap in snapshots(root):
+        body = snap.to_json()
+        del body["stores"], body["resharded_from"]
+        write_json_atomic(legacy / f"{snap.id:08d}.json", body)
+    for rank in (0, 1):
+        shutil.rmtree(rank_dir(root, rank) / "commits")
+    assert_same(merged(on_ranks(root, 2, state)), trained[1])
+    assert [s.tag for s in snapshots(root)] == ["final"]

@@ -33,6 +33,7 @@ from hierps._store import store_parts
 from hierps.errors import NotSupportedError
 from hierps.integrations import deepspeed as hds
 from hierps.modules import without_tables
+from hierps.storage._commit_log import opening_part
 from hierps.storage._files import read_json_checked
 from hierps.training._trainer import MissingStepWarning
 
@@ -118,7 +119,7 @@ def test_plain_python_without_launcher_variables_trains_and_checkpoints(tmp_path
     # The checkpointed rows are those plain torch trains on the same batches.
     ref = plain_model()  # the script's model: seed 0, built the same way
     train_plain(ref, 4)
-    with hierps.Store(tmp_path / "store" / "rank-00000", device="cpu") as store:
+    with opening_part(), hierps.Store(tmp_path / "store" / "rank-00000", device="cpu") as store:
         assert store.list_checkpoints()[-1]["tag"] == "end"
         torch.testing.assert_close(
             store.lookup("emb", torch.arange(VOCAB)), ref.emb.weight.detach(), rtol=1e-6, atol=1e-7

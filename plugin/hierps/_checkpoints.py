@@ -28,6 +28,7 @@ from hierps._core import StoreCore
 from hierps._faults import fault_point
 from hierps.errors import ConfigError
 from hierps.rows._pending import PENDING_ARRAYS, PendingKeys
+from hierps.storage._commit_log import check_not_a_part
 from hierps.storage._manifest import Manifest, TableEntry
 from hierps.tiers._device import DrainedRows
 from hierps.training._passes import PassRunner
@@ -151,6 +152,7 @@ class Checkpoints:
     def recover(self) -> None:
         """At open: drop what an interrupted run left behind and load the latest checkpoint."""
         core = self.core
+        check_not_a_part(core.path)  # one rank's part of a sharded store is not a store of its own
         core.catalog.check_present(core.marker.checkpointed)  # before anything is collected
         core.catalog.remove_incomplete()
         latest = core.catalog.latest()

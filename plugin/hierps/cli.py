@@ -73,8 +73,37 @@ def _inspect(args: argparse.Namespace) -> int:
     _check_json_target(args.json)
     report = inspect_path(args.path, counts=not args.no_counts)
     print(format_report(report))
+    sharded = _sharded_parts(args.path)
+    if sharded is not None:
+        report["sharded"] = sharded
+        elsewhere = sharded["ranks_elsewhere"]
+        print(
+            f"sharded store: latest checkpoint {sharded['checkpoint']} ({sharded['tag']}) of "
+            f"{sharded['world_size']} ranks; parts here: ranks {sharded['ranks_here']}"
+            + (f"; on other hosts' disks (not here): ranks {elsewhere}" if elsewhere else "")
+        )
     _write_json(args.json, report)
     return 0
+
+
+def _sharded_parts(path: str) -> dict[str, Any] | None:
+    """For a directory of rank stores: its latest checkpoint (from the records of the lowest rank
+    directory here: on a host's own disk, rank 0's may be elsewhere) and which parts are here."""
+    from hierps.storage._commit_log import rank_dir, rank_dirs, read_records, store_uid
+
+    dirs = rank_dirs(path)
+    records = next((found for q in sorted(dirs) if (found := read_records(dirs[q]))), [])
+    if not records:
+        return None
+    latest = records[-1]
+    here = [q for q in range(latest.world_size) if store_uid(rank_dir(path, q)) == latest.stores[q]]
+    return {
+        "checkpoint": latest.id,
+        "tag": latest.tag,
+        "world_size": latest.world_size,
+        "ranks_here": here,
+        "ranks_elsewhere": [q for q in range(latest.world_size) if q not in here],
+    }
 
 
 def _export(args: argparse.Namespace) -> int:

@@ -347,14 +347,10 @@ def _open_store(
     options["device"] = device
     path = Path(section.path or "")
     if not (torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1):
-        store = Store(rank_dir(path, 0), **options)
-        checkpoints = ShardCheckpoints(path, store, ALONE, owner_of)
-        try:
-            checkpoints.recover()
-        except BaseException:
-            store.close()
-            raise
-        return store, None, checkpoints
+        checkpoints = ShardCheckpoints.open(
+            path, ALONE, owner_of, lambda: Store(rank_dir(path, 0), **options)
+        )
+        return checkpoints.local, None, checkpoints
     if dense_allreduce is DenseAllreduce.HOROVOD:
         transport: Any = HorovodTransport()
     else:
@@ -559,6 +555,9 @@ class HierpsEngine:
         def is_gradient_accumulation_boundary(self) -> bool: ...
         def was_step_applied(self) -> bool: ...
         def load_universal_checkpoint(self) -> bool: ...
+        def use_node_local_storage(self) -> bool: ...
+
+        local_rank: int
 
     def step(self, lr_kwargs: Any = None) -> None:
         """DeepSpeed's step; at an accumulation boundary, then one sparse step for every touched row.
@@ -632,7 +631,9 @@ class HierpsEngine:
         write_json_atomic(record, body)
         fault_point("deepspeed.recorded")
         _barrier()
-        if save_latest and self.global_rank == 0:
+        # Where each host saves on its own disk, each host's first rank names the tag there.
+        writer = self.local_rank if self.use_node_local_storage() else self.global_rank
+        if save_latest and writer == 0:
             _write_latest(Path(save_dir), tag)
         _barrier()
         fault_point("deepspeed.latest_written")
@@ -689,24 +690,45 @@ class HierpsEngine:
         self.hierps_store.close()
 
     def _hierps_checkpoint_of(self, load_dir: str, tag: str) -> int:
-        """The store checkpoint saved with ``tag``, at whatever world size it was saved."""
-        path = _record_path(load_dir, tag, 0)
-        if not path.exists():
-            raise ConfigError(
-                f"load_checkpoint: tag {tag!r} in {load_dir} has no {path.name}: it was saved without the "
-                f"{SECTION} section, or its save did not finish. Load a tag saved by a hierps engine."
-            )
-        record = read_json_checked(path)
+        """The store checkpoint saved with ``tag``, at whatever world size it was saved (collective).
+
+        Each rank reads the record it finds under ``<load_dir>/<tag>``: its own, else rank 0's, else
+        any rank's (saved on each host's own disk, a host holds its ranks' records only; saved by
+        another number of ranks, a rank may have none), and the ranks agree on the checkpoint.
+        """
+        path = _find_record(load_dir, tag, self.global_rank)
+        record = read_json_checked(path) if path is not None else {}
         saved = record.get("checkpoint")
-        snap = self.hierps_checkpoints.find(saved) if isinstance(saved, int) else None
+        found = {row[0] for row in self.hierps_checkpoints.gather([saved if isinstance(saved, int) else 0])}
+        if found == {0}:
+            raise ConfigError(
+                f"load_checkpoint: tag {tag!r} in {load_dir} has no {_record_path(load_dir, tag, 0).name} "
+                f"on any rank: it was saved without the {SECTION} section, or its save did not finish. Load "
+                "a tag saved by a hierps engine."
+            )
+        if len(found - {0}) > 1:
+            raise ConfigError(
+                f"load_checkpoint: tag {tag!r}: the ranks' records under {load_dir} name different store "
+                f"checkpoints ({sorted(found - {0})}): the directory holds files of several saves. Load another tag."
+            )
+        ckpt = max(found)
+        snap = self.hierps_checkpoints.find(ckpt)
         if snap is None or snap.tag != tag:
             raise ConfigError(
                 f"load_checkpoint: tag {tag!r} has no checkpoint in the store {self.hierps_checkpoints.root} "
                 f"(it was retired past keep_checkpoints={self.hierps_store.keep_checkpoints}, or the store "
-                f"is another one than {record.get('store')}). Raise keep_checkpoints to keep more tags "
-                "loadable, or point path at the store this tag was saved with."
+                f"is another one than {record.get('store', 'the one it was saved with')}). Raise "
+                "keep_checkpoints to keep more tags loadable, or point path at the store this tag was saved with."
             )
-        return snap.id
+        return ckpt
+
+
+def _find_record(directory: str | os.PathLike[str], tag: str, rank: int) -> Path | None:
+    """This rank's record of ``tag``, else rank 0's, else any rank's; None when there is none here."""
+    for path in (_record_path(directory, tag, rank), _record_path(directory, tag, 0)):
+        if path.exists():
+            return path
+    return next(iter(sorted((Path(directory) / tag).glob("hierps-rank-*.json"))), None)
 
 
 def _record_path(directory: str | os.PathLike[str], tag: str, rank: int) -> Path:

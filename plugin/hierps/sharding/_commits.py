@@ -1,23 +1,36 @@
-"""Checkpoints of a sharded store that every rank agrees on: the protocol.
+"""Checkpoints of a sharded store that every rank agrees on, without a file the ranks share.
 
 Each rank checkpoints its own store, ``<root>/rank-NNNNN``: that checkpoint is the rank's *part*.
-A checkpoint of W > 1 ranks is committed once for all of them: every rank writes its part (not
-retiring anything), the ranks exchange their parts' ids (an all-reduce: every part is durable),
-rank 0 writes the commit record (:mod:`hierps.storage._commit_log`, whose rename is the commit
-point), and a barrier lets every rank return only once it is committed. Old checkpoints are
-retired after that: commit records first, then the parts no kept record names.
+A checkpoint of all ranks (a :class:`~hierps.storage._commit_log.Snapshot`) is committed in two
+phases: every rank writes its part (retiring nothing), the ranks exchange their parts' ids (an
+all-reduce: every part is durable), rank 0 writes its copy of the commit record (the commit
+point), and once every rank knows it (a barrier) the other ranks write theirs. Old checkpoints are
+retired after that: rank 0's records first, then the other ranks' copies and the parts no kept
+record names. To train, checkpoint and recover, each rank reads and writes only its own directory,
+so rank directories may lie on each host's own disk (the same path naming another disk on each
+host) or on one shared file system: the files and the results are the same.
 
-Opening a root with any number of ranks returns every rank to the latest checkpoint
-(:meth:`ShardCheckpoints.recover`): at the world size that wrote it, each rank rolls its store
-back to its part (removing a part that was never committed); at another world size the
-checkpoint is resharded (each rank reads the rows it now owns from every old part, with their
-optimizer state and pending admission counts) and committed as a checkpoint of the new ranks. No
-rank ever reads another checkpoint's rows, nor a part of a checkpoint that did not commit.
+Opening (:meth:`ShardCheckpoints.open`, collective) agrees over the transport, before any store
+is opened: rank 0's records are the root's checkpoints, and the newest record any rank holds is the
+latest (a record anywhere proves every part durable; rank 0 holds every record another rank
+holds). Each rank checks that it reaches the parts it needs (its directory's store is the one the
+record names and holds its part); a part no rank reaches fails the open on every rank with a
+``ConfigError`` naming the parts and their ranks, before anything is created or deleted. Then
+each rank returns to its part of the latest checkpoint (removing parts that never committed and
+writing the record copies it missed); at another world size the checkpoint's rows are resharded
+into this one (each old part read by one rank that sees it, on its host's disk, its rows streamed
+to their new owners by all-to-all) and committed as a checkpoint marked ``resharded_from``, which
+never counts against ``keep_checkpoints`` (:func:`~hierps.storage._commit_log.retained`); a later
+open at a world size that already has a checkpoint of those rows goes back to it without resharding.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import itertools
+import json
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -26,19 +39,30 @@ import torch
 
 from hierps._faults import fault_point
 from hierps._store import Store, store_parts
-from hierps.errors import CheckpointRetiredError, ConfigError
+from hierps.errors import ConfigError, HierpsError
 from hierps.rows._pending import PENDING_ARRAYS, PendingKeys
 from hierps.sharding._local import OwnerParts
+from hierps.storage._checkpoint import CheckpointCatalog
 from hierps.storage._commit_log import (
     Snapshot,
-    find_snapshot,
+    collect_rank_dir,
+    delete_record,
+    find_in,
+    keep_record,
+    legacy_records,
+    opening_part,
     rank_dir,
-    record_path,
+    rank_dirs,
+    read_records,
     records_dir,
-    remove_stale_records,
+    remove_collected,
+    retained,
     snapshots,
+    store_uid,
     write_record,
 )
+from hierps.storage._files import read_json_checked
+from hierps.storage._manifest import Manifest
 from hierps.tiers._reader import CheckpointReader
 
 __all__ = ["ALONE", "Collectives", "ShardCheckpoints", "Snapshot", "rank_dir", "snapshots"]
@@ -52,6 +76,12 @@ class Collectives(Protocol):
 
     def all_reduce_sum(self, t: torch.Tensor) -> torch.Tensor: ...
 
+    def all_to_all(self, send: torch.Tensor, send_counts: list[int]) -> tuple[torch.Tensor, list[int]]: ...
+
+    def all_to_all_known(
+        self, send: torch.Tensor, send_counts: list[int], recv_counts: list[int]
+    ) -> torch.Tensor: ...
+
     def barrier(self) -> None: ...
 
 
@@ -64,95 +94,342 @@ class _Alone:
     def all_reduce_sum(self, t: torch.Tensor) -> torch.Tensor:
         return t.clone()
 
+    def all_to_all(self, send: torch.Tensor, send_counts: list[int]) -> tuple[torch.Tensor, list[int]]:
+        return send, list(send_counts)
+
+    def all_to_all_known(
+        self, send: torch.Tensor, send_counts: list[int], recv_counts: list[int]
+    ) -> torch.Tensor:
+        return send
+
     def barrier(self) -> None:
         return None
 
 
 ALONE: Collectives = _Alone()
+_NO_KEYS = np.empty(0, np.int64)
+
+
+# -- agreeing over the transport --------------------------------------------------------------------
+def _gather_ints(coll: Collectives, values: Sequence[int]) -> list[list[int]]:
+    """Every rank's ``values`` (the same count on every rank), rank 0's first (one all-reduce)."""
+    mine = torch.zeros((coll.world_size, len(values)), dtype=torch.int64)
+    mine[coll.rank] = torch.tensor(list(values), dtype=torch.int64)
+    return [[int(v) for v in row] for row in coll.all_reduce_sum(mine).tolist()]
+
+
+def _gather_bytes(coll: Collectives, data: bytes) -> list[bytes]:
+    """Every rank's ``data``, rank 0's first (two all-reduces: the lengths, then the bytes)."""
+    lengths = [row[0] for row in _gather_ints(coll, [len(data)])]
+    if not any(lengths):
+        return [b""] * coll.world_size
+    mine = torch.zeros((coll.world_size, max(lengths, default=0)), dtype=torch.int64)
+    mine[coll.rank, : len(data)] = torch.tensor(list(data), dtype=torch.int64)
+    got = coll.all_reduce_sum(mine)
+    return [bytes(got[r, : lengths[r]].to(torch.uint8).tolist()) for r in range(coll.world_size)]
+
+
+def _reaches(root: Path, snap: Snapshot, q: int) -> bool:
+    """Whether this process sees part ``q`` of ``snap``: rank q's directory holds the store the
+    record names, and that store still holds the part."""
+    store = rank_dir(root, q)
+    try:
+        if store_uid(store) != snap.stores[q]:
+            return False
+        return CheckpointCatalog(store / "checkpoints", snap.stores[q]).exists(snap.parts[q])
+    except HierpsError:
+        return False
+
+
+def _missing(root: Path, snap: Snapshot, seen: list[list[int]], own_parts: bool) -> ConfigError | None:
+    """The error for parts of ``snap`` out of reach (``seen[k][q]``: rank k reaches part q); None when
+    each is reached. ``own_parts``: rank q must reach part q itself (it goes back to it); else any
+    rank may (a reshard reads each part on one rank that sees it)."""
+    world = len(seen)
+    nowhere = [q for q in range(snap.world_size) if not any(row[q] for row in seen)]
+    elsewhere = [q for q in range(snap.world_size) if own_parts and q not in nowhere and not seen[q][q]]
+    what = f"{root}: checkpoint {snap.id} ({snap.tag!r}, written by {snap.world_size} ranks)"
+    if nowhere:
+        names = ", ".join(
+            f"part {q} (rank {q}: {rank_dir(root, q).name}, store {snap.stores[q][:8]})" for q in nowhere
+        )
+        return ConfigError(
+            f"{what} cannot be opened: {len(nowhere)} of its parts are on no disk a rank of this job "
+            f"reaches: {names}. Their host did not come back, its disk was replaced, or fewer hosts were "
+            f"started than saved it. Start the job on every host that saved it, each with its disk at "
+            f"{root}. Nothing was opened, created or deleted."
+        )
+    if elsewhere:
+        where = "; ".join(
+            f"part {q} by ranks {[k for k in range(world) if seen[k][q]]}, not by rank {q}" for q in elsewhere
+        )
+        return ConfigError(
+            f"{what}: each rank opens its own part, but {where}: the ranks run on other hosts than when "
+            "they saved. Launch each host with the node rank (torchrun --node_rank) it had then. Nothing "
+            "was opened, created or deleted."
+        )
+    return None
+
+
+def _readers(snap: Snapshot, seen: list[list[int]]) -> list[int]:
+    """The rank that reads each part of ``snap`` for a reshard: rank q for part q where it sees it,
+    else one of the ranks that see it (spread by part)."""
+    out = []
+    for q in range(snap.world_size):
+        ranks = [k for k, row in enumerate(seen) if row[q]]
+        out.append(q if q in ranks else ranks[q % len(ranks)])
+    return out
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """What opening does, agreed by every rank: the root's checkpoints and where this world goes."""
+
+    catalog: list[Snapshot]
+    target: Snapshot | None  # a checkpoint of this world size holding the latest rows: go back to it
+    source: Snapshot | None  # else the checkpoint to reshard from (None with target: no checkpoint)
+    seen: list[list[int]] | None = None  # seen[k][q]: rank k reaches part q of target or source
+
+
+def _plan(catalog: list[Snapshot], world: int) -> _Plan:
+    if not catalog:
+        return _Plan(catalog, None, None)
+    return _choose(catalog, catalog[-1], world)
+
+
+def _choose(catalog: list[Snapshot], snap: Snapshot, world: int) -> _Plan:
+    """Where this world goes for the rows of ``snap``: ``snap`` itself at its world size, else the
+    newest checkpoint of this world size with the same rows, else a reshard of the saved one."""
+    if snap.world_size == world:
+        return _Plan(catalog, snap, None)
+    same = [s for s in catalog if s.world_size == world and s.source == snap.source]
+    if same:
+        return _Plan(catalog, same[-1], None)
+    return _Plan(catalog, None, next((s for s in catalog if s.id == snap.source), snap))
+
+
+def _newest_seen(root: Path) -> int:
+    """The newest record in any rank directory this process sees (names only: ids are file names)."""
+    ids = [
+        int(p.stem)
+        for d in rank_dirs(root).values()
+        if records_dir(d).is_dir()
+        for p in records_dir(d).glob("*.json")
+        if p.stem.isdigit()
+    ]
+    return max(ids, default=0)
+
+
+def _local_records(root: Path, rank: int) -> list[Snapshot]:
+    """This rank's copies of the records (the records of an earlier hierps, which kept them in one
+    directory of the root, copied in first)."""
+    store = rank_dir(root, rank)
+    if store_uid(store) is not None and not records_dir(store).is_dir():
+        _adopt_legacy(root, rank)
+    return read_records(store)
+
+
+def _adopt_legacy(root: Path, rank: int) -> None:
+    """A rank directory an earlier hierps wrote (no ``commits/`` of its own): its records, read
+    from ``<root>/commits`` (and, for rank 0, its checkpoints of one process), kept as copies."""
+    store = rank_dir(root, rank)
+    legacy = legacy_records(root)
+    found: list[Snapshot] = []
+    for path in sorted(legacy.glob("*.json")) if legacy.is_dir() else []:
+        body = read_json_checked(path)
+        world = body.get("world_size")
+        if isinstance(world, int) and rank < world and "stores" not in body:
+            uids = [store_uid(rank_dir(root, q)) or "?" for q in range(world)]
+            found.append(Snapshot.from_json(path, {**body, "stores": uids}))
+    uid = store_uid(store)
+    if rank == 0 and uid is not None and (store / "checkpoints").is_dir():
+        catalog = CheckpointCatalog(store / "checkpoints", uid)
+        for ckpt in catalog.ids():
+            m = catalog.manifest(ckpt)
+            if m.world_size == 1:
+                found.append(Snapshot(ckpt, 1, (ckpt,), (uid,), m.tag, m.created))
+    for snap in found:
+        keep_record(store, snap)
+    records_dir(store).mkdir(exist_ok=True)
 
 
 class ShardCheckpoints:
     """The checkpoints of one rank of a sharded root: its store's part of each, and their commits.
 
     ``local`` is this rank's store (``<root>/rank-NNNNN``); ``collectives`` joins the ranks
-    (:data:`ALONE` for a process that is the only rank). ``reshard(local, readers)`` fills the
-    local store with the rows it owns from the old parts when the world size changed.
-    Every method is collective: all ranks call it, in the same order.
+    (:data:`ALONE` for a process that is the only rank). Built by :meth:`open`. Every method is
+    collective: all ranks call it, in the same order.
     """
 
     def __init__(
         self,
-        root: str | Path,
+        root: Path,
         local: Store,
         collectives: Collectives,
         owner_of: Callable[[np.ndarray, int], np.ndarray],
+        catalog: list[Snapshot],
     ) -> None:
-        self.root = Path(root)
+        self.root = root
         self.local = local
         self.parts: OwnerParts = store_parts(local)
         self.collectives = collectives
         self.rank, self.world_size = collectives.rank, collectives.world_size
         self._owner_of = owner_of
+        self.catalog = catalog  # the root's checkpoints, oldest first: the same on every rank
+        self.uid = self.parts.core.marker.uid
+        self.stores = tuple(b.decode() for b in _gather_bytes(collectives, self.uid.encode()))
+
+    @classmethod
+    def open(
+        cls,
+        root: str | Path,
+        collectives: Collectives,
+        owner_of: Callable[[np.ndarray, int], np.ndarray],
+        make_store: Callable[[], Store],
+    ) -> ShardCheckpoints:
+        """Agree on the root's checkpoints, open this rank's store (``make_store()``) and return it
+        to the latest checkpoint, resharded if it has another world size (collective)."""
+        root = Path(root)
+        plan = cls._agree(root, collectives)
+        with opening_part():
+            local = make_store()
+        try:
+            records_dir(local.path).mkdir(exist_ok=True)  # a part from now on, never a store alone
+            self = cls(root, local, collectives, owner_of, plan.catalog)
+            self._recover(plan)
+        except BaseException:
+            local.close()
+            raise
+        return self
+
+    @staticmethod
+    def _agree(root: Path, coll: Collectives) -> _Plan:
+        """The plan every rank follows, from rank 0's records and every rank's newest one; raises
+        the same error on every rank when a part is out of reach (before anything is opened)."""
+        failure: BaseException | None = None
+        mine: list[Snapshot] = []
+        try:
+            mine = _local_records(root, coll.rank)
+        except HierpsError as exc:  # raised below, once every rank knows
+            failure = exc
+        blob = json.dumps([s.to_json() for s in mine]).encode() if coll.rank == 0 else b""
+        heads = _gather_ints(coll, [int(failure is not None), _newest_seen(root), len(blob)])
+        failed = [r for r, row in enumerate(heads) if row[0]]
+        if failure is not None:
+            raise failure
+        if failed:
+            raise HierpsError(f"{root}: ranks {failed} could not read their directory; see their errors.")
+        catalog = [
+            Snapshot.from_json(f"rank 0's records of {root}", b)
+            for b in json.loads(_gather_bytes(coll, blob)[0] or b"[]")
+        ]
+        newest = max(row[1] for row in heads)
+        if newest and newest not in {s.id for s in catalog}:
+            holders = [r for r, row in enumerate(heads) if row[1] == newest]
+            raise ConfigError(
+                f"{root}: ranks {holders} see the record of checkpoint {newest} on their disk, which rank 0's directory "
+                f"{rank_dir(root, 0)} lacks: it is not the directory rank 0 saved with (its host did not "
+                "come back, or the ranks run on other hosts than when they saved). Launch each host with "
+                "the node rank it had then. Nothing was opened, created or deleted."
+            )
+        return ShardCheckpoints._require(root, coll, _plan(catalog, coll.world_size))
+
+    @staticmethod
+    def _require(root: Path, coll: Collectives, plan: _Plan) -> _Plan:
+        """The plan with who reaches which part; raises on every rank when a part it reads is out of
+        reach of the ranks that may read it."""
+        snap = plan.target or plan.source
+        if snap is None:
+            return plan
+        seen = _gather_ints(coll, [int(_reaches(root, snap, q)) for q in range(snap.world_size)])
+        error = _missing(root, snap, seen, own_parts=plan.target is not None)
+        if error is not None:
+            raise error
+        return replace(plan, seen=seen)
 
     # -- what is there -------------------------------------------------------------------------
     def list_checkpoints(self) -> list[dict[str, Any]]:
-        """``[{"id", "tag", "created", "world_size"}, ...]`` of the restorable checkpoints, oldest first."""
-        return [s.describe() for s in snapshots(self.root)]
+        """``[{"id", "tag", "created", "world_size", "resharded_from"}, ...]`` of the restorable
+        checkpoints, oldest first."""
+        return [s.describe() for s in self.catalog]
 
     def find(self, ref: int | str | None) -> Snapshot | None:
-        return find_snapshot(self.root, ref)
+        """A checkpoint by id (or one resharded from it), by tag (the newest), or the latest (None)."""
+        return find_in(self.catalog, ref)
+
+    def gather(self, values: Sequence[int]) -> list[list[int]]:
+        """Every rank's ``values`` (as many on every rank), rank 0's first (collective)."""
+        return _gather_ints(self.collectives, values)
 
     # -- opening ---------------------------------------------------------------------------------
-    def recover(self) -> None:
-        """Return this rank to the latest snapshot, resharding it if it has another world size (collective)."""
-        if self.rank == 0:
-            remove_stale_records(self.root)
-        latest = self.find(None)
-        self._agree(latest.id if latest is not None else 0, "the latest checkpoint")
-        if latest is None:
-            if self.local.list_checkpoints():  # parts of a checkpoint that never committed
-                self.local.rollback(None)
-        elif latest.world_size == self.world_size:
-            self._back_to_part(latest, rollback=True)
-            # Parts no commit record names any more (a retirement cut short) are retired now.
-            self.local.retire_checkpoints(self._parts(snapshots(self.root)))
+    def _recover(self, plan: _Plan) -> None:
+        """Return this rank to the plan's checkpoint (collective)."""
+        if plan.target is not None:
+            self._back_to(plan.target, opening=True)
+        elif plan.source is None and self.local.list_checkpoints():
+            self.local.rollback(None)  # parts of a checkpoint that never committed
+        mine = {s.id for s in read_records(self.local.path)}
+        for snap in self.catalog:  # the copies this rank missed (it died before writing them)
+            if snap.id not in mine and self._took_part(snap):
+                keep_record(self.local.path, snap)
+        known = {s.id for s in self.catalog}
+        for old in mine - known:  # retired by rank 0, not yet here
+            delete_record(self.local.path, old)
+        self.local.retire_checkpoints(self._parts(self.catalog))  # parts that never committed
+        if plan.source is not None:
+            self._reshard(plan.source, plan.seen or [])
         else:
-            self._reshard(latest)
+            self._collect_rank_dirs(self.catalog)
         self.collectives.barrier()  # no rank checkpoints before every rank has recovered
+
+    def _took_part(self, snap: Snapshot) -> bool:
+        return self.rank < snap.world_size and snap.stores[self.rank] == self.uid
 
     # -- checkpoints -----------------------------------------------------------------------------
     def checkpoint(
-        self, tag: str | None = None, extra: dict[str, Any] | None = None, *, retire: bool = True
+        self,
+        tag: str | None = None,
+        extra: dict[str, Any] | None = None,
+        *,
+        retire: bool = True,
+        resharded_from: int | None = None,
     ) -> int:
         """Checkpoint every rank's store and commit them as one checkpoint; returns its id (collective).
 
-        Committed when rank 0's commit record is written, after every part is durable; every rank
-        returns only then. A crash before leaves the previous checkpoint as the latest on every rank.
-        With ``retire`` False, older checkpoints stay until :meth:`retire` (or the next checkpoint).
+        Committed when rank 0's copy of the record is written, after every part is durable; every
+        rank returns only once it holds its own copy. A crash before rank 0's record leaves the
+        previous checkpoint as the latest on every rank. With ``retire`` False, older checkpoints
+        stay until :meth:`retire` (or the next checkpoint).
         """
         body = {**(extra or {}), "world_size": self.world_size, "rank": self.rank}
         part = self.local.checkpoint(tag, extra=body, retire=False)
         if self.world_size > 1:
             fault_point("sharded.part_written")
-            parts = self._agree_parts(part)
-            if self.rank == 0:
+        created = time.time_ns() // 1000 if self.rank == 0 else 0
+        gathered = _gather_ints(self.collectives, [part, created])  # every part is durable
+        snap = Snapshot(
+            gathered[0][0],
+            self.world_size,
+            tuple(row[0] for row in gathered),
+            self.stores,
+            tag,
+            gathered[0][1] / 1e6,
+            resharded_from,
+        )
+        if self.rank == 0:
+            if self.world_size > 1:
                 fault_point("sharded.before_commit")
-                write_record(self.root, parts, tag)
-            self.collectives.barrier()  # every rank returns once the checkpoint is committed
-            seen = self._agree_parts(int(record_path(self.root, parts[0]).exists()))
-            unseen = [r for r, flag in enumerate(seen) if not flag]
-            if unseen:
-                raise ConfigError(
-                    f"{self.root}: ranks {unseen} do not see the commit record rank 0 wrote "
-                    f"({record_path(self.root, parts[0]).name}): every rank must open the same directory "
-                    "(one machine, or a file system all ranks share). The checkpoint is committed only "
-                    "where rank 0 wrote it."
-                )
+            keep_record(self.local.path, snap)  # the commit point
+        self.collectives.barrier()  # committed: every rank knows
+        if self.rank != 0:
+            keep_record(self.local.path, snap)
+        self.collectives.barrier()  # every rank holds its copy
+        self.catalog = [*self.catalog, snap]
+        if self.world_size > 1:
             fault_point("sharded.committed")
-            part = parts[0]
         if retire:
             self._retire()
-        return part
+        return snap.id
 
     def retire(self) -> None:
         """Retire the checkpoints beyond ``keep_checkpoints`` (collective)."""
@@ -160,124 +437,182 @@ class ShardCheckpoints:
 
     def restore(self, ref: int | str | None = None) -> int:
         """Every rank back to checkpoint ``ref`` (an id, a tag, or the latest); returns the id of the
-        checkpoint the ranks are now at (a new one when it was resharded). Collective."""
+        checkpoint the ranks are now at: the one named, one of this world size with its rows, or a new
+        one resharded from it. Collective."""
         snap = self.find(ref)
-        self._agree(snap.id if snap is not None else 0, f"checkpoint {ref!r}")
         if snap is None:
             raise ConfigError(
-                f"{self.root}: no checkpoint {ref!r}; it has {[(s['id'], s['tag']) for s in self.list_checkpoints()]}."
+                f"{self.root}: no checkpoint {ref!r}; it has {[(s.id, s.tag) for s in self.catalog]}."
             )
-        if snap.world_size == self.world_size:
-            self._back_to_part(snap, rollback=False)
-            return snap.id
-        return self._reshard(snap)
+        plan = self._require(self.root, self.collectives, _choose(self.catalog, snap, self.world_size))
+        if plan.target is not None:
+            self._back_to(plan.target)
+            return plan.target.id
+        assert plan.source is not None
+        return self._reshard(plan.source, plan.seen or [])
 
     # -- parts -------------------------------------------------------------------------------------
-    def _back_to_part(self, snap: Snapshot, rollback: bool) -> None:
+    def _back_to(self, snap: Snapshot, *, opening: bool = False) -> None:
+        """This rank's store at its part of ``snap`` (rows written since are dropped); ``opening``:
+        the store was just opened, so already at its part when that is its latest checkpoint."""
         part = snap.parts[self.rank]
-        if not self.parts.core.catalog.exists(part):
-            raise CheckpointRetiredError(
-                f"{rank_dir(self.root, self.rank)}: checkpoint {part}, this rank's part of checkpoint "
-                f"{snap.id} ({snap.tag!r}, {snap.world_size} ranks), is missing: retired, or the rank "
-                "directory was replaced. Restore another checkpoint, or restore the directory from a backup."
-            )
-        if rollback:  # parts newer than the latest commit never committed: they go
-            if self.local.checkpoint_id != part or self.parts.core.catalog.latest() != part:
-                self.local.rollback(part)
-        else:
+        if not opening or self.local.checkpoint_id != part:
             self.local.restore(part)
 
-    def _reshard(self, snap: Snapshot) -> int:
+    def _reshard(self, snap: Snapshot, seen: list[list[int]]) -> int:
         """Fill this rank's store with the rows it owns in ``snap`` (written by another number of
-        ranks), then commit that as a checkpoint of this world size, with the snapshot's tag."""
-        readers = [CheckpointReader(rank_dir(self.root, q), snap.parts[q]) for q in range(snap.world_size)]
-        names = sorted({name for r in readers for name in r.meta.tables})
+        ranks), then commit that as a checkpoint of this world size resharded from it (collective).
+
+        Each old part is read by one rank that sees it (:func:`_readers`): on rank directories on
+        each host's own disk a rank reads only what its host holds. Its rows go to their new owners
+        by all-to-all, a reader's piece at a time (bounded memory: a buffer per segment), with
+        their optimizer state and counters; so do the keys pending admission."""
+        readers = [
+            CheckpointReader(rank_dir(self.root, q), snap.parts[q])
+            for q, reader in enumerate(_readers(snap, seen))
+            if reader == self.rank
+        ]
+        try:
+            return self._reshard_from(snap, readers)
+        finally:
+            for reader in readers:
+                reader.close()
+
+    def _reshard_from(self, snap: Snapshot, readers: list[CheckpointReader]) -> int:
+        blobs = _gather_bytes(self.collectives, json.dumps([r.manifest for r in readers]).encode())
+        manifests = [
+            Manifest.from_json(Path(f"checkpoint {snap.id}"), body["id"], body)
+            for b in blobs
+            for body in json.loads(b)
+        ]
+        names = sorted({name for m in manifests for name in m.tables})
         for name in set(self.local.tables) - set(names):  # a table the snapshot does not have
             self.parts.rows.reset(name)
         for name in names:
-            held = next(r.infos[name] for r in readers if name in r.infos)
-            info = self.local.table(name, held.dim, held.spec)
+            held = next(m for m in manifests if name in m.tables)
+            info = held.tables[name].table_info(name, held.seed)
+            mine = self.local.table(name, info.dim, info.spec)
             self.parts.rows.reset(name)
             # The parts read stay on disk while this rank rewrites its store: no part is retired
             # before every rank has checkpointed (and so has read them).
-            for reader in readers:
-                if name in reader.meta.tables:
-                    for keys, rows in reader.iter_rows(name):
-                        mine = self._owner_of(keys, self.world_size) == self.rank
-                        self.local.write_rows(name, keys[mine], rows[mine])
-            info.step = held.step
-            self.parts.core.pending_keys[name] = self._pending_keys(name, info.admission.max_pending, readers)
-        self.local.passes = readers[0].meta.passes
-        return self.checkpoint(snap.tag, extra={"resharded_from": snap.world_size})
+            pieces = itertools.chain.from_iterable(
+                r.iter_rows(name) for r in readers if name in r.meta.tables
+            )
+            while True:
+                piece = next(pieces, None)
+                if not int(self.collectives.all_reduce_sum(torch.tensor([float(piece is not None)]))[0]):
+                    break
+                keys, rows = piece if piece is not None else (_NO_KEYS, np.empty((0, info.width), np.float32))
+                keys, (rows,) = self._to_owners(keys, [rows])
+                order = np.argsort(keys, kind="stable")
+                self.local.write_rows(name, keys[order], rows[order])
+            mine.step = info.step
+            pending = [r.pending(name) for r in readers if name in r.meta.tables]
+            arrays = {
+                k: np.concatenate([p[k] for p in pending] or [np.empty(0, d)])
+                for k, d in PENDING_ARRAYS.items()
+            }
+            keys, values = self._to_owners(
+                arrays["pending_keys"].astype(np.int64), [arrays[k].astype(np.int64) for k in PENDING_ARRAYS]
+            )
+            order = np.argsort(keys, kind="stable")
+            self.parts.core.pending_keys[name] = PendingKeys.from_arrays(
+                mine.admission.max_pending,
+                {k: v[order].astype(d) for (k, d), v in zip(PENDING_ARRAYS.items(), values)},
+            )
+        self.local.passes = manifests[0].passes
+        return self.checkpoint(
+            snap.tag, extra={"resharded_from": snap.world_size}, resharded_from=snap.source
+        )
 
-    def _pending_keys(self, name: str, capacity: int, readers: list[CheckpointReader]) -> PendingKeys:
-        """The keys of table ``name`` pending admission in every old part that this rank now owns."""
-        parts = [r.pending(name) for r in readers if name in r.meta.tables]
-        merged = {k: np.concatenate([p[k] for p in parts]) for k in PENDING_ARRAYS}
-        keys = merged["pending_keys"].astype(np.int64)
-        mine = np.flatnonzero(self._owner_of(keys, self.world_size) == self.rank)
-        mine = mine[np.argsort(keys[mine], kind="stable")]
-        return PendingKeys.from_arrays(capacity, {k: v[mine] for k, v in merged.items()})
+    def _to_owners(self, keys: np.ndarray, columns: list[np.ndarray]) -> tuple[np.ndarray, list[np.ndarray]]:
+        """Send ``keys`` (n,) int64 and ``columns`` (n, ...) each to the keys' owners (collective) ->
+        the keys this rank owns and their columns, grouped by source rank."""
+        owners = self._owner_of(keys, self.world_size)
+        order = np.argsort(owners, kind="stable")
+        counts = np.bincount(owners, minlength=self.world_size).tolist()
+        got, recv = self.collectives.all_to_all(torch.from_numpy(np.ascontiguousarray(keys[order])), counts)
+        out = [
+            self.collectives.all_to_all_known(torch.from_numpy(np.ascontiguousarray(c[order])), counts, recv)
+            .cpu()
+            .numpy()
+            for c in columns
+        ]
+        return got.cpu().numpy(), out
 
     def _retire(self) -> None:
-        """Keep the ``keep_checkpoints`` latest snapshots: rank 0 retires older commit records first,
-        then every rank the parts no kept snapshot names."""
-        kept = snapshots(self.root)[-self.local.keep_checkpoints :]
-        if self.rank == 0 and records_dir(self.root).is_dir():
-            kept_ids = {s.id for s in kept}
-            for path in sorted(records_dir(self.root).glob("*.json")):
-                if path.stem.isdigit() and int(path.stem) not in kept_ids:
-                    path.unlink(missing_ok=True)
-                    fault_point("sharded.commit_retired")
-        self.collectives.barrier()  # no part is retired while a record naming it remains
+        """Keep the snapshots :func:`retained` names: rank 0 deletes the others' records first, then
+        every rank its copies and the parts no kept snapshot names."""
+        kept = retained(self.catalog, self.local.keep_checkpoints)
+        dropped = [s.id for s in self.catalog if s not in kept]
+        if self.rank == 0:
+            for old in dropped:
+                delete_record(self.local.path, old)
+                fault_point("sharded.commit_retired")
+        self.collectives.barrier()  # no part is retired while rank 0 holds a record naming it
+        if self.rank != 0:
+            for old in dropped:
+                delete_record(self.local.path, old)
+        self.catalog = kept
         self.local.retire_checkpoints(self._parts(kept))
+        self._collect_rank_dirs(kept)
         self.collectives.barrier()  # every rank sees the same checkpoints from here on
 
     def _parts(self, snaps: list[Snapshot]) -> set[int]:
         """This rank's checkpoints that ``snaps`` name (those its store holds: keeping a part that is
         gone keeps nothing, and restoring that snapshot says it is missing)."""
         held = set(self.parts.core.catalog.ids())
-        return {s.parts[self.rank] for s in snaps if self.rank < s.world_size} & held
+        return {s.parts[self.rank] for s in snaps if self._took_part(s)} & held
 
-    # -- agreement -----------------------------------------------------------------------------
-    def _agree_parts(self, value: int) -> list[int]:
-        """Every rank's ``value``, rank 0's first (an all-reduce: also a barrier)."""
-        mine = torch.zeros(self.world_size, dtype=torch.int64)
-        mine[self.rank] = value
-        return [int(v) for v in self.collectives.all_reduce_sum(mine).tolist()]
-
-    def _agree(self, value: int, what: str) -> None:
-        """Check that every rank found the same ``value`` (``ConfigError`` naming them otherwise)."""
-        if self.world_size == 1:
-            return
-        values = self._agree_parts(value)
-        if len(set(values)) > 1:
-            raise ConfigError(
-                f"{self.root}: the ranks found different checkpoints for {what} (ids {values}, by rank). "
-                "Every rank must see the same store directory (a shared file system) and the same files."
-            )
+    def _collect_rank_dirs(self, kept: list[Snapshot]) -> None:
+        """Delete the rank directories this process sees that hold no rank's store of this world
+        (a larger world's, or one a rank moved away from to another host) and that no kept snapshot
+        names, once their checkpoints are retired."""
+        remove_collected(self.root)
+        for q, path in rank_dirs(self.root).items():
+            try:
+                uid = store_uid(path)
+            except HierpsError:
+                continue  # not a store hierps can read: left alone
+            if q < self.world_size and uid == self.stores[q]:
+                continue
+            if not any(q < s.world_size and s.stores[q] == uid for s in kept):
+                collect_rank_dir(path)
 
 
 def update_each_rank(
     root: str | Path, work: Callable[[int, Store], None], tag: str, **store_kwargs: Any
 ) -> int:
-    """Run ``work(rank, store)`` on each rank's store at the latest checkpoint of a sharded directory,
-    one rank after another in this process (e.g. ``hierps shrink``), and commit what they hold
-    then as one checkpoint, as the ranks would; returns its id. The directory must not be open
-    elsewhere. A crash before the commit leaves the previous checkpoint as the latest."""
+    """Run ``work(rank, store)`` on each rank's store at the latest checkpoint of a sharded directory
+    whose rank directories this process sees, one rank after another (e.g. ``hierps shrink``), and
+    commit what they hold then as one checkpoint, as the ranks would; returns its id. The directory
+    must not be open elsewhere. A crash before rank 0's record leaves the previous checkpoint the latest."""
     root = Path(root)
-    latest = find_snapshot(root, None)
-    if latest is None:
+    catalog = snapshots(root)
+    if not catalog:
         raise ConfigError(f"{root}: no checkpoint committed for all ranks; nothing to update.")
-    parts = []
+    latest = catalog[-1]
+    seen = [[int(_reaches(root, latest, q)) for q in range(latest.world_size)]]  # this process reads all
+    error = _missing(root, latest, seen, own_parts=False)
+    if error is not None:
+        raise error
+    parts, keep = [], 1
     for rank in range(latest.world_size):
-        with Store(rank_dir(root, rank), **store_kwargs) as store:
-            part = latest.parts[rank]
-            if store.checkpoint_id != part or store_parts(store).core.catalog.latest() != part:
-                store.rollback(part)  # a part newer than the commit never committed
+        with opening_part(), Store(rank_dir(root, rank), **store_kwargs) as store:
+            if store.checkpoint_id != latest.parts[rank]:
+                store.restore(latest.parts[rank])
             work(rank, store)
             extra = {"world_size": latest.world_size, "rank": rank}
-            parts.append(store.checkpoint(tag, extra=extra, retire=latest.world_size == 1))
-    if latest.world_size > 1:
-        write_record(root, parts, tag)
-    return parts[0]
+            parts.append(store.checkpoint(tag, extra=extra, retire=False))
+            keep = store.keep_checkpoints if rank == 0 else keep
+    snap = write_record(root, parts, tag)  # rank 0's copy first: the commit point
+    kept = retained([*catalog, snap], keep)
+    for rank in range(latest.world_size):  # rank 0's records first, then every rank's parts
+        with opening_part(), Store(rank_dir(root, rank), **store_kwargs) as store:
+            for old in catalog:
+                if old not in kept:
+                    delete_record(store.path, old.id)
+            core = store_parts(store).core
+            named = {s.parts[rank] for s in kept if rank < s.world_size and s.stores[rank] == core.marker.uid}
+            store.retire_checkpoints(named & set(core.catalog.ids()))
+    return snap.id

@@ -123,15 +123,13 @@ class ShardedStore:
         # A world of one rank needs no collective: what is sent comes back as it is.
         self.transport: Transport = transport if transport.world_size > 1 else _OneRank()
         self.rank, self.world_size = transport.rank, transport.world_size
-        self.local = Store(rank_dir(self.root, self.rank), **store_kwargs)
+        # Every rank at the latest checkpoint, resharded if need be (agreed before the store opens).
+        self.checkpoints = ShardCheckpoints.open(
+            self.root, self.transport, owner_of, lambda: Store(rank_dir(self.root, self.rank), **store_kwargs)
+        )
+        self.local = self.checkpoints.local
         self._parts: OwnerParts = store_parts(self.local)
         self.device = self.local.device
-        self.checkpoints = ShardCheckpoints(self.root, self.local, transport, owner_of)
-        try:
-            self.checkpoints.recover()  # every rank at the latest checkpoint, resharded if need be
-        except BaseException:
-            self.local.close()
-            raise
         self._pending: list[_ShardPending | Fetched] = []
         self._passes = PassRouter(self.local, self.transport, self._pending_append)
         self._bytes_sent = 0
@@ -481,7 +479,9 @@ class ShardedStore:
         return ckpt
 
     def list_checkpoints(self) -> list[dict[str, Any]]:
-        """``[{"id", "tag", "created", "world_size"}, ...]`` of the restorable checkpoints, oldest first."""
+        """``[{"id", "tag", "created", "world_size", "resharded_from"}, ...]`` of the restorable
+        checkpoints, oldest first (``resharded_from``: the id of the checkpoint whose rows a reshard
+        copied into this world size, which counts against no ``keep_checkpoints``; else None)."""
         return self.checkpoints.list_checkpoints()
 
     def close(self) -> None:

@@ -1,0 +1,154 @@
+"""A sharded store over two hosts, each with its own disk at the same path (node-local storage).
+
+The hosts are network namespaces on this machine (:mod:`hosts`, root only); torchrun runs
+``--nnodes 2 --nproc_per_node 2`` over their veth pair with gloo, so 4 ranks train
+``dist_worker.py`` with rank directories 0-1 on host A's disk and 2-3 on host B's. They train as
+one process on the whole batches, checkpoint without a file the hosts share and resume exactly; a
+whole host SIGKILLed inside a checkpoint leaves every rank reopening at one committed checkpoint,
+bit for bit; a host that comes back without its disk makes the open fail, naming the parts.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hosts import TwoHosts, can_make_hosts, wait_all, wait_for
+from test_distributed import BIN, WORKER, _assert_same_training, _env, _full_rows, _load, torchrun
+
+pytestmark = [
+    pytest.mark.distributed,
+    pytest.mark.skipif(can_make_hosts() is not None, reason=str(can_make_hosts())),
+]
+
+PORT = 29_400 + os.getpid() % 500
+TIMEOUT_S = 150
+
+
+def run_hosts(
+    hosts: TwoHosts, disks: list[Path], out: Path, *args: str, env: list[dict[str, str]] | None = None
+):
+    """Run ``dist_worker.py ARGS`` as 2 hosts x 2 ranks (the store at the common path); the hosts' processes."""
+    out.mkdir(parents=True, exist_ok=True)
+    procs = []
+    for host in (0, 1):
+        argv = [
+            str(BIN / "torchrun"),
+            "--nnodes=2",
+            f"--node_rank={host}",
+            "--nproc_per_node=2",
+            f"--master_addr={hosts.addrs[0]}",
+            f"--master_port={PORT}",
+            WORKER,
+            *args,
+        ]
+        extra = env[host] if env else {}
+        procs.append(hosts.launch(host, disks[host], argv, {**_env(), **extra}, out / f"host-{host}.log"))
+    return procs
+
+
+def finish(procs, out: Path) -> None:
+    codes = wait_all(procs, TIMEOUT_S)
+    logs = "\n".join((out / f"host-{h}.log").read_text()[-3000:] for h in (0, 1))
+    assert codes == [0, 0], f"hosts ended with {codes}:\n{logs}"
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """One process on the whole batches, then 2 hosts x 2 ranks, each checkpointing every pass."""
+    base = tmp_path_factory.mktemp("hosts")
+    torchrun(1, "train", str(base / "one" / "store"), str(base / "one"), "--every-pass")
+    with TwoHosts(base / "common") as hosts:
+        disks = [base / "disk-a", base / "disk-b"]
+        common = str(hosts.common / "store")
+        finish(
+            run_hosts(hosts, disks, base / "out", "train", common, str(base / "out"), "--every-pass"),
+            base / "out",
+        )
+    return base
+
+
+def test_four_ranks_on_two_hosts_train_as_one_process_and_resume(trained, tmp_path):
+    ref = _load(trained / "one", "result-0.npz")
+    for rank in range(4):
+        _assert_same_training(ref, _load(trained / "out", f"result-{rank}.npz"))
+    for host, ranks in ((0, (0, 1)), (1, (2, 3))):  # each disk holds its host's ranks, nothing shared
+        store = trained / f"disk-{'ab'[host]}" / "store"
+        assert sorted(p.name for p in store.iterdir()) == [f"rank-{r:05d}" for r in ranks]
+        for r in ranks:
+            assert (store / f"rank-{r:05d}" / "commits").is_dir()
+    # Resumed at 4 ranks on the same hosts: every row and its optimizer state as trained.
+    disks = [tmp_path / "disk-a", tmp_path / "disk-b"]
+    for host in (0, 1):
+        shutil.copytree(trained / f"disk-{'ab'[host]}", disks[host])
+    with TwoHosts(tmp_path / "common") as hosts:
+        finish(
+            run_hosts(hosts, disks, tmp_path, "reopen", str(hosts.common / "store"), str(tmp_path)), tmp_path
+        )
+    written = _full_rows(trained / "out", "result", 4, "owned_keys", "owned_rows")
+    full = _full_rows(tmp_path, "reopened", 4, "keys", "full")
+    assert full.keys() == written.keys()
+    for k, v in written.items():
+        np.testing.assert_array_equal(full[k], v)
+    trained_rows = _load(trained / "out", "result-0.npz")["rows"]
+    for rank in range(4):
+        got = _load(tmp_path, f"reopened-{rank}.npz")
+        np.testing.assert_array_equal(got["rows"], trained_rows)
+        assert list(got["tags"]) == ["pass3", "pass4", "final"]
+
+
+HOLDS = [
+    # (host killed, where its ranks stop, the checkpoint every rank reopens at)
+    (1, "sharded.part_written:1/json.before_replace:1", "pass1"),  # rank 0's record written, B's copies not
+    (0, "sharded.before_commit:2", "pass1"),  # every part durable; rank 0 killed before its record
+]
+
+
+@pytest.mark.parametrize(("killed", "hold", "expect"), HOLDS, ids=[f"host{k}-{h}" for k, h, _ in HOLDS])
+def test_a_host_killed_inside_a_checkpoint_reopens_every_rank_at_one_checkpoint(
+    trained, tmp_path, killed, hold, expect
+):
+    disks = [tmp_path / "disk-a", tmp_path / "disk-b"]
+    out = tmp_path / "out"
+    with TwoHosts(tmp_path / "common") as hosts:
+        env = [{}, {}]
+        env[killed] = {"HIERPS_HOLD": hold}
+        store = str(hosts.common / "store")
+        procs = run_hosts(hosts, disks, out, "train", store, str(out), "--every-pass", env=env)
+        held = [out / f"held-{r}" for r in (2 * killed, 2 * killed + 1)]
+        assert wait_for(held[0], procs, TIMEOUT_S) or wait_for(held[1], procs, 5), (
+            out / f"host-{killed}.log"
+        ).read_text()[-3000:]
+        hosts.kill(killed)  # every process of the host, at once
+        wait_all(procs, 3)  # the other host's ranks can only wait for the lost peer now: the job
+        hosts.kill(1 - killed)  # is stopped there too, as a scheduler would once a host is lost
+        wait_all(procs, 30)
+    with TwoHosts(tmp_path / "common2") as hosts:  # the job restarted on both hosts
+        reopen = tmp_path / "reopen"
+        finish(run_hosts(hosts, disks, reopen, "reopen", str(hosts.common / "store"), str(reopen)), reopen)
+    got = _full_rows(reopen, "reopened", 4, "keys", "full")
+    want = _full_rows(trained / "out", expect, 4, "keys", "rows")
+    assert got.keys() == want.keys()
+    for k, v in want.items():
+        np.testing.assert_array_equal(got[k], v, err_msg=f"key {k}")
+    for rank in range(4):
+        assert list(_load(reopen, f"reopened-{rank}.npz")["tags"])[-1] == expect
+
+
+def test_a_host_back_without_its_disk_fails_the_open_naming_its_parts(trained, tmp_path):
+    disks = [tmp_path / "disk-a", tmp_path / "disk-b"]
+    shutil.copytree(trained / "disk-a", disks[0])  # host B comes back with an empty disk
+    disks[1].mkdir()
+    before = sorted(str(p) for p in disks[0].rglob("*"))
+    with TwoHosts(tmp_path / "common") as hosts:
+        procs = run_hosts(hosts, disks, tmp_path, "reopen", str(hosts.common / "store"), str(tmp_path))
+        codes = wait_all(procs, TIMEOUT_S)
+    assert all(c not in (0, None) for c in codes), codes
+    for h in (0, 1):  # every rank says which parts are missing, on which ranks
+        log = (tmp_path / f"host-{h}.log").read_text()
+        assert "part 2 (rank 2: rank-00002" in log and "part 3 (rank 3: rank-00003" in log, log[-3000:]
+    assert not list(disks[1].rglob("*"))  # nothing created on the empty disk
+    assert sorted(str(p) for p in disks[0].rglob("*")) == before  # nothing deleted

@@ -1,0 +1,221 @@
+"""Rank directories on each host's own disk, and checkpoints that never cost a tag.
+
+Ranks are threads (:mod:`thread_world`); a "host" is a directory of its own, so that the ranks of
+host A and host B open ``<host>/store/rank-NNNNN`` under different roots, as the same path names
+another disk on each host. Checkpoints commit without any file the hosts share, reopen exactly,
+and a host missing at open is an error naming its parts. Then the tags of a shared directory stay
+loadable whatever number of ranks open it, with ``keep_checkpoints=1``, and a plain ``hierps.Store``
+refuses one rank's directory. ``tests/test_hosts.py`` runs real hosts (network namespaces).
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from test_sharded_checkpoints import SETTINGS, assert_same, merged, on_ranks, state
+from test_sharded_features import ALL_KEYS, TABLES, train
+from thread_world import ThreadTransport, run_ranks
+
+import hierps
+from hierps.cli import main
+from hierps.errors import ConfigError
+from hierps.sharding import owner_of
+from hierps.storage._commit_log import delete_record, rank_dir, read_records, snapshots
+
+PER_HOST = 2
+
+
+def host_root(hosts: Path, rank: int) -> Path:
+    """The store path rank ``rank`` opens: the same name, on its host's own disk."""
+    return hosts / f"host-{rank // PER_HOST}" / "store"
+
+
+def on_hosts(hosts: Path, world: int, work: Any, **settings: Any) -> list[Any]:
+    def rank_main(transport: ThreadTransport) -> Any:
+        store = hierps.ShardedStore(host_root(hosts, transport.rank), transport, **{**SETTINGS, **settings})
+        try:
+            for name, table in TABLES.items():
+                store.table(name, 4, **table)
+            return work(store)
+        finally:
+            store.close()
+
+    return run_ranks(world, rank_main)
+
+
+def files(path: Path) -> list[str]:
+    return sorted(str(p.relative_to(path)) for p in path.rglob("*"))
+
+
+@pytest.fixture(scope="module")
+def two_hosts(tmp_path_factory) -> tuple[Path, dict[str, Any]]:
+    """Two hosts of two ranks trained and checkpointed "final" (copy before changing it)."""
+    hosts = tmp_path_factory.mktemp("hosts")
+    states = on_hosts(hosts, 4, lambda s: (train(s, s.rank, 4), state(s))[1])
+    return hosts, merged(states)
+
+
+def copy_hosts(two_hosts: tuple[Path, dict[str, Any]], tmp_path: Path) -> Path:
+    shutil.copytree(two_hosts[0], tmp_path / "hosts")
+    return tmp_path / "hosts"
+
+
+def test_two_hosts_commit_without_a_shared_file_and_reopen_exactly(two_hosts, tmp_path):
+    hosts = copy_hosts(two_hosts, tmp_path)
+    for h in (0, 1):  # each host holds its own ranks' directories, each with its copy of the record
+        root = hosts / f"host-{h}" / "store"
+        assert sorted(p.name for p in root.iterdir()) == [rank_dir(root, 2 * h + i).name for i in (0, 1)]
+        for r in (2 * h, 2 * h + 1):
+            assert [(s.world_size, s.tag) for s in read_records(rank_dir(root, r))] == [(4, "final")]
+    assert_same(merged(on_hosts(hosts, 4, state)), two_hosts[1])
+
+
+def test_ranks_that_died_before_their_copy_of_the_record_reopen_at_it(two_hosts, tmp_path):
+    """Rank 0 wrote its copy (the commit point); host B and rank 1 died before theirs."""
+    hosts = copy_hosts(two_hosts, tmp_path)
+    latest = snapshots(host_root(hosts, 0))[-1]
+    for r in (1, 2, 3):
+        delete_record(rank_dir(host_root(hosts, r), r), latest.id)
+    got = on_hosts(hosts, 4, state)
+    assert_same(merged(got), two_hosts[1])
+    assert all(s["tags"] == ["final"] for s in got)
+    for r in (1, 2, 3):  # the copies are written again as the ranks reopen
+        assert [s.id for s in read_records(rank_dir(host_root(hosts, r), r))] == [latest.id]
+
+
+def test_a_host_missing_at_open_is_an_error_naming_its_parts(two_hosts, tmp_path):
+    hosts = copy_hosts(two_hosts, tmp_path)
+    shutil.move(hosts / "host-1", tmp_path / "elsewhere")  # host B came back with an empty disk
+    before = files(hosts)
+
+    def rank_main(transport: ThreadTransport) -> str:
+        with pytest.raises(ConfigError) as err:
+            hierps.ShardedStore(host_root(hosts, transport.rank), transport, **SETTINGS)
+        return str(err.value)
+
+    messages = run_ranks(4, rank_main)
+    for m in messages:  # the same error on every rank
+        assert "part 2 (rank 2: rank-00002" in m and "part 3 (rank 3: rank-00003" in m, m
+        assert "Nothing was opened, created or deleted" in m
+    assert files(hosts) == before  # no rank directory created on the empty host, nothing deleted
+
+
+def test_fewer_hosts_than_parts_is_an_error_naming_the_missing_ones(two_hosts, tmp_path):
+    hosts = copy_hosts(two_hosts, tmp_path)
+    before = files(hosts)
+
+    def rank_main(transport: ThreadTransport) -> str:  # host A alone, at two ranks
+        with pytest.raises(ConfigError) as err:
+            hierps.ShardedStore(host_root(hosts, 0), transport, **SETTINGS)
+        return str(err.value)
+
+    for m in run_ranks(2, rank_main):
+        assert "part 2 (rank 2: rank-00002" in m and "part 3 (rank 3: rank-00003" in m, m
+    assert files(hosts) == before
+
+
+def test_hosts_launched_in_each_others_place_are_told_so(two_hosts, tmp_path):
+    hosts = copy_hosts(two_hosts, tmp_path)
+
+    def rank_main(transport: ThreadTransport) -> str:
+        swapped = host_root(hosts, (transport.rank + PER_HOST) % 4)  # host A runs ranks 2 and 3
+        with pytest.raises(ConfigError) as err:
+            hierps.ShardedStore(swapped, transport, **SETTINGS)
+        return str(err.value)
+
+    messages = run_ranks(4, rank_main)
+    assert "lacks" in messages[0] and "node rank" in messages[0], messages[0]
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_parts_on_several_hosts_disks_reshard_over_the_transport(two_hosts, tmp_path, world):
+    """4 -> 2 (one rank per host) and 4 -> 3 (two on host A, one on host B): each rank reads only the
+    parts its host holds and streams their rows to the new owners; then 4 ranks go back to theirs."""
+    hosts = copy_hosts(two_hosts, tmp_path)
+    per_host = {2: 1, 3: 2}[world]
+
+    def rank_main(transport: ThreadTransport) -> dict[str, Any]:
+        root = hosts / f"host-{min(transport.rank // per_host, 1)}" / "store"
+        store = hierps.ShardedStore(root, transport, **SETTINGS)
+        try:
+            return state(store)
+        finally:
+            store.close()
+
+    got = run_ranks(world, rank_main)
+    assert_same(merged(got), two_hosts[1])
+    assert all(s["tags"] == ["final", "final"] for s in got)
+    back = on_hosts(hosts, 4, state)  # the 4-rank checkpoint is kept: no reshard on the way back
+    assert_same(merged(back), two_hosts[1])
+    assert back[0]["tags"] == ["final", "final"]  # the saved one and the latest resharded copy
+
+
+# -- a reshard never costs a tag ----------------------------------------------------------------------
+def test_a_tag_stays_loadable_at_every_world_size_with_one_checkpoint_kept(tmp_path):
+    """Saved at 1 rank, then loaded at 3, 2 and 3 ranks (each opening reshards once at most)."""
+    root = tmp_path / "store"
+    ref = merged(on_ranks_kept(root, 1, lambda s: (train(s, 0, 1), s.checkpoint("t2"), state(s))[2]))
+    # (world, its checkpoints' world sizes kept after it opened, the rank directories left)
+    steps = [(3, [1, 3], 3), (2, [1, 2], 2), (3, [1, 3], 3), (1, [1, 3], 3)]
+    for world, worlds, dirs in steps:
+        before = {s.id for s in snapshots(root)}
+        got = on_ranks_kept(root, world, overwrite_then_restore)
+        assert_same(merged(got), ref)
+        kept = snapshots(root)
+        # The saved tag and the latest resharded copy of it: nothing else is kept, nothing lost.
+        assert (
+            [s.world_size for s in kept] == worlds and kept[0].tag == "t2" and kept[0].resharded_from is None
+        )
+        assert all(s.tag == "t2" and s.resharded_from == kept[0].id for s in kept[1:])
+        assert len({s.id for s in kept} - before) <= 1  # at most one new checkpoint per opening
+        # Directories of a larger world are collected once no kept checkpoint names them.
+        assert sorted(p.name for p in root.iterdir()) == [rank_dir(root, r).name for r in range(dirs)]
+
+
+def overwrite_then_restore(store: hierps.ShardedStore) -> dict[str, Any]:
+    """Rows written after opening are dropped by restoring the tag, however many times."""
+    store.write("plain", ALL_KEYS, np.full((len(ALL_KEYS), 4), 9.0, np.float32))
+    store.restore("t2")
+    store.restore("t2")
+    return state(store)
+
+
+def on_ranks_kept(root: Path, world: int, work: Any) -> list[Any]:
+    def rank_main(transport: ThreadTransport) -> Any:
+        store = hierps.ShardedStore(root, transport, **SETTINGS, keep_checkpoints=1)
+        try:
+            for name, table in TABLES.items():
+                store.table(name, 4, **table)
+            return work(store)
+        finally:
+            store.close()
+
+    return run_ranks(world, rank_main)
+
+
+def test_one_rank_directory_is_not_a_store_of_its_own(tmp_path):
+    root = tmp_path / "store"
+    on_ranks(
+        root,
+        2,
+        lambda s: (s.write("plain", ALL_KEYS, np.ones((len(ALL_KEYS), 4), np.float32)), s.checkpoint("a")),
+    )
+    before = files(root)
+    with pytest.raises(ConfigError, match="one rank's part of the sharded store"):
+        hierps.Store(rank_dir(root, 0), **SETTINGS)
+    assert main(["shrink", str(rank_dir(root, 1))]) != 0
+    assert files(root) == before
+    # The root itself opens at one process, with every rank's rows.
+    got = on_ranks(root, 1, lambda s: s.lookup("plain", ALL_KEYS).numpy())[0]
+    np.testing.assert_array_equal(got, np.ones((len(ALL_KEYS), 4), np.float32))
+    assert (owner_of(ALL_KEYS, 2) == 1).any()
+
+
+def test_inspect_of_one_hosts_disk_says_which_parts_are_elsewhere(two_hosts, capsys):
+    assert main(["inspect", "--no-counts", str(host_root(two_hosts[0], 2))]) == 0
+    out = capsys.readouterr().out
+    assert "of 4 ranks; parts here: ranks [2, 3]; on other hosts' disks (not here): ranks [0, 1]" in out, out
