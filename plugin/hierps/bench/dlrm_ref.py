@@ -51,7 +51,9 @@ if TYPE_CHECKING:
 __all__ = ["REF_VARIANTS", "config_from_args", "format_report", "run_from_args", "run_phase", "run_ref_bench"]
 
 REF_VARIANTS = ("torch", "hierps-ram", "hierps-no-loader", "hierps-ssd")
-_LR = {"sgd": 1.0, "adagrad": 0.01}  # SGD: the example's rate (test AUC 0.70 after 128 steps)
+# dlrm's Kaggle rate for SGD. (The example trains at 1.0, where its AUC rises faster, but there
+# rounding differences grow step by step: by 1e-5 in about 100 steps.)
+_LR = {"sgd": 0.1, "adagrad": 0.01}
 _INIT_BOUND = 0.01  # the store's initializer: uniform in +-0.01 for every table
 _LOSS = nn.BCELoss()
 _MiB = float(1 << 20)
