@@ -169,9 +169,11 @@ def test_pooled_tables_backpropagate_one_by_one(make_store, mode, bag):
                 for i, t in enumerate(DIMS):
                     (bags[t](batch[t], offsets).square().sum() * (i + 1)).backward()
                     if planned and t == "a":
-                        assert len(store._passes.batches.fused) == 1  # a pooled b with it; b's piece waits
+                        assert (
+                            len(store._passes.batches.groups) == 1
+                        )  # a gathered b's rows with its own; b has not taken them
                 store.step()
-            assert not store._passes.batches.fused  # let go once every table has its piece
+            assert not store._passes.batches.groups  # let go once every table has taken its rows
             store.end_pass()
         results.append({t: store._core.whole_rows(t, KEYS) for t in DIMS})
     for t in DIMS:
@@ -220,3 +222,101 @@ def test_tables_with_other_id_counts_pool_apart(make_store):
         passes,
         lambda bags, batch: sum(bags[t](batch[t], offsets[t]).square().sum() for t in DIMS),
     )
+
+
+def _ragged_offsets(rng: np.random.Generator, n: int, bags: int) -> torch.Tensor:
+    """Offsets of ``bags`` bags over ``n`` ids of random sizes, some empty (each table its own)."""
+    cuts = np.sort(rng.integers(0, n + 1, bags - 1))
+    return torch.from_numpy(np.concatenate([[0], cuts]).astype(np.int64))
+
+
+_MODULES = {
+    # name: (module keywords, how its forward is called with (ids, rng))
+    "sum": ({"mode": "sum"}, lambda m, ids, r: m(ids, _ragged_offsets(r, ids.numel(), 16))),
+    "mean": ({"mode": "mean"}, lambda m, ids, r: m(ids, _ragged_offsets(r, ids.numel(), 12))),
+    "max": ({"mode": "max"}, lambda m, ids, r: m(ids, _ragged_offsets(r, ids.numel(), 8))),
+    "last_offset": (
+        {"mode": "sum", "include_last_offset": True},
+        lambda m, ids, r: m(
+            ids, torch.cat([_ragged_offsets(r, ids.numel(), 10), torch.tensor([ids.numel()])])
+        ),
+    ),
+    "weighted": (
+        {"mode": "sum"},
+        lambda m, ids, r: m(
+            ids,
+            _ragged_offsets(r, ids.numel(), 16),
+            torch.from_numpy(r.random(ids.numel()).astype(np.float32)),
+        ),
+    ),
+    "padding": (
+        {"mode": "sum", "padding_idx": int(KEYS[0])},
+        lambda m, ids, r: m(ids, torch.arange(0, 48, 3)),
+    ),
+    "two_d": ({"mode": "mean"}, lambda m, ids, r: m(ids.view(12, 4))),
+    "embedding": ({}, lambda m, ids, r: m(ids.view(6, 8)).sum(dim=1)),
+    "embedding_pad": ({"padding_idx": int(KEYS[0])}, lambda m, ids, r: m(ids.view(8, 6)).mean(dim=1)),
+}
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adagrad", "adam"])
+def test_every_kind_of_lookup_through_plans_is_the_generic_training(make_store, optimizer):
+    """Each table with its own offsets, mode, weights, padding or shape, all of one width: trained
+    through the announced plans (one gather for all, each pooled on its own), the rows, optimizer
+    state and counters are bit-identical to the generic path's, table by table."""
+    names = list(_MODULES)
+    rng = np.random.default_rng(11)
+    passes = [
+        [
+            {t: torch.from_numpy(KEYS[(rng.zipf(1.3, size=48) - 1) % 40]) for t in names}  # KEYS[0] is common
+            for _ in range(3)
+        ]
+        for _ in range(2)
+    ]
+    results = []
+    for planned in (False, True):
+        store = make_store(f"s{planned}", memory_budget="4KiB")
+        mods = {}
+        for t in names:
+            kwargs = dict(_MODULES[t][0])
+            cls = hierps.Embedding if t.startswith("embedding") else hierps.EmbeddingBag
+            mods[t] = cls(
+                None, 8, store=store, name=t, optimizer={"type": optimizer, "params": {"lr": 0.05}}, **kwargs
+            )
+        call_rng = np.random.default_rng(3)
+        for group in passes:
+            store.begin_pass(group if planned else _unmatched(group))
+            for batch in group:
+                outs = [_MODULES[t][1](mods[t], batch[t], call_rng) for t in names]
+                sum((o * (i + 1)).square().sum() for i, o in enumerate(outs)).backward()
+                store.step()
+            assert all((store._passes.batches.cursor.get(t, 0) == len(group)) == planned for t in names)
+            store.end_pass()
+        store.checkpoint()
+        results.append({t: store._core.whole_rows(t, KEYS[:40]) for t in names})
+    for t in names:
+        np.testing.assert_array_equal(results[1][t], results[0][t], err_msg=t)
+    assert not np.array_equal(results[1]["padding"], results[1]["sum"])  # the modules did differ
+
+
+def test_planned_padding_row_stays_zero_and_unused_tables_do_not_step(make_store):
+    """The padding key's row gets no gradient on the planned path; a table whose output is not in
+    the loss is not stepped (as with a torch module left out of the loss)."""
+    store = make_store(memory_budget="4KiB")
+    opt = {"type": "adam", "params": {"lr": 0.1}}
+    pad = hierps.EmbeddingBag(
+        None, 8, mode="sum", padding_idx=int(KEYS[0]), store=store, name="pad", optimizer=opt
+    )
+    idle = hierps.EmbeddingBag(None, 8, mode="sum", store=store, name="idle", optimizer=opt)
+    batch = {"pad": torch.from_numpy(KEYS[[0, 1, 0, 2]]), "idle": torch.from_numpy(KEYS[[3, 4]])}
+    before = store._core.whole_rows("idle", KEYS[[3, 4]]).copy()
+    store.begin_pass([batch])
+    out = pad(batch["pad"], torch.tensor([0, 2]))
+    idle(batch["idle"], torch.tensor([0, 1]))
+    out.square().sum().backward()
+    store.step()
+    assert store._passes.batches.cursor == {"pad": 1, "idle": 1}
+    np.testing.assert_array_equal(store.lookup("pad", torch.from_numpy(KEYS[:1])).numpy(), np.zeros((1, 8)))
+    assert not np.array_equal(store.lookup("pad", torch.from_numpy(KEYS[1:2])).numpy(), before[:1, :8])
+    # its weights and Adam state as they were (its keys' sightings were counted: its forward ran)
+    np.testing.assert_array_equal(store._core.whole_rows("idle", KEYS[[3, 4]])[:, :24], before[:, :24])

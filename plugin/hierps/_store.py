@@ -42,7 +42,7 @@ from hierps._checkpoints import Checkpoints
 from hierps._core import StoreCore
 from hierps._rows import RowAccess
 from hierps.config import StoreSettings, TableSettings, TableSpec
-from hierps.interface import Batches, run_pass
+from hierps.interface import Batches, Lookup, run_pass
 from hierps.lifecycle._features import Features
 from hierps.lifecycle._lifecycle import FeatureLifeCycle
 from hierps.rows._table import TableInfo
@@ -255,12 +255,11 @@ class Store:
         (translated to slots ahead, by :meth:`begin_pass`): (rows (U, dim), its plan), else None."""
         return self._trainer.gather_planned(table, ids)
 
-    def fused_bag(
-        self, table: str, ids: torch.Tensor, offsets: torch.Tensor, mode: str
-    ) -> torch.Tensor | None:
-        """``table``'s (B, dim) pooled bags (``mode`` "sum" or "mean") of an announced mini-batch,
-        gathered and pooled at once with the other tables of its width; None when not announced."""
-        return self._trainer.fused_bag(table, ids, offsets, mode)
+    def planned_lookup(self, table: str, ids: torch.Tensor, lookup: Lookup) -> torch.Tensor | None:
+        """The training forward of ``table``'s next announced mini-batch, as ``lookup`` says (an
+        embedding lookup or a pooling, with the table's own offsets): its rows gathered at once with
+        the other tables of the mini-batch, its ids translated ahead; None when not announced."""
+        return self._trainer.planned_lookup(table, ids, lookup)
 
     def step(self) -> None:
         """One optimizer step per row gathered since the last step, its gradients summed first."""

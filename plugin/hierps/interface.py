@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, Unpack, runtime_checkable
 
@@ -22,10 +23,28 @@ import torch
 from hierps.config import TableSettings, TableSpec
 from hierps.rows._table import TableInfo
 
-__all__ = ["Batches", "StoreInterface", "run_pass"]
+__all__ = ["Batches", "Lookup", "StoreInterface", "run_pass"]
 
 # A pass: {table: ids} for the whole pass, or one such mapping per mini-batch, in order.
 Batches = Mapping[str, Any] | Sequence[Mapping[str, Any]]
+
+
+@dataclass(frozen=True, slots=True)
+class Lookup:
+    """How a module's forward reads its ids' rows, checked by the module already.
+
+    ``mode`` None: an ``nn.Embedding`` lookup, ids (...) -> (..., dim). Otherwise an
+    ``nn.EmbeddingBag`` pooling (``"sum"``, ``"mean"`` or ``"max"``): ids (N,) with ``offsets``
+    (B,) int64 [(B+1,) with ``include_last_offset``], or ids (B, L) and ``offsets`` None -> (B, dim);
+    ``per_sample_weights`` float32 like the ids (sum only), not requiring grad. ``padding_idx``: the
+    key whose row reads as torch's padding row does (no gradient; pooled as nothing).
+    """
+
+    mode: str | None = None
+    offsets: torch.Tensor | None = None
+    per_sample_weights: torch.Tensor | None = None
+    include_last_offset: bool = False
+    padding_idx: int | None = None
 
 
 @runtime_checkable
@@ -76,10 +95,11 @@ class StoreInterface(Protocol):
         """The gather of the next announced mini-batch (translated ahead), or None to gather generically."""
         ...
 
-    def fused_bag(
-        self, table: str, ids: torch.Tensor, offsets: torch.Tensor, mode: str
-    ) -> torch.Tensor | None:
-        """``table``'s (B, dim) pooled output of an announced mini-batch, pooled with its other tables, or None."""
+    def planned_lookup(self, table: str, ids: torch.Tensor, lookup: Lookup) -> torch.Tensor | None:
+        """The training forward of ``table``'s next announced mini-batch (its rows gathered with the
+        other tables of the mini-batch, its ids translated ahead), as ``lookup`` says: the floats of
+        the torch module's forward and, after backward, its gradient for :meth:`step`. None when
+        ``ids`` are not the announced ones, or the store cannot do this ``lookup`` this way."""
         ...
 
     def observe(self, table: str, ids: Any, clicks: Any = None) -> None:

@@ -46,7 +46,7 @@ from torch import nn
 
 from hierps.config import TableSettings, TableSpec
 from hierps.errors import ConfigError, NotSupportedError, OffsetsError
-from hierps.interface import StoreInterface
+from hierps.interface import Lookup, StoreInterface
 from hierps.rows._ids import check_ids_tensor, same_device
 
 __all__ = ["Embedding", "EmbeddingBag", "get_default_store", "set_default_store", "without_tables"]
@@ -336,6 +336,10 @@ class Embedding(_StoreEmbedding):
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         ids = check_ids_tensor(input, self._store.device, what=f"ids of {self.table!r}")
+        if self.training and torch.is_grad_enabled():
+            looked_up = self._store.planned_lookup(self.table, ids, Lookup(padding_idx=self.padding_idx))
+            if looked_up is not None:  # announced: rows gathered with the mini-batch's other tables
+                return looked_up
         weights, local, pad = self._gather(ids)
         # A sparse gradient of the gathered rows is cheaper to produce than a dense one.
         return F.embedding(local, weights, padding_idx=pad, sparse=True)
@@ -418,16 +422,15 @@ class EmbeddingBag(_StoreEmbedding):
                     f"per_sample_weights need mode='sum' (torch's rule). Got mode {self.mode!r}."
                 )
         if (
-            offsets is not None
-            and per_sample_weights is None
-            and self.padding_idx is None
-            and not self.include_last_offset
-            and self.mode != "max"
-            and self.training
+            self.training
             and torch.is_grad_enabled()
+            and (per_sample_weights is None or not per_sample_weights.requires_grad)
         ):
-            pooled = self._store.fused_bag(self.table, ids, offsets, self.mode)
-            if pooled is not None:  # pooled with the mini-batch's other tables, as announced
+            lookup = Lookup(
+                self.mode, offsets, per_sample_weights, self.include_last_offset, self.padding_idx
+            )
+            pooled = self._store.planned_lookup(self.table, ids, lookup)
+            if pooled is not None:  # announced: rows gathered with the mini-batch's other tables
                 return pooled
         weights, local, pad = self._gather(ids)
         return F.embedding_bag(
@@ -496,8 +499,12 @@ class EmbeddingBag(_StoreEmbedding):
         if seen is not None and seen[0]() is offsets and seen[1:] == (offsets._version, n):
             return offsets.long()  # the same offsets object, unchanged, checked for as many ids
         if offsets.numel():
-            checks = torch.stack([offsets[0] != 0, (offsets[1:] < offsets[:-1]).any(), offsets[-1] > n])
-            bad = checks.tolist()
+            if offsets.device.type == "cpu" and not offsets.requires_grad:  # numpy: a few µs, no kernels
+                o = offsets.numpy()
+                bad = [o[0] != 0, bool((o[1:] < o[:-1]).any()), o[-1] > n]
+            else:
+                checks = torch.stack([offsets[0] != 0, (offsets[1:] < offsets[:-1]).any(), offsets[-1] > n])
+                bad = checks.tolist()
             if bad[0]:
                 raise OffsetsError(f"offsets must start at 0. Got offsets[0] = {int(offsets[0])}.")
             if bad[1]:

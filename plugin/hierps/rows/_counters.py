@@ -41,6 +41,7 @@ __all__ = [
     "initial_counters",
     "passes_unseen",
     "record_seen",
+    "record_seen_rows",
 ]
 
 COUNTERS = ("count", "decayed", "show", "click", "last_pass")
@@ -74,6 +75,19 @@ def record_seen(
         factor = torch.pow(torch.tensor(decay, dtype=torch.float32, device=rows.device), age)
         decayed.index_copy_(0, slots, decayed.index_select(0, slots) * factor + counts)
     rows[:, start + LAST_PASS].index_fill_(0, slots, float(now))
+
+
+def record_seen_rows(block: torch.Tensor, start: int, counts: torch.Tensor, now: int, decay: float) -> None:
+    """:func:`record_seen` of rows gathered already: block (U, width) float32 in place, one row per
+    sighting count of ``counts`` (U,). The same floats as counting them in the table's rows."""
+    block[:, start + COUNT] += counts
+    if decay == 1.0:
+        block[:, start + DECAYED] += counts
+    else:
+        age = (now - block[:, start + LAST_PASS]).clamp_(min=0)
+        factor = torch.pow(torch.tensor(decay, dtype=torch.float32, device=block.device), age)
+        block[:, start + DECAYED] = block[:, start + DECAYED] * factor + counts
+    block[:, start + LAST_PASS] = float(now)
 
 
 def passes_unseen(counters: np.ndarray, passes: int) -> np.ndarray:

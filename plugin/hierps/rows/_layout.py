@@ -127,6 +127,14 @@ class RowLayout:
         picked = stored[:, w.word : w.word + w.words].index_select(0, slots)
         return _unpack(picked, Field(w.name, w.dtype, w.count, w.column, 0)).contiguous()
 
+    def weights_of(self, stored: torch.Tensor) -> torch.Tensor:
+        """stored (U, words) float32 rows gathered already -> (U, dim) float32 copy of their weights:
+        :meth:`gather_weights` of those rows."""
+        w = self.weights
+        out = _unpack(stored[:, w.word : w.word + w.words], Field(w.name, w.dtype, w.count, w.column, 0))
+        out = out.contiguous()
+        return out.clone() if out.data_ptr() == stored.data_ptr() else out
+
     def decode_np(self, stored: np.ndarray) -> np.ndarray:
         """:meth:`decode` of a host array (returned as it is when fp32)."""
         if not self.compact:

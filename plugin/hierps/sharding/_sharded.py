@@ -27,7 +27,7 @@ import torch
 from hierps._store import Store, store_parts
 from hierps.config import TableSettings, TableSpec
 from hierps.errors import ConfigError, HierpsError, NonFiniteGradientError
-from hierps.interface import Batches, run_pass
+from hierps.interface import Batches, Lookup, run_pass
 from hierps.lifecycle._lifecycle import observation
 from hierps.rows import _ids
 from hierps.rows._counters import COUNTERS
@@ -205,12 +205,19 @@ class ShardedStore:
         the first table of a mini-batch; see :mod:`hierps.sharding._fastpath`)."""
         return self._passes.gather_planned(table, ids)
 
-    def fused_bag(
-        self, table: str, ids: torch.Tensor, offsets: torch.Tensor, mode: str
-    ) -> torch.Tensor | None:
-        """Pooled bags of an announced mini-batch, pooled with its other tables, or None (collective
-        at the first table of a mini-batch; see :mod:`hierps.sharding._fastpath`)."""
-        return self._passes.fused_bag(table, ids, offsets, mode)
+    def planned_lookup(self, table: str, ids: torch.Tensor, lookup: Lookup) -> torch.Tensor | None:
+        """Bags of one offsets tensor shared by the tables of an announced mini-batch (sum or mean,
+        no weights or padding), pooled with its other tables, or None: the module then gathers
+        (collective at the first table of a mini-batch; see :mod:`hierps.sharding._fastpath`)."""
+        if (
+            lookup.mode not in ("sum", "mean")
+            or lookup.offsets is None
+            or lookup.per_sample_weights is not None
+            or lookup.padding_idx is not None
+            or lookup.include_last_offset
+        ):
+            return None
+        return self._passes.fused_bag(table, ids, lookup.offsets, lookup.mode)
 
     def gather(
         self, table: str, keys: torch.Tensor, *, requires_grad: bool, counts: torch.Tensor | None = None

@@ -30,7 +30,7 @@ from hierps.rows._ids import find_sorted
 from hierps.rows._layout import RowLayout
 from hierps.tiers._working_set import Relayout, ResidentKeys
 
-__all__ = ["DeviceTier", "DrainedRows"]
+__all__ = ["DeviceTier", "DrainedRows", "Sightings"]
 
 # Bytes per resident row besides its floats: sorted key (8) + slot (8) + host key (8) + dirty (1).
 ROW_OVERHEAD = 25
@@ -96,7 +96,7 @@ class _Resident:
 
 
 @dataclass
-class _Seen:
+class Sightings:
     """Sightings of resident rows not yet added to their counters."""
 
     arena: _Arena
@@ -115,7 +115,7 @@ class DeviceTier:
         self.device = device
         self._arenas: dict[int, _Arena] = {}
         self._tables: dict[str, _Resident] = {}
-        self._seen: list[_Seen] = []
+        self._seen: list[Sightings] = []
         self.generation = 0  # changes when slots handed out may have become invalid
         self.version = 0  # changes whenever any table's resident keys change
         self.clock = 0  # advanced by every optimizer step: rows gathered since have used == clock
@@ -234,14 +234,23 @@ class DeviceTier:
         self, table: str, slots: torch.Tensor, counts: torch.Tensor, start: int, now: int, decay: float
     ) -> None:
         """Count sightings of resident rows (see :func:`hierps.rows._counters.record_seen`) later, fused."""
-        self._seen.append(_Seen(self._tables[table].arena, slots, counts, start, now, decay))
+        self._seen.append(Sightings(self._tables[table].arena, slots, counts, start, now, decay))
+
+    def take_seen(self, arena: object, slots: torch.Tensor) -> Sightings | None:
+        """The deferred sightings of ``arena`` recorded with this very ``slots`` tensor, no longer
+        deferred: for a step that gathers those rows anyway and counts them there
+        (:func:`hierps.rows._counters.record_seen_rows`)."""
+        for i, s in enumerate(self._seen):
+            if s.slots is slots and s.arena is arena:
+                return self._seen.pop(i)
+        return None
 
     def flush_seen(self) -> None:
         """Add every deferred sighting to its rows' counters (and mark those rows dirty)."""
         if not self._seen:
             return
         seen, self._seen = self._seen, []
-        groups: dict[tuple[int, int, int], list[_Seen]] = {}
+        groups: dict[tuple[int, int, int], list[Sightings]] = {}
         for s in seen:
             if s.decay == 1.0:
                 groups.setdefault((id(s.arena), s.start, s.now), []).append(s)

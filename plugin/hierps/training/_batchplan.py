@@ -10,10 +10,15 @@ Example: a pass of two mini-batches of table ``"user"`` with ids ``[7, 3, 7]`` t
 resident as keys ``[3, 7]`` from slot 10 on, translates into ``keys [3, 7]``, ``local [1, 0, 1]``,
 ``counts [1, 2]``, ``slots [10, 11]``, then ``keys [3]``, ``local [0]``, ``counts [1]``, ``slots [10]``.
 
-The tables of a mini-batch that share a row width and pool alike go further (:class:`FusedBags`):
-the first table's forward gathers the rows of all of them into one leaf and pools them with one
-``embedding_bag`` (:func:`pool_bags`); each table's forward returns its piece, and the step sums
-their gradients into one buffer and updates them with one optimizer call.
+The tables of a mini-batch that share a row arena, dim and weights dtype go further
+(:class:`RowGroup`): the first table's forward gathers the rows of all of them in one call; each
+table's forward then pools (or looks up) its own slice with its own offsets
+(:func:`table_rows`), and its backward leaves that table's gradient, summed per row, for the step,
+which updates them all with one optimizer call. A sum-pooled table's gradient is itself one
+``embedding_bag``: of the output gradients, over each key's ids (``BatchPlan.order`` /
+``.starts``, sorted ahead), in the order ``index_add_`` would sum them.
+(The sharded store pools the tables of one offsets tensor with one ``embedding_bag``:
+:class:`FusedBags`, :func:`pool_bags`.)
 """
 
 from __future__ import annotations
@@ -23,14 +28,17 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 __all__ = [
     "Batch",
     "BatchPlan",
     "FusedBags",
     "PassBatches",
+    "RowGroup",
     "pool_bags",
     "same_batches",
+    "table_rows",
     "translate",
     "union_positions",
 ]
@@ -45,6 +53,8 @@ class BatchPlan:
     local: torch.Tensor  # (n,) int64 position of each id in keys
     counts: torch.Tensor  # (U,) float32 occurrences of each key
     slots: torch.Tensor  # (U,) int64 device-tier slots of the keys' rows
+    order: torch.Tensor  # (n,) int64 positions of the ids sorted by key (stable)
+    starts: torch.Tensor  # (U,) int64 each key's first entry in order
 
 
 @dataclass
@@ -79,7 +89,150 @@ class FusedBags:
     used: set[str] = field(default_factory=set)
 
 
-_MODES = {"sum": 0, "mean": 1}  # torch's embedding_bag mode codes
+_MODES = {"sum": 0, "mean": 1, "max": 2}  # torch's embedding_bag mode codes
+
+
+@dataclass
+class RowGroup:
+    """The rows of the tables of one mini-batch that share an arena, dim and weights dtype,
+    gathered by one call at the first member's forward.
+
+    ``weights`` requires grad only so that the members' outputs do: its own ``.grad`` stays None.
+    Each member's backward leaves its (U_t, dim) gradient in ``grads`` instead. ``stored`` are the
+    whole rows as gathered, for the step to update without gathering them again, as long as the
+    arena's rows have not changed since (``source`` and its version counter say so).
+    """
+
+    weights: torch.Tensor  # (sum U_t, dim) float32, the members' rows table after table
+    start: dict[str, int]  # each member's first row in weights
+    left: int  # members whose forward has not taken its rows yet
+    slots: torch.Tensor  # (sum U_t,) int64 the rows' arena slots
+    stored: torch.Tensor | None  # (sum U_t, words) float32 the rows as gathered; None once used
+    source: torch.Tensor  # the arena's rows they were gathered from
+    version: int  # source._version at the gather
+    grads: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    def rows_of(self, source: torch.Tensor, slots: torch.Tensor) -> torch.Tensor | None:
+        """The rows at ``slots`` of ``source`` as gathered at the forward, if they still are those
+        (the same arena tensor, not written since, the same slots), else None. Given once."""
+        if (
+            self.stored is None
+            or source is not self.source
+            or source._version != self.version
+            or slots.numel() != self.slots.numel()
+            or not torch.equal(slots, self.slots)
+        ):
+            return None
+        stored, self.stored = self.stored, None
+        return stored
+
+
+class _TableRows(torch.autograd.Function):
+    """One table's forward on its slice of a :class:`RowGroup`: torch's own kernels, so the floats
+    are those of ``F.embedding`` / ``F.embedding_bag`` on the table's gathered rows. The backward
+    sums the gradient per row as ``summed_grads`` sums torch's sparse gradient (``index_add_`` in
+    the order of the ids) and leaves it in the group."""
+
+    @staticmethod
+    def forward(ctx, weights, group, table, plan, shape, mode, offsets, psw, include_last, pad):
+        rows = weights.narrow(0, group.start[table], plan.keys.numel())
+        local = plan.local
+        ctx.kept = (group, table, plan, mode, offsets, psw, include_last, pad, None)
+        if mode is None:  # nn.Embedding
+            return rows.index_select(0, local).view(*shape, rows.shape[1])
+        if offsets is None:  # (B, L): bags of L ids each, as F.embedding_bag makes them
+            offsets = torch.arange(0, local.numel(), shape[1], dtype=torch.int64, device=local.device)
+        if _summed(mode, psw, include_last, pad):  # the backward needs none of the kernel's by-products
+            ctx.kept = (group, table, plan, mode, offsets, psw, include_last, pad, None)  # the 2-D offsets
+            return F.embedding_bag(local, rows, offsets, mode="sum")
+        out, *by_products = torch.ops.aten._embedding_bag(
+            rows, local, offsets, False, _MODES[mode], mode != "max", psw, include_last, _pad(pad)
+        )
+        ctx.kept = (group, table, plan, mode, offsets, psw, include_last, pad, by_products)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        group, table, plan, mode, offsets, psw, include_last, pad, by_products = ctx.kept
+        n_rows, dim = plan.keys.numel(), grad_out.shape[-1]
+        if mode is None:  # nn.Embedding: each id's gradient is its output row's
+            grad_ids = grad_out.reshape(-1, dim)
+            if pad is None:
+                grad = F.embedding_bag(plan.order, grad_ids, plan.starts, mode="sum")
+            else:
+                keep = plan.local != pad
+                grad = grad_out.new_zeros((n_rows, dim))
+                grad.index_add_(0, plan.local[keep], grad_ids[keep])
+        elif by_products is None:
+            # Each key's gradient: the sum of its ids' bags' gradients, an embedding_bag of them.
+            bags = _bags_of(offsets, plan.local.numel(), plan.order)
+            grad = F.embedding_bag(bags, grad_out.contiguous(), plan.starts, mode="sum")
+        else:
+            offset2bag, bag_size, max_indices = by_products
+            spread = torch.ops.aten._embedding_bag_backward(
+                grad_out,
+                plan.local,
+                offsets,
+                offset2bag,
+                bag_size,
+                max_indices,
+                n_rows,
+                False,
+                _MODES[mode],
+                mode != "max",
+                psw,
+                _pad(pad),
+            )
+            if spread.is_sparse:
+                grad = grad_out.new_zeros((n_rows, dim))
+                grad.index_add_(0, spread._indices()[0], spread._values())
+            else:
+                grad = spread
+        before = group.grads.get(table)
+        group.grads[table] = grad if before is None else before + grad
+        return None, None, None, None, None, None, None, None, None, None
+
+
+def _summed(mode: str, psw: torch.Tensor | None, include_last: bool, pad: int | None) -> bool:
+    """Plain sums of bags that cover the ids: their gradient is an ``embedding_bag`` of the bags'."""
+    return mode == "sum" and psw is None and not include_last and pad is None
+
+
+def _pad(pad: int | None) -> int:
+    return -1 if pad is None else pad
+
+
+def _bags_of(offsets: torch.Tensor, n: int, order: torch.Tensor) -> torch.Tensor:
+    """The bag of each id at ``order`` (n,), for bags starting at ``offsets`` (B,) and covering n ids."""
+    if offsets.device.type == "cpu":  # numpy's repeat is several times faster here
+        starts = offsets.numpy()
+        bag_of = np.repeat(np.arange(len(starts)), np.diff(starts, append=n))
+        return torch.from_numpy(bag_of[order.numpy()])
+    sizes = torch.diff(offsets, append=offsets.new_tensor([n]))
+    return torch.repeat_interleave(torch.arange(offsets.numel(), device=offsets.device), sizes)[order]
+
+
+def table_rows(
+    group: RowGroup,
+    table: str,
+    plan: BatchPlan,
+    shape: tuple[int, ...],
+    mode: str | None,
+    offsets: torch.Tensor | None,
+    per_sample_weights: torch.Tensor | None,
+    include_last_offset: bool,
+    pad: int | None,
+) -> torch.Tensor:
+    """``table``'s forward of an announced mini-batch on its rows of ``group``.
+
+    shape: the ids' shape; mode None: an embedding lookup -> (*shape, dim); else a pooling of
+    bags (``offsets`` as checked by the module, None for (B, L) ids) -> (B, dim);
+    per_sample_weights (n,) float32 or None; pad: the padding key's row in the table's keys, or
+    None. After backward, the table's (U, dim) gradient is ``group.grads[table]``.
+    """
+    return _TableRows.apply(
+        group.weights, group, table, plan, shape, mode, offsets, per_sample_weights, include_last_offset, pad
+    )
 
 
 class _PooledBags(torch.autograd.Function):
@@ -173,9 +326,8 @@ class PassBatches:
     batches: list[Batch | None]
     generation: int  # the device tier's generation the slots belong to
     cursor: dict[str, int] = field(default_factory=dict)
-    # by (mini-batch index, arena, dim, weights dtype): the tables of a mini-batch that pool together
-    fused: dict[tuple[int, int, int, str], FusedBags] = field(default_factory=dict)
-    fuse: bool = True  # off once a mini-batch's tables did not pool alike
+    # by (mini-batch index, arena, dim, weights dtype): the tables of a mini-batch gathered together
+    groups: dict[tuple[int, int, int, str], RowGroup] = field(default_factory=dict)
     left: list[int] = field(init=False)  # tables of each mini-batch that have not run it yet
 
     def __post_init__(self) -> None:
@@ -265,7 +417,7 @@ def translate(
     out: list[Batch] = []
     for k, batch in enumerate(batches):
         tables = [t for t in batch if t in keep]
-        ids, keys, local, counts, slots = [], [], [], [], []
+        ids, keys, local, counts, slots, orders, starts = [], [], [], [], [], [], []
         for table in tables:
             # A private copy: later changes to the caller's ids don't leak into the plan.
             t_ids = np.array(batch[table], dtype=np.int64, copy=True)
@@ -276,17 +428,21 @@ def translate(
             where = np.flatnonzero(seen)
             ids.append(t_ids)
             keys.append(keep[table][where])
-            local.append((np.cumsum(seen > 0) - 1)[at])
-            counts.append(seen[where].astype(np.float32))
+            t_local = (np.cumsum(seen > 0) - 1)[at]
+            local.append(t_local)
+            t_counts = seen[where]
+            counts.append(t_counts.astype(np.float32))
             slots.append(base[table] + where)
+            orders.append(np.argsort(t_local, kind="stable"))
+            starts.append(np.cumsum(t_counts) - t_counts)
         sizes = [len(k) for k in keys]
         j_slots = torch.from_numpy(np.concatenate(slots or [np.empty(0, np.int64)]).astype(np.int64)).to(
             device
         )
         j_counts = torch.from_numpy(np.concatenate(counts or [np.empty(0, np.float32)])).to(device)
-        starts = np.cumsum([0, *sizes[:-1]]).astype(np.int64)
+        firsts = np.cumsum([0, *sizes[:-1]]).astype(np.int64)
         j_local = torch.from_numpy(
-            np.concatenate([loc + s for loc, s in zip(local, starts)] or [np.empty(0, np.int64)])
+            np.concatenate([loc + s for loc, s in zip(local, firsts)] or [np.empty(0, np.int64)])
         ).to(device)
         plans = {
             table: BatchPlan(
@@ -295,6 +451,8 @@ def translate(
                 local=torch.from_numpy(local[i]).to(device),
                 counts=p_counts,
                 slots=p_slots,
+                order=torch.from_numpy(orders[i].astype(np.int64)).to(device),
+                starts=torch.from_numpy(starts[i].astype(np.int64)).to(device),
             )
             for i, (table, p_slots, p_counts) in enumerate(
                 zip(tables, j_slots.split(sizes), j_counts.split(sizes))

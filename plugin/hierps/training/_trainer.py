@@ -9,9 +9,10 @@ optimizer step per touched row:
 - :meth:`SparseTrainer.gather_planned`: the same for the next mini-batch announced by
   :meth:`~hierps.training._passes.PassRunner.begin_pass`, whose ids were translated to slots ahead of time
   (:mod:`hierps.training._batchplan`), so no sort or search runs in the forward;
-- :meth:`SparseTrainer.fused_bag`: for pooled bags of an announced mini-batch, the rows of all its
-  tables of one width and dim are gathered into one leaf and pooled by one ``embedding_bag``
-  (:class:`hierps.training._batchplan.FusedBags`); each table's forward returns its (B, dim) piece;
+- :meth:`SparseTrainer.planned_lookup`: a module's whole training forward of an announced
+  mini-batch: the rows of all its tables of one arena, dim and weights dtype are gathered by one
+  call (:class:`hierps.training._batchplan.RowGroup`), and each table pools (or looks up) its
+  slice with its own offsets, mode and weights; its backward leaves its gradient summed per row;
 - :meth:`SparseTrainer.step`: the fused step. The leaves' gradients, dense or sparse, are summed per
   row (:func:`summed_grads`), checked for NaN/inf once over their buffers before any row changes,
   and the tables of one arena, optimizer, dim and step count are updated by one gather, one
@@ -26,6 +27,7 @@ since the last step (or ``zero_grad()``), a :class:`MissingStepWarning` says so,
 from __future__ import annotations
 
 import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,11 +38,13 @@ from hierps._core import StoreCore
 from hierps._faults import fault_point
 from hierps._tensors import joined
 from hierps.errors import ConfigError, NonFiniteGradientError
+from hierps.interface import Lookup
 from hierps.lifecycle._features import Features
+from hierps.rows._counters import record_seen_rows
 from hierps.rows._layout import rounding_bits
 from hierps.rows._optim import apply_step
 from hierps.rows._table import TableInfo
-from hierps.training._batchplan import Batch, BatchPlan, FusedBags, pool_bags
+from hierps.training._batchplan import Batch, BatchPlan, RowGroup, table_rows
 from hierps.training._passes import PassRunner
 
 __all__ = ["MissingStepWarning", "SparseTrainer"]
@@ -58,8 +62,16 @@ class _Pending:
     keys: torch.Tensor  # (R,) int64, sorted unique: the keys that have rows
     slots: torch.Tensor  # (R,) int64, valid while generation matches
     generation: int
-    leaf: torch.Tensor  # (U, dim) requires_grad
-    rows: torch.Tensor | slice | None = None  # (R,) positions of keys in the leaf; None: all of it
+    leaf: torch.Tensor | None = None  # (U, dim) requires_grad; None: the rows of a group
+    rows: torch.Tensor | None = None  # (R,) positions of keys in the leaf; None: all of it
+    group: RowGroup | None = None  # where the gradient is, for a table pooled from a group
+
+    def gradient(self, summed: dict[int, torch.Tensor]) -> torch.Tensor | None:
+        """The gradient of the gathered rows (``summed``: leaves' by id), or None without a backward."""
+        if self.group is not None:
+            return self.group.grads.get(self.table)
+        assert self.leaf is not None
+        return summed.get(id(self.leaf))
 
 
 class SparseTrainer:
@@ -131,86 +143,78 @@ class SparseTrainer:
         self._record(_Pending(table, plan.keys, plan.slots, tier.generation, weights))
         return weights, plan
 
-    def fused_bag(
-        self, table: str, ids: torch.Tensor, offsets: torch.Tensor, mode: str
-    ) -> torch.Tensor | None:
-        """``table``'s pooled output of an announced mini-batch, pooled with its other tables, or None.
+    def planned_lookup(self, table: str, ids: torch.Tensor, lookup: Lookup) -> torch.Tensor | None:
+        """``table``'s training forward of an announced mini-batch, or None when ``ids`` are not it.
 
-        ids: (n,) int64, offsets: (B,) int64 (``include_last_offset`` False), mode ``"sum"`` or
-        ``"mean"``, no per-sample weights or padding. At the first such forward of a mini-batch,
-        the rows of all its tables of this table's width and dim are gathered into one leaf and
-        pooled by one ``embedding_bag`` with these offsets (see :class:`hierps.training._batchplan.FusedBags`);
-        each table's forward then returns its piece: the same floats as pooling table by table.
-        None when ``ids`` are not the announced ones or the tables do not pool alike.
+        At the first forward of a mini-batch among the tables that share ``table``'s arena, dim and
+        weights dtype, the rows of all of them are gathered by one call (:class:`RowGroup`); each
+        table's forward then pools or looks up its own slice, with its own offsets and mode
+        (:func:`~hierps.training._batchplan.table_rows`): the floats of torch's module on the
+        table's rows. Its backward leaves the table's gradient, summed per row, for :meth:`step`.
         """
         batches = self._passes.batches
-        if batches is None or not batches.fuse:
+        if batches is None:
             return None
-        found = batches.next_plan(table, ids, self._core.device_tier.generation)
+        tier = self._core.device_tier
+        found = batches.next_plan(table, ids, tier.generation)
         if found is None:
             return None
         k, plan = found
         info = self._core.tables[table]
-        tier = self._core.device_tier
-        group = (k, id(tier.arena(table)), info.dim, info.weights_dtype)
-        fused = batches.fused.get(group)
-        if fused is None:
-            for done in [g for g in batches.fused if g[0] < k]:  # earlier mini-batches: let them go
-                del batches.fused[done]
+        pad = None
+        if lookup.padding_idx is not None:
+            at = int(torch.searchsorted(plan.keys, lookup.padding_idx).item())
+            if at < plan.keys.numel() and int(plan.keys[at].item()) == lookup.padding_idx:
+                pad = at
+        key = (k, id(tier.arena(table)), info.dim, info.weights_dtype)
+        group = batches.groups.get(key)
+        if group is None:
+            for done in [g for g in batches.groups if g[0] < k]:  # earlier mini-batches: let them go
+                del batches.groups[done]
             batch = batches.batches[k]
-            if batch is None:  # let go once each of its tables ran it: this forward is not its
-                return None
-            fused = batches.fused[group] = self._fuse(batch, table, offsets, mode)
-        if table not in fused.rows:
-            return None  # another number of ids than the table that pooled the group
-        if (
-            table in fused.used
-            or mode != fused.mode
-            or not (offsets is fused.offsets or torch.equal(offsets, fused.offsets))
-        ):
-            batches.fuse = False  # this model's tables pool differently: gather them one by one
-            return None
-        fused.used.add(table)
-        if len(fused.used) == len(fused.rows):
-            del batches.fused[group]  # every member has its piece; the pieces keep what they need
+            assert batch is not None  # next_plan found table's plan in it
+            group = batches.groups[key] = self._gather_group(batch, table)
+        group.left -= 1
+        if group.left == 0:
+            del batches.groups[key]  # every member has taken its rows; their outputs keep the group
         batches.ran(table, k)
         tier.defer_seen(
             table, plan.slots, plan.counts, info.counter_word, self._core.passes, info.eviction.decay
         )
-        self._record(_Pending(table, plan.keys, plan.slots, tier.generation, fused.leaf, fused.rows[table]))
-        return fused.pieces[table]
+        self._record(_Pending(table, plan.keys, plan.slots, tier.generation, group=group))
+        psw = lookup.per_sample_weights
+        return table_rows(
+            group,
+            table,
+            plan,
+            tuple(ids.shape),
+            lookup.mode,
+            lookup.offsets,
+            psw.reshape(-1) if psw is not None else None,
+            lookup.include_last_offset,
+            pad,
+        )
 
-    def _fuse(self, batch: Batch, table: str, offsets: torch.Tensor, mode: str) -> FusedBags:
-        """Gather and pool in one go the tables of ``batch`` that share ``table``'s arena, dim and
-        weights dtype and have as many ids (so that ``offsets``, checked against ``table``'s ids, fit
-        each of them)."""
+    def _gather_group(self, batch: Batch, table: str) -> RowGroup:
+        """The rows of the tables of ``batch`` that share ``table``'s arena, dim and weights dtype,
+        gathered by one call."""
         tier, info = self._core.device_tier, self._core.tables[table]
-        arena, n = tier.arena(table), batch.plans[table].ids.numel()
+        arena = tier.arena(table)
         members = [
             t
-            for t, p in batch.plans.items()
+            for t in batch.plans
             if tier.arena(t) is arena
             and (self._core.tables[t].dim, self._core.tables[t].weights_dtype)
             == (info.dim, info.weights_dtype)
-            and p.ids.numel() == n
         ]
         plans = [batch.plans[t] for t in members]
-        if len(members) == len(batch.plans):
-            slots, local = batch.slots, batch.local
-        else:
-            starts = np.cumsum([0, *[p.keys.numel() for p in plans[:-1]]]).tolist()
-            slots = torch.cat([p.slots for p in plans])
-            local = torch.cat([p.local + s for p, s in zip(plans, starts)])
-        ends = np.cumsum([p.ids.numel() for p in plans]).tolist()
-        bags = torch.cat([offsets] + [offsets + e for e in ends[:-1]])
-        leaf = info.layout.gather_weights(arena.rows, slots).requires_grad_(True)
-        rows, at = {}, 0
-        for t, p in zip(members, plans):
-            rows[t] = slice(at, at + p.keys.numel())
-            at += p.keys.numel()
-        parts = [(p.local, p.keys.numel()) for p in plans]
-        pieces = dict(zip(members, pool_bags(leaf, local, bags, mode, offsets.numel(), parts)))
-        return FusedBags(leaf, rows, pieces, offsets, mode)
+        slots = batch.slots if len(members) == len(batch.plans) else torch.cat([p.slots for p in plans])
+        stored = arena.rows.index_select(0, slots)  # whole rows: the step updates them from here
+        weights = info.layout.weights_of(stored).requires_grad_(True)
+        starts = np.cumsum([0, *[p.keys.numel() for p in plans[:-1]]]).tolist()
+        return RowGroup(
+            weights, dict(zip(members, starts)), len(members), slots, stored, arena.rows, arena.rows._version
+        )
 
     def gather(
         self, table: str, keys: torch.Tensor, *, requires_grad: bool, counts: torch.Tensor | None = None
@@ -351,21 +355,23 @@ class SparseTrainer:
         """
         self._core.check_open()
         self._core.device_tier.tick()
-        pending = [p for p in self.pending if p.leaf.grad is not None]
-        self.pending, self._gathers = [], {}
-        if not pending:
-            return
-        leaves = list({id(p.leaf): p.leaf for p in pending}.values())  # fused tables share a leaf
+        pending, self.pending, self._gathers = self.pending, [], {}
+        leaves = list(
+            {id(p.leaf): p.leaf for p in pending if p.leaf is not None and p.leaf.grad is not None}.values()
+        )
         summed = dict(zip(map(id, leaves), summed_grads(leaves)))
-        grads = [summed[id(p.leaf)] for p in pending]
-        if not _all_finite(_distinct_buffers(list(summed.values()))):
-            own = [g[p.rows] if isinstance(p.rows, slice) else g for p, g in zip(pending, grads)]
-            bad = sorted({p.table for p, g in zip(pending, own) if not bool(torch.isfinite(g).all())})
+        found = [(p, p.gradient(summed)) for p in pending]
+        with_grad = [(p, g) for p, g in found if g is not None]
+        if not with_grad:
+            return
+        if not _all_finite(_distinct_buffers([g for _, g in with_grad])):
+            bad = sorted({p.table for p, g in with_grad if not bool(torch.isfinite(g).all())})
             raise NonFiniteGradientError(
                 f"NaN or inf gradient for table(s) {bad}; the step was skipped and no row changed. "
                 "Lower the learning rate, clip gradients, or check the inputs of this mini-batch."
             )
-        grads = [g if p.rows is None else g[p.rows] for p, g in zip(pending, grads)]
+        pending = [p for p, _ in with_grad]
+        grads = [g if p.rows is None else g[p.rows] for p, g in with_grad]
         by_table: dict[str, list[tuple[_Pending, torch.Tensor]]] = {}
         for p, g in zip(pending, grads):
             by_table.setdefault(p.table, []).append((p, g))
@@ -380,7 +386,8 @@ class SparseTrainer:
                 self.apply_gradients(
                     table, torch.cat([p.keys for p, _ in items]), torch.cat([g for _, g in items])
                 )
-        self._apply_steps(fused)
+        gathered = list({id(p.group): p.group for p in pending if p.group is not None}.values())
+        self._apply_steps(fused, gathered)
         self._core.device_tier.flush_seen()
         fault_point("store.step")
 
@@ -419,7 +426,9 @@ class SparseTrainer:
         self._core.device_tier.flush_seen()
 
     def _apply_steps(
-        self, updates: list[tuple[str, torch.Tensor | None, torch.Tensor, torch.Tensor]]
+        self,
+        updates: list[tuple[str, torch.Tensor | None, torch.Tensor, torch.Tensor]],
+        gathered: Sequence[RowGroup] = (),
     ) -> None:
         """Apply each table's optimizer (step counts already advanced) to ``(table, keys, slots, grads)``
         (keys None: the keys resident at ``slots``, looked up only for compact rows, which need them).
@@ -427,7 +436,8 @@ class SparseTrainer:
         Tables sharing a device-tier arena, optimizer, row layout and step count go through one
         gather, one decode, one :func:`~hierps.rows._optim.apply_step`, one encode and one scatter:
         the same arithmetic row by row. Compact rows are rounded stochastically with bits drawn
-        from (table salt ^ key, step, column) (:mod:`hierps.rows._layout`).
+        from (table salt ^ key, step, column) (:mod:`hierps.rows._layout`). Rows a forward gathered
+        whole (``gathered``) and that are unchanged since are not gathered again.
         """
         groups: list[
             tuple[tuple[Any, ...], list[tuple[TableInfo, torch.Tensor | None, torch.Tensor, torch.Tensor]]]
@@ -444,8 +454,11 @@ class SparseTrainer:
         for (arena, opt, layout, step), items in groups:
             slots = joined([s for _, _, s, _ in items])
             grad = joined([g for _, _, _, g in items])
-            rows = layout.decode(arena.rows.index_select(0, slots))
+            stored = next((r for g in gathered if (r := g.rows_of(arena.rows, slots)) is not None), None)
+            rows = layout.decode(stored if stored is not None else arena.rows.index_select(0, slots))
             apply_step(opt, rows, grad, step)
+            if not layout.compact:  # stored rows are these: count their sightings here, in the same pass
+                self._count_seen_in(arena, rows, [s for _, _, s, _ in items])
             bits = None
             if layout.compact:
                 tier = self._core.device_tier
@@ -459,6 +472,24 @@ class SparseTrainer:
                 bits = rounding_bits(seeds, step, layout.rounded_columns)
             arena.rows.index_copy_(0, slots, layout.encode(rows, bits))
             arena.dirty.index_fill_(0, slots, True)
+
+    def _count_seen_in(self, arena: Any, rows: torch.Tensor, slots: list[torch.Tensor]) -> None:
+        """Count the deferred sightings recorded with each of ``slots`` into ``rows`` (the rows at
+        those slots one after the other, about to be written back) instead of into the arena."""
+        tier = self._core.device_tier
+        seen = [tier.take_seen(arena, s) for s in slots]
+        first = seen[0]
+        if first is not None and all(
+            s is not None and (s.start, s.now, s.decay) == (first.start, first.now, first.decay) for s in seen
+        ):
+            counts = joined([s.counts for s in seen if s is not None])
+            record_seen_rows(rows, first.start, counts, first.now, first.decay)
+            return
+        at = 0
+        for s, n in zip(seen, [x.numel() for x in slots]):
+            if s is not None:
+                record_seen_rows(rows.narrow(0, at, n), s.start, s.counts, s.now, s.decay)
+            at += n
 
     def zero_grad(self) -> None:
         """Forget gradients gathered since the last step."""
