@@ -320,3 +320,24 @@ def test_planned_padding_row_stays_zero_and_unused_tables_do_not_step(make_store
     assert not np.array_equal(store.lookup("pad", torch.from_numpy(KEYS[1:2])).numpy(), before[:1, :8])
     # its weights and Adam state as they were (its keys' sightings were counted: its forward ran)
     np.testing.assert_array_equal(store._core.whole_rows("idle", KEYS[[3, 4]])[:, :24], before[:, :24])
+
+
+def test_a_table_pooled_with_the_others_but_left_out_of_the_loss_is_not_stepped(make_store):
+    """Tables that share one offsets tensor are pooled at once; one whose output no loss uses keeps
+    its weights and Adam state (a zero-gradient Adam step would move rows with momentum)."""
+    store = make_store(memory_budget="4KiB")
+    bags, _ = _model(store, {"type": "adam", "params": {"lr": 0.1}}, None)
+    offsets = torch.arange(0, 48, 2)
+    first, second = _batches(2, seed=0)
+    store.begin_pass([first, second])
+    sum(bags[t](first[t], offsets).square().sum() for t in DIMS).backward()
+    store.step()
+    keys = np.unique(second["a"].numpy())
+    before = store._core.whole_rows("a", keys)
+    outs = {t: bags[t](second[t], offsets) for t in DIMS}
+    assert store_parts(store).trainer._pool_alike  # a and b took pieces of one pooling
+    (outs["b"].square().sum() + outs["c"].sum()).backward()
+    store.step()
+    after = store._core.whole_rows("a", keys)
+    np.testing.assert_array_equal(after[:, :24], before[:, :24])  # weights, Adam's m and v
+    assert not np.array_equal(store._core.whole_rows("b", keys)[:, :8], before[:, :8])

@@ -111,6 +111,21 @@ class RowGroup:
     source: torch.Tensor  # the arena's rows they were gathered from
     version: int  # source._version at the gather
     grads: dict[str, torch.Tensor] = field(default_factory=dict)
+    # Bags of one offsets tensor for every member, pooled at once (pool_bags): each member's piece,
+    # taken by its forward when it brings the same offsets; their gradient lands in weights.grad.
+    pieces: dict[str, torch.Tensor] | None = None
+    offsets: torch.Tensor | None = None
+    mode: str | None = None
+    pooled: set[str] = field(default_factory=set)  # members that took their piece
+    backed: set[int] = field(default_factory=set)  # members (by index) whose piece a backward reached
+
+    def gradient(self, table: str, rows: int) -> torch.Tensor | None:
+        """``table``'s (rows, dim) gradient, summed per row, or None when no backward reached it."""
+        grad = self.grads.get(table)
+        if grad is None and table in self.pooled and self.weights.grad is not None:
+            if list(self.start).index(table) in self.backed:
+                grad = self.weights.grad.narrow(0, self.start[table], rows)
+        return grad
 
     def rows_of(self, source: torch.Tensor, slots: torch.Tensor) -> torch.Tensor | None:
         """The rows at ``slots`` of ``source`` as gathered at the forward, if they still are those
@@ -246,7 +261,9 @@ class _PooledBags(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, leaf, local, bags, mode, bag_count, members):
+    def forward(ctx, leaf, local, bags, mode, bag_count, members, backed):
+        ctx.set_materialize_grads(False)  # an output no loss uses comes back as None, not zeros
+        ctx.backed = backed
         out, offset2bag, bag_size, max_indices = torch.ops.aten._embedding_bag(
             leaf, local, bags, False, _MODES[mode], True, None, False, -1
         )
@@ -272,7 +289,11 @@ class _PooledBags(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads):
         local, bags, offset2bag, bag_size, max_indices, shape, mode, members, one_hot = ctx.kept
-        grad_out = torch.cat(grads)  # contiguous: index_add_ reads strided rows slowly
+        if ctx.backed is not None:
+            ctx.backed.update(i for i, g in enumerate(grads) if g is not None)
+        some = next(g for g in grads if g is not None)
+        # contiguous: index_add_ reads strided rows slowly
+        grad_out = torch.cat([g if g is not None else torch.zeros_like(some) for g in grads])
         if one_hot:
             values = grad_out.split([m.numel() for m, _ in members])  # each id's bag is itself
         else:
@@ -291,12 +312,12 @@ class _PooledBags(torch.autograd.Function):
                 -1,
             )
             values = spread._values().split([m.numel() for m, _ in members])  # one row per id, in order
-        grad = torch.zeros(shape, dtype=grads[0].dtype, device=grads[0].device)
+        grad = torch.zeros(shape, dtype=some.dtype, device=some.device)
         rows = 0
         for (member_local, n_rows), member_values in zip(members, values):
             grad.narrow(0, rows, n_rows).index_add_(0, member_local, member_values)
             rows += n_rows
-        return grad, None, None, None, None, None
+        return grad, None, None, None, None, None, None
 
 
 def pool_bags(
@@ -306,14 +327,16 @@ def pool_bags(
     mode: str,
     bag_count: int,
     members: list[tuple[torch.Tensor, int]],
+    backed: set[int] | None = None,
 ) -> tuple[torch.Tensor, ...]:
     """Pool the rows of T tables at once -> T outputs of (B, dim).
 
     leaf: (U, dim) the tables' rows one table after the other; local: (N,) each id's row of
     leaf; bags: (T * B,) bag starts in local; mode ``"sum"`` or ``"mean"``; members: per table,
     its ids' rows within its own slice (n_t,) and its row count U_t. The leaf's gradient is dense.
+    ``backed``: if given, gets the index of each output a backward reached.
     """
-    return _PooledBags.apply(leaf, local, bags, mode, bag_count, members)
+    return _PooledBags.apply(leaf, local, bags, mode, bag_count, members, backed)
 
 
 @dataclass

@@ -44,7 +44,7 @@ from hierps.rows._counters import record_seen_rows
 from hierps.rows._layout import rounding_bits
 from hierps.rows._optim import apply_step
 from hierps.rows._table import TableInfo
-from hierps.training._batchplan import Batch, BatchPlan, RowGroup, table_rows
+from hierps.training._batchplan import Batch, BatchPlan, RowGroup, pool_bags, table_rows
 from hierps.training._passes import PassRunner
 
 __all__ = ["MissingStepWarning", "SparseTrainer"]
@@ -69,9 +69,28 @@ class _Pending:
     def gradient(self, summed: dict[int, torch.Tensor]) -> torch.Tensor | None:
         """The gradient of the gathered rows (``summed``: leaves' by id), or None without a backward."""
         if self.group is not None:
-            return self.group.grads.get(self.table)
+            return self.group.gradient(self.table, self.keys.numel())
         assert self.leaf is not None
         return summed.get(id(self.leaf))
+
+
+def _pools_alike(lookup: Lookup) -> bool:
+    """Whether ``lookup`` is a plain sum or mean of bags by offsets, as several tables may share."""
+    return (
+        lookup.mode in ("sum", "mean")
+        and lookup.offsets is not None
+        and lookup.per_sample_weights is None
+        and lookup.padding_idx is None
+        and not lookup.include_last_offset
+    )
+
+
+def _same_bags(group: RowGroup, lookup: Lookup) -> bool:
+    """Whether ``lookup`` pools the bags ``group``'s members were pooled with at once."""
+    mine, theirs = lookup.offsets, group.offsets
+    if not _pools_alike(lookup) or lookup.mode != group.mode or mine is None or theirs is None:
+        return False
+    return mine is theirs or (mine.numel() == theirs.numel() and torch.equal(mine, theirs))
 
 
 class SparseTrainer:
@@ -90,6 +109,8 @@ class SparseTrainer:
         self.pending: list[_Pending] = []  # what forwards gathered since the last step
         self._gathers: dict[str, int] = {}  # table -> its entries in pending
         self._warned = False
+        # Pool the tables of a mini-batch at once while they bring one offsets tensor (until one does not).
+        self._pool_alike = True
 
     def _record(self, pending: _Pending) -> None:
         """Keep what a forward gathered for the next step; warn once when steps seem forgotten."""
@@ -174,6 +195,15 @@ class SparseTrainer:
             batch = batches.batches[k]
             assert batch is not None  # next_plan found table's plan in it
             group = batches.groups[key] = self._gather_group(batch, table)
+            if self._pool_alike and _pools_alike(lookup):
+                self._pool_members(group, batch, lookup)
+        piece = None
+        if group.pieces is not None and table in group.pieces:
+            if _same_bags(group, lookup):
+                piece = group.pieces.pop(table)
+                group.pooled.add(table)
+            else:  # this model's tables pool differently: each pools its own from now on
+                self._pool_alike = False
         group.left -= 1
         if group.left == 0:
             del batches.groups[key]  # every member has taken its rows; their outputs keep the group
@@ -182,6 +212,8 @@ class SparseTrainer:
             table, plan.slots, plan.counts, info.counter_word, self._core.passes, info.eviction.decay
         )
         self._record(_Pending(table, plan.keys, plan.slots, tier.generation, group=group))
+        if piece is not None:
+            return piece
         psw = lookup.per_sample_weights
         return table_rows(
             group,
@@ -194,6 +226,26 @@ class SparseTrainer:
             lookup.include_last_offset,
             pad,
         )
+
+    def _pool_members(self, group: RowGroup, batch: Batch, lookup: Lookup) -> None:
+        """Pool every member of ``group`` at once with ``lookup``'s offsets (one ``embedding_bag``,
+        :func:`~hierps.training._batchplan.pool_bags`), if they have as many ids each: the tables of
+        a model that hands one offsets tensor to all of them then take their pieces."""
+        members = list(group.start)
+        plans = [batch.plans[t] for t in members]
+        n = plans[0].ids.numel()
+        offsets = lookup.offsets
+        assert offsets is not None and lookup.mode is not None
+        if any(p.ids.numel() != n for p in plans):
+            return
+        if len(members) == len(batch.plans):
+            local = batch.local
+        else:
+            local = torch.cat([p.local + group.start[t] for t, p in zip(members, plans)])
+        bags = torch.cat([offsets + i * n for i in range(len(plans))])
+        parts = [(p.local, p.keys.numel()) for p in plans]
+        pieces = pool_bags(group.weights, local, bags, lookup.mode, offsets.numel(), parts, group.backed)
+        group.pieces, group.offsets, group.mode = dict(zip(members, pieces)), offsets, lookup.mode
 
     def _gather_group(self, batch: Batch, table: str) -> RowGroup:
         """The rows of the tables of ``batch`` that share ``table``'s arena, dim and weights dtype,
