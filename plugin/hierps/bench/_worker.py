@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
-__all__ = ["single_rank_env", "spawn"]
+__all__ = ["median_record", "single_rank_env", "spawn"]
 
 
 def spawn(spec: dict[str, Any], timeout: float) -> dict[str, Any]:
@@ -38,3 +39,18 @@ def single_rank_env() -> None:
     env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "RANK": "0", "WORLD_SIZE": "1"}
     for key, value in {**env, "LOCAL_RANK": "0", "LOCAL_SIZE": "1"}.items():
         os.environ.setdefault(key, value)
+
+
+def median_record(runs: list[dict[str, Any]], by: str = "seconds") -> dict[str, Any]:
+    """The run of median ``by`` (lower middle for an even count), with every run's examples/s and
+    the median peak RSS."""
+    ok = [r for r in runs if by in r]
+    if not ok:
+        return {"error": runs[0].get("error", "no run finished") if runs else "not run"}
+    ordered = sorted(ok, key=lambda r: r[by])
+    record = dict(ordered[(len(ordered) - 1) // 2])
+    record["all_examples_per_s"] = [r["examples_per_s"] for r in ok]
+    record["examples_per_s"] = statistics.median(record["all_examples_per_s"])
+    record["peak_rss_bytes"] = int(statistics.median(r["peak_rss_bytes"] for r in ok))
+    record["failed_runs"] = len(runs) - len(ok)
+    return record

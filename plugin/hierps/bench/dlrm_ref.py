@@ -32,7 +32,6 @@ import io
 import json
 import os
 import pstats
-import statistics
 import tempfile
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -43,7 +42,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from hierps.bench._worker import single_rank_env, spawn
+from hierps.bench._worker import median_record, single_rank_env, spawn
 
 if TYPE_CHECKING:
     from hierps.demo.models import ReferenceDLRM
@@ -371,25 +370,11 @@ def run_ref_bench(cfg: dict[str, Any], tmp: str | None = None, profile: str | No
             for name in cfg["variants"]:
                 record = one(name, f"{name}-profiled", profile=str(Path(profile).resolve() / f"{name}.txt"))
                 results["profile"][name] = record.get("breakdown", {})
-    results["variants"] = {name: _median(rs) for name, rs in runs.items()}
+    results["variants"] = {name: median_record(rs, by="examples_per_s") for name, rs in runs.items()}
     results["seconds"] = time.perf_counter() - started
     results["load_average_end"] = os.getloadavg()
     _compare(results)
     return results
-
-
-def _median(runs: list[dict[str, Any]]) -> dict[str, Any]:
-    """The run of median examples/s, with every run's rate and the median peak RSS."""
-    ok = [r for r in runs if "examples_per_s" in r]
-    if not ok:
-        return {"error": runs[0].get("error", "no run finished") if runs else "not run"}
-    ordered = sorted(ok, key=lambda r: r["examples_per_s"])
-    record = dict(ordered[(len(ordered) - 1) // 2])
-    record["all_examples_per_s"] = [r["examples_per_s"] for r in ok]
-    record["examples_per_s"] = statistics.median(record["all_examples_per_s"])
-    record["peak_rss_bytes"] = int(statistics.median(r["peak_rss_bytes"] for r in ok))
-    record["failed_runs"] = len(runs) - len(ok)
-    return record
 
 
 def _compare(results: dict[str, Any]) -> None:

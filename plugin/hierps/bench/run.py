@@ -21,7 +21,6 @@ import io
 import json
 import os
 import pstats
-import statistics
 import sys
 import tempfile
 import time
@@ -30,6 +29,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from hierps.bench._worker import median_record
 from hierps.bench._worker import spawn as spawn_worker
 
 __all__ = [
@@ -154,20 +154,6 @@ def _worker(spec: dict[str, Any]) -> dict[str, Any]:
     return record
 
 
-def _median_record(runs: list[dict[str, Any]]) -> dict[str, Any]:
-    """The run of median time (lower middle for an even count), with every run's examples/s."""
-    ok = [r for r in runs if "seconds" in r]
-    if not ok:
-        return {"error": runs[0].get("error", "no run finished") if runs else "not run"}
-    ordered = sorted(ok, key=lambda r: r["seconds"])
-    record = dict(ordered[(len(ordered) - 1) // 2])
-    record["all_examples_per_s"] = [r["examples_per_s"] for r in ok]
-    record["examples_per_s"] = statistics.median(record["all_examples_per_s"])
-    record["peak_rss_bytes"] = int(statistics.median(r["peak_rss_bytes"] for r in ok))
-    record["failed_runs"] = len(runs) - len(ok)
-    return record
-
-
 # -- the run ------------------------------------------------------------------------------------------
 def run_bench(
     cfg: BenchConfig, out: Callable[[str], Any] = print, only_scaling: bool = False
@@ -227,7 +213,7 @@ def run_bench(
             for r in range(cfg.repeats):
                 for name in cfg.variants:
                     runs[name].append(spawn("variant", conf, f"{name}#{r + 1}", name=name))
-            results["variants"] = {name: _median_record(rs) for name, rs in runs.items()}
+            results["variants"] = {name: median_record(rs) for name, rs in runs.items()}
             if cfg.profile:
                 Path(cfg.profile).mkdir(parents=True, exist_ok=True)
                 for name in cfg.variants:
@@ -246,7 +232,7 @@ def run_bench(
                     full_runs[name].append(
                         spawn("variant", big, f"{name}@{cfg.full_rows:.0e}#{r + 1}", name=name)
                     )
-            results["full_comparison"] = {name: _median_record(rs) for name, rs in full_runs.items()}
+            results["full_comparison"] = {name: median_record(rs) for name, rs in full_runs.items()}
         for n in cfg.scaling:
             record = spawn("scaling", conf, f"ssd-scaling-{n:.0e}", rows=n)
             results["scaling"].append({"rows": n, **record})

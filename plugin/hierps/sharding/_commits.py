@@ -85,8 +85,9 @@ class Collectives(Protocol):
     def barrier(self) -> None: ...
 
 
-class _Alone:
-    """The collectives of a process that is the only rank."""
+class OneRank:
+    """The collectives of a process that is the only rank, without a collective library (also the
+    sharded store's transport at world size 1)."""
 
     rank = 0
     world_size = 1
@@ -105,8 +106,11 @@ class _Alone:
     def barrier(self) -> None:
         return None
 
+    def companion(self) -> OneRank:
+        return OneRank()
 
-ALONE: Collectives = _Alone()
+
+ALONE: Collectives = OneRank()
 _NO_KEYS = np.empty(0, np.int64)
 
 

@@ -32,7 +32,7 @@ from hierps.lifecycle._lifecycle import observation
 from hierps.rows import _ids
 from hierps.rows._counters import COUNTERS
 from hierps.rows._table import TableInfo
-from hierps.sharding._commits import ShardCheckpoints, rank_dir
+from hierps.sharding._commits import OneRank, ShardCheckpoints, rank_dir
 from hierps.sharding._fastpath import Fetched, PassRouter
 from hierps.sharding._local import OwnerParts
 from hierps.sharding._routes import owner_of
@@ -68,30 +68,6 @@ class Transport(Protocol):
     def barrier(self) -> None: ...
 
 
-class _OneRank:
-    """The collectives of a world of one rank, without a collective library (see :class:`Transport`)."""
-
-    rank = 0
-    world_size = 1
-
-    def all_to_all(self, send: torch.Tensor, send_counts: list[int]) -> tuple[torch.Tensor, list[int]]:
-        return send, list(send_counts)
-
-    def all_to_all_known(
-        self, send: torch.Tensor, send_counts: list[int], recv_counts: list[int]
-    ) -> torch.Tensor:
-        return send
-
-    def all_reduce_sum(self, t: torch.Tensor) -> torch.Tensor:
-        return t
-
-    def barrier(self) -> None:
-        return None
-
-    def companion(self) -> _OneRank:
-        return _OneRank()
-
-
 @dataclass
 class _Route:
     """Where a rank's keys went: the permutation that grouped them by owner, and the counts."""
@@ -121,7 +97,7 @@ class ShardedStore:
     def __init__(self, path: str | os.PathLike[str], transport: Transport, **store_kwargs: Any) -> None:
         self.root = Path(path)
         # A world of one rank needs no collective: what is sent comes back as it is.
-        self.transport: Transport = transport if transport.world_size > 1 else _OneRank()
+        self.transport: Transport = transport if transport.world_size > 1 else OneRank()
         self.rank, self.world_size = transport.rank, transport.world_size
         # Every rank at the latest checkpoint, resharded if need be (agreed before the store opens).
         self.checkpoints = ShardCheckpoints.open(
