@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-__all__ = ["median_record", "single_rank_env", "spawn"]
+__all__ = ["median_record", "one_rank_ds_config", "single_rank_env", "spawn"]
 
 
 def spawn(spec: dict[str, Any], timeout: float) -> dict[str, Any]:
@@ -39,6 +39,20 @@ def single_rank_env() -> None:
     env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "RANK": "0", "WORLD_SIZE": "1"}
     for key, value in {**env, "LOCAL_RANK": "0", "LOCAL_SIZE": "1"}.items():
         os.environ.setdefault(key, value)
+
+
+def one_rank_ds_config(batch_size: int, section: dict[str, Any], **settings: Any) -> dict[str, Any]:
+    """The DeepSpeed config of a bench's one-rank run: its micro-batch, no accumulation, clipping or
+    ZeRO, no progress lines, ``settings`` and the ``hierarchical_ps`` section."""
+    return {
+        "train_micro_batch_size_per_gpu": batch_size,
+        "gradient_accumulation_steps": 1,
+        "gradient_clipping": 0.0,
+        "zero_optimization": {"stage": 0},
+        "steps_per_print": 1 << 30,
+        **settings,
+        "hierarchical_ps": section,
+    }
 
 
 def median_record(runs: list[dict[str, Any]], by: str = "seconds") -> dict[str, Any]:

@@ -42,7 +42,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from hierps.bench._worker import median_record, single_rank_env, spawn
+from hierps.bench._worker import median_record, one_rank_ds_config, single_rank_env, spawn
 
 if TYPE_CHECKING:
     from hierps.demo.models import ReferenceDLRM
@@ -72,7 +72,7 @@ def _config(args: argparse.Namespace) -> dict[str, Any]:
         "optimizer": optimizer,
         "lr": _LR[optimizer],
         "ssd_memory_budget": args.memory_budget or "64MiB",
-        "device_budget": "512MiB",
+        "device_budget": getattr(args, "device_budget", None) or "512MiB",
         # Flatter than the demo's 1.1: an epoch of this bench touches about 1M rows (111 MiB of SGD
         # rows at the default size, 69 MiB with --quick), more than hierps-ssd's RAM tier holds.
         "zipf_exponent": 1.0,
@@ -210,24 +210,18 @@ def _hierps(cfg: dict[str, Any], tmp: Path, name: str, profile: str | None) -> d
     torch.manual_seed(cfg["seed"])
     with torch.device("meta"):
         model = ReferenceDLRM(sizes, cfg["dim"])
-    config = {
-        "train_micro_batch_size_per_gpu": cfg["batch_size"],
-        "gradient_accumulation_steps": 1,
-        "gradient_clipping": 0.0,
-        "zero_optimization": {"stage": 0},
-        "steps_per_print": 1 << 30,
-        "hierarchical_ps": {
-            "path": str(tmp / "store"),
-            "memory_budget": memory_budget,
-            "device_budget": cfg["device_budget"],
-            "modules": "auto",
-            "auto_min_rows": 1,
-            "pass_batches": cfg["pass_batches"],
-            "optimizer": {"type": cfg["optimizer"], "params": {"lr": cfg["lr"]}},
-            "initializer": _initializer(),
-            "seed": cfg["seed"],
-        },
+    section = {
+        "path": str(tmp / "store"),
+        "memory_budget": memory_budget,
+        "device_budget": cfg["device_budget"],
+        "modules": "auto",
+        "auto_min_rows": 1,
+        "pass_batches": cfg["pass_batches"],
+        "optimizer": {"type": cfg["optimizer"], "params": {"lr": cfg["lr"]}},
+        "initializer": _initializer(),
+        "seed": cfg["seed"],
     }
+    config = one_rank_ds_config(cfg["batch_size"], section)
     engine, _, _, _ = hierps.deepspeed.initialize(
         model=model, optimizer=_optimizer(cfg, model.parameters()), config=config
     )

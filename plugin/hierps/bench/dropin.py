@@ -38,7 +38,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from hierps.bench._worker import single_rank_env, spawn
+from hierps.bench._worker import one_rank_ds_config, single_rank_env, spawn
 
 __all__ = ["DROPIN_VARIANTS", "FieldModel", "run_from_args", "run_phase"]
 
@@ -147,23 +147,16 @@ def _hierps(cfg: dict[str, Any], tmp: Path, training_data: bool) -> dict[str, An
     budget = int(cfg["device_fraction"] * distinct * _ROW_BYTES)
     torch.manual_seed(cfg["seed"])
     model = FieldModel(sizes, cfg["dim"])
-    config = {
-        "train_micro_batch_size_per_gpu": cfg["batch_size"],
-        "gradient_accumulation_steps": 1,
-        "gradient_clipping": 0.0,
-        "zero_optimization": {"stage": 0},
-        "steps_per_print": 1 << 30,
-        "dataloader_drop_last": True,
-        "hierarchical_ps": {
-            "path": str(tmp / "store"),
-            "memory_budget": "1GiB",
-            "device_budget": budget,
-            "modules": "auto",
-            "auto_min_rows": 1,
-            "pass_batches": cfg["pass_batches"],
-            "optimizer": {"type": "adagrad", "params": {"lr": cfg["lr_sparse"]}},
-        },
+    section = {
+        "path": str(tmp / "store"),
+        "memory_budget": "1GiB",
+        "device_budget": budget,
+        "modules": "auto",
+        "auto_min_rows": 1,
+        "pass_batches": cfg["pass_batches"],
+        "optimizer": {"type": "adagrad", "params": {"lr": cfg["lr_sparse"]}},
     }
+    config = one_rank_ds_config(cfg["batch_size"], section, dataloader_drop_last=True)
     engine, _, loader, _ = hierps.deepspeed.initialize(
         model=model,
         optimizer=torch.optim.Adam(model.parameters(), lr=cfg["lr_dense"]),

@@ -344,6 +344,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--memory-budget",
         help="with --scale: the store's RAM budget (default 256MiB); with --model dlrm-ref: hierps-ssd's (default 64MiB)",
     )
+    a("--device-budget", help="with --model dlrm-ref: every hierps variant's device tier (default 512MiB)")
     a(
         "--keep",
         action="store_true",
