@@ -8,6 +8,8 @@ MODE train: train STEPS global batches (this rank takes its slice of each), chec
 MODE load:  restore checkpoint "final" (resharding if needed), write OUT/loaded-<rank>.npz.
 MODE reopen: open the store, nothing else (no write, no restore), write OUT/reopened-<rank>.npz
             (rows of all keys, this rank's full rows, its checkpoints' ids, world sizes and tags).
+            With --export-rank R, then export checkpoint "pass3" and the delta since it to the
+            latest into <STORE>/../exports/{pass3,delta}, written on rank R's host.
 
 HIERPS_HOLD=<point>:<n>[/<point>:<m>] makes the rank stop (sleep, as a process the test is about to
 kill) at the n-th time it reaches a fault point (the m-th hit of the second point after the n-th of
@@ -107,6 +109,7 @@ def main() -> None:
     ap.add_argument("--transport", default="torch")
     ap.add_argument("--die-after", type=int, default=-1)
     ap.add_argument("--every-pass", action="store_true")
+    ap.add_argument("--export-rank", type=int, default=None)
     args = ap.parse_args()
     transport, average = setup(args.transport)
     rank, world = transport.rank, transport.world_size
@@ -125,6 +128,10 @@ def main() -> None:
             worlds=np.array([c["world_size"] for c in store.list_checkpoints()]),
             tags=np.array([str(c["tag"]) for c in store.list_checkpoints()]),
         )
+        if args.export_rank is not None:
+            exports = Path(args.store).parent / "exports"
+            store.export(exports / "pass3", checkpoint="pass3", rank=args.export_rank)
+            store.export(exports / "delta", since="pass3", rank=args.export_rank)
         store.close()
         return
     bag, head = build(store)

@@ -16,8 +16,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from dist_worker import ALL_KEYS
 from hosts import TwoHosts, can_make_hosts, wait_all, wait_for
 from test_distributed import BIN, WORKER, _assert_same_training, _env, _full_rows, _load, torchrun
+
+import hierps.serving
 
 pytestmark = [
     pytest.mark.distributed,
@@ -85,8 +88,9 @@ def test_four_ranks_on_two_hosts_train_as_one_process_and_resume(trained, tmp_pa
     for host in (0, 1):
         shutil.copytree(trained / f"disk-{'ab'[host]}", disks[host])
     with TwoHosts(tmp_path / "common") as hosts:
+        common = str(hosts.common / "store")
         finish(
-            run_hosts(hosts, disks, tmp_path, "reopen", str(hosts.common / "store"), str(tmp_path)), tmp_path
+            run_hosts(hosts, disks, tmp_path, "reopen", common, str(tmp_path), "--export-rank", "2"), tmp_path
         )
     written = _full_rows(trained / "out", "result", 4, "owned_keys", "owned_rows")
     full = _full_rows(tmp_path, "reopened", 4, "keys", "full")
@@ -98,6 +102,17 @@ def test_four_ranks_on_two_hosts_train_as_one_process_and_resume(trained, tmp_pa
         got = _load(tmp_path, f"reopened-{rank}.npz")
         np.testing.assert_array_equal(got["rows"], trained_rows)
         assert list(got["tags"]) == ["pass3", "pass4", "final"]
+    # Exported by the job onto host B's disk (rank 2's), host A's parts streamed over the link:
+    # served there, "pass3" gives the rows of pass 3, and with the delta since it the latest rows.
+    assert not (disks[0] / "exports").exists()
+    exports = disks[1] / "exports"
+    at_pass3 = _full_rows(trained / "out", "pass3", 4, "keys", "rows")
+    keys = np.array(sorted(at_pass3))
+    with hierps.serving.open(exports / "pass3") as tables:
+        want = np.stack([at_pass3[k][: tables.tables["t"]] for k in keys.tolist()])
+        np.testing.assert_array_equal(tables.lookup("t", keys), want)
+    with hierps.serving.open(exports / "pass3", [exports / "delta"]) as tables:
+        np.testing.assert_array_equal(tables.lookup("t", ALL_KEYS), trained_rows)
 
 
 HOLDS = [
@@ -150,5 +165,6 @@ def test_a_host_back_without_its_disk_fails_the_open_naming_its_parts(trained, t
     for h in (0, 1):  # every rank says which parts are missing, on which ranks
         log = (tmp_path / f"host-{h}.log").read_text()
         assert "part 2 (rank 2: rank-00002" in log and "part 3 (rank 3: rank-00003" in log, log[-3000:]
+        assert "MissingPartsError" in log, log[-3000:]
     assert not list(disks[1].rglob("*"))  # nothing created on the empty disk
     assert sorted(str(p) for p in disks[0].rglob("*")) == before  # nothing deleted

@@ -21,8 +21,10 @@ from test_sharded_features import ALL_KEYS, TABLES, train
 from thread_world import ThreadTransport, run_ranks
 
 import hierps
+import hierps.serving
 from hierps.cli import main
-from hierps.errors import ConfigError
+from hierps.errors import ConfigError, HierpsError, MissingPartsError
+from hierps.lifecycle._export import export_store
 from hierps.sharding import owner_of
 from hierps.storage._commit_log import delete_record, rank_dir, read_records, snapshots
 
@@ -93,8 +95,9 @@ def test_a_host_missing_at_open_is_an_error_naming_its_parts(two_hosts, tmp_path
     before = files(hosts)
 
     def rank_main(transport: ThreadTransport) -> str:
-        with pytest.raises(ConfigError) as err:
+        with pytest.raises(MissingPartsError) as err:
             hierps.ShardedStore(host_root(hosts, transport.rank), transport, **SETTINGS)
+        assert err.value.parts == (2, 3) and err.value.checkpoint == snapshots(host_root(hosts, 0))[-1].id
         return str(err.value)
 
     messages = run_ranks(4, rank_main)
@@ -109,7 +112,7 @@ def test_fewer_hosts_than_parts_is_an_error_naming_the_missing_ones(two_hosts, t
     before = files(hosts)
 
     def rank_main(transport: ThreadTransport) -> str:  # host A alone, at two ranks
-        with pytest.raises(ConfigError) as err:
+        with pytest.raises(MissingPartsError) as err:
             hierps.ShardedStore(host_root(hosts, 0), transport, **SETTINGS)
         return str(err.value)
 
@@ -197,7 +200,7 @@ def on_ranks_kept(root: Path, world: int, work: Any) -> list[Any]:
     return run_ranks(world, rank_main)
 
 
-def test_one_rank_directory_is_not_a_store_of_its_own(tmp_path):
+def test_one_rank_directory_is_not_a_store_of_its_own(tmp_path, capsys):
     root = tmp_path / "store"
     on_ranks(
         root,
@@ -208,7 +211,11 @@ def test_one_rank_directory_is_not_a_store_of_its_own(tmp_path):
     with pytest.raises(ConfigError, match="one rank's part of the sharded store"):
         hierps.Store(rank_dir(root, 0), **SETTINGS)
     assert main(["shrink", str(rank_dir(root, 1))]) != 0
-    assert files(root) == before
+    with pytest.raises(ConfigError, match="one rank's part of the sharded store"):
+        export_store(rank_dir(root, 0), tmp_path / "exp")
+    assert main(["export", str(rank_dir(root, 0)), str(tmp_path / "exp")]) != 0
+    assert "one rank's part of the sharded store" in capsys.readouterr().err
+    assert files(root) == before and not (tmp_path / "exp").exists()
     # The root itself opens at one process, with every rank's rows.
     got = on_ranks(root, 1, lambda s: s.lookup("plain", ALL_KEYS).numpy())[0]
     np.testing.assert_array_equal(got, np.ones((len(ALL_KEYS), 4), np.float32))
@@ -219,3 +226,110 @@ def test_inspect_of_one_hosts_disk_says_which_parts_are_elsewhere(two_hosts, cap
     assert main(["inspect", "--no-counts", str(host_root(two_hosts[0], 2))]) == 0
     out = capsys.readouterr().out
     assert "of 4 ranks; parts here: ranks [2, 3]; on other hosts' disks (not here): ranks [0, 1]" in out, out
+
+
+# -- export and serving without a shared file system --------------------------------------------------
+def one_directory(hosts: Path, tmp_path: Path) -> Path:
+    """The hosts' rank directories side by side, as one shared file system would hold them."""
+    shared = tmp_path / "shared"
+    for h in (0, 1):
+        shutil.copytree(hosts / f"host-{h}" / "store", shared, dirs_exist_ok=True)
+    return shared
+
+
+def served(path: Path, deltas: list[Path] | None = None) -> dict[str, np.ndarray]:
+    with hierps.serving.open(path, deltas) as tables:
+        return {t: tables.lookup(t, ALL_KEYS) for t in TABLES}
+
+
+def held_rows(s: hierps.ShardedStore) -> dict[str, Any]:
+    """The weights of every row this rank holds, by key."""
+    return {t: {k: r[: s.tables[t].dim] for k, r in rows.items()} for t, rows in state(s)["rows"].items()}
+
+
+def edit_and_checkpoint(s: hierps.ShardedStore) -> dict[str, Any]:
+    """Rows changed, added (keys never seen) and deleted, checkpointed "next"."""
+    s.write("plain", ALL_KEYS[::7], np.full((len(ALL_KEYS[::7]), 4), 2.5, np.float32))
+    s.write("counted", [10**15 + 1, 10**15 + 2], np.ones((2, 4), np.float32))
+    s.shrink("chance", ttl_passes=1)
+    s.checkpoint("next")
+    return held_rows(s)
+
+
+def test_an_export_of_parts_on_each_hosts_disk_serves_the_rows_of_one_directory(two_hosts, tmp_path):
+    """Each host sees only its ranks' directories: the export is written on one host (rank 0's, then
+    host B's for the delta) from rows the other host streams, and serves exactly what the export
+    of the same checkpoint from one directory serves, and the rows the ranks hold; so does the
+    chain of base and delta."""
+    hosts = copy_hosts(two_hosts, tmp_path)
+    out = {h: tmp_path / f"host-{h}" / "exports" for h in (0, 1)}
+
+    def rank_main(s: hierps.ShardedStore) -> tuple[Any, ...]:
+        full = s.export(out[0] / "final")
+        held = held_rows(s)
+        after = edit_and_checkpoint(s)
+        delta = s.export(out[1] / "delta", since="final", rank=2)
+        return full, held, delta, after
+
+    got = on_hosts(hosts, 4, rank_main)
+    full, delta = got[0][0], got[0][2]
+    assert all(g[0] == full and g[2] == delta for g in got)  # every rank returns the manifest
+    assert sorted(p.name for p in out[0].iterdir()) == ["final"] and [p.name for p in out[1].iterdir()] == [
+        "delta"
+    ]
+    assert full["ranks"] == 4 and delta["since"] == full["checkpoint"]
+    assert delta["tables"]["chance"]["deleted"] > 0 and delta["tables"]["plain"]["rows"] > 0
+    same = ("checkpoint", "since", "seed", "ranks", "store", "checkpoint_created", "since_created")
+
+    # The same checkpoints exported by one process from one directory: the same rows, bit for bit.
+    shared = one_directory(hosts, tmp_path)
+    ref = export_store(shared, tmp_path / "ref-full", checkpoint="final")
+    ref_delta = export_store(shared, tmp_path / "ref-delta", since="final")
+    for mine, theirs in ((full, ref), (delta, ref_delta)):  # a delta applies to the same rows
+        assert {k: mine[k] for k in same} == {k: theirs[k] for k in same}
+    for name, t in full["tables"].items():
+        assert {k: t[k] for k in ("rows", "total_rows", "deleted")} == {
+            k: ref["tables"][name][k] for k in ("rows", "total_rows", "deleted")
+        }
+        assert delta["tables"][name]["deleted"] == ref_delta["tables"][name]["deleted"]
+    one, many = served(tmp_path / "ref-full"), served(out[0] / "final")
+    chain, ref_chain = (
+        served(out[0] / "final", [out[1] / "delta"]),
+        served(tmp_path / "ref-full", [tmp_path / "ref-delta"]),
+    )
+    for t in TABLES:
+        np.testing.assert_array_equal(many[t], one[t], err_msg=t)
+        np.testing.assert_array_equal(chain[t], ref_chain[t], err_msg=t)
+    # ... and the rows the ranks hold at each checkpoint, exactly.
+    for at, rows in ((many, 1), (chain, 3)):
+        for t in TABLES:
+            mine = {k: v for g in got for k, v in g[rows][t].items()}
+            keys = [i for i, k in enumerate(ALL_KEYS.tolist()) if k in mine]
+            assert keys, t
+            np.testing.assert_array_equal(at[t][keys], np.stack([mine[ALL_KEYS[i]] for i in keys]), err_msg=t)
+
+
+def test_a_failed_export_fails_on_every_rank_and_leaves_nothing(two_hosts, tmp_path):
+    hosts = copy_hosts(two_hosts, tmp_path)
+    taken = tmp_path / "taken"
+    (taken / "x").mkdir(parents=True)
+
+    def rank_main(s: hierps.ShardedStore) -> str:
+        with pytest.raises(HierpsError) as err:
+            s.export(taken, rank=3)
+        return f"{type(err.value).__name__}: {err.value}"
+
+    messages = on_hosts(hosts, 4, rank_main)
+    assert messages[3].startswith("ConfigError") and "already exists and is not empty" in messages[3]
+    for m in messages[:3]:  # the others name the rank that failed and its error
+        assert "the export failed, so none was written; rank 3: ConfigError" in m, m
+    assert [p.name for p in taken.iterdir()] == ["x"] and not list(tmp_path.glob(".taken*"))
+
+
+def test_one_process_exporting_one_hosts_disk_is_told_which_parts_are_elsewhere(two_hosts, tmp_path):
+    before = files(two_hosts[0])
+    with pytest.raises(MissingPartsError, match=r"part 2 \(rank 2: rank-00002\), part 3") as err:
+        export_store(host_root(two_hosts[0], 0), tmp_path / "exp")
+    assert err.value.parts == (2, 3) and "hierps.ShardedStore.export" in str(err.value)
+    assert main(["export", str(host_root(two_hosts[0], 0)), str(tmp_path / "exp")]) != 0
+    assert not (tmp_path / "exp").exists() and files(two_hosts[0]) == before

@@ -4,6 +4,7 @@ Every message says what happened, the value found, and what to do next::
 
     HierpsError
     ├── ConfigError            a setting has a bad value (ValueError)
+    │   └── MissingPartsError  parts of a sharded checkpoint on no disk a rank reaches (a host missing)
     ├── InvalidIdsError        ids of the wrong dtype / device / shape (TypeError)
     ├── OffsetsError           offsets that do not describe the bags of the ids (ValueError)
     ├── DeviceBudgetError      one mini-batch's rows alone exceed the device budget
@@ -31,6 +32,7 @@ __all__ = [
     "DeviceBudgetError",
     "HierpsError",
     "InvalidIdsError",
+    "MissingPartsError",
     "NonFiniteGradientError",
     "NotSupportedError",
     "OffsetsError",
@@ -50,6 +52,21 @@ class HierpsError(Exception):
 
 class ConfigError(HierpsError, ValueError):
     """A setting (store argument or ``hierarchical_ps`` config key) has a bad value."""
+
+
+class MissingPartsError(ConfigError):
+    """Parts of a sharded checkpoint lie on no disk a rank of this job reaches: their host did not
+    come back, its disk was replaced, or fewer hosts were started than saved it. Nothing was opened,
+    created or deleted.
+
+    ``parts``: the missing parts (part q is rank q's of the checkpoint, in ``rank-{q:05d}/``);
+    ``checkpoint``: the id of the checkpoint they belong to.
+    """
+
+    def __init__(self, message: str, parts: tuple[int, ...] = (), checkpoint: int | None = None) -> None:
+        super().__init__(message)
+        self.parts = parts
+        self.checkpoint = checkpoint
 
 
 class InvalidIdsError(HierpsError, TypeError):

@@ -25,7 +25,11 @@ A directory of per-rank stores (``rank-00000/``, ``rank-00001/``... as :class:`h
 and the DeepSpeed integration write them) exports as one: the same table names, the ranks' disjoint
 keys merged, taken at a checkpoint committed for all ranks (:mod:`hierps.storage._commit_log`),
 each rank's store at its part of it: never a part that did not commit, nor a rank directory the
-checkpoint does not name. A delta needs both checkpoints written by the same number of ranks.
+checkpoint does not name. A delta needs both checkpoints written by the same number of ranks. One
+rank's directory (``rank-00001/``) is refused: alone it would pass for the whole store. Read from one
+process, every part must be on its disk; where the parts lie on each host's own disk, the job
+exports with :meth:`hierps.ShardedStore.export` (:mod:`hierps.sharding._export`), which streams
+each part's rows to one rank through :func:`write_export` (each part an :class:`ExportPart`).
 
 Every export names the store it was taken from (its uid; rank 0's for a directory of rank stores)
 and when its checkpoints were taken, so that :mod:`hierps.serving` applies a delta only to the rows
@@ -38,18 +42,24 @@ import os
 import shutil
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import zarr
 from zarr.storage import LocalStore
 
-from hierps.errors import ConfigError, StoreFormatError
+from hierps.errors import ConfigError, MissingPartsError, StoreFormatError
 from hierps.rows._table import TableInfo
 from hierps.storage._checkpoint import CheckpointCatalog
-from hierps.storage._commit_log import find_snapshot, rank_dir, snapshots
+from hierps.storage._commit_log import (
+    check_not_a_part,
+    find_snapshot,
+    rank_dir,
+    snapshots,
+    store_uid,
+)
 from hierps.storage._export_format import (
     EXPORT_DTYPES,
     EXPORT_FORMAT,
@@ -65,11 +75,24 @@ from hierps.storage._files import (
     remove_stale_temp_dirs,
     temp_dir_for,
 )
+from hierps.storage._manifest import Manifest
 from hierps.storage._marker import MARKER, check_marker
 from hierps.storage._merge import first_of_each, merged_sources
 from hierps.tiers._reader import CheckpointReader
 
-__all__ = ["checkpoint_sources", "export_store", "resolve_checkpoint", "store_dirs"]
+__all__ = [
+    "ExportPart",
+    "LocalPart",
+    "check_dtype",
+    "check_export_path",
+    "check_since",
+    "checkpoint_sources",
+    "export_manifest",
+    "export_store",
+    "resolve_checkpoint",
+    "store_dirs",
+    "write_export",
+]
 
 _MARKER = MARKER
 
@@ -129,6 +152,63 @@ def _catalog(store: Path) -> CheckpointCatalog | None:
     return CheckpointCatalog(root, check_marker(store / MARKER).uid) if root.is_dir() else None
 
 
+class ExportPart(Protocol):
+    """One part of an export: one store's rows at the exported checkpoint (one rank's, for a
+    directory of rank stores), or those changed since the ``since`` checkpoint.
+
+    ``path`` names it in messages; ``meta`` and ``infos`` are its checkpoint's manifest and table
+    settings. :class:`LocalPart` reads a store directory; :mod:`hierps.sharding._export` offers the
+    parts another rank reads, over the transport.
+    """
+
+    path: Path
+    meta: Manifest
+    infos: dict[str, TableInfo]
+
+    def rows(self, table: str, dim: int, dtype: str) -> Rows:
+        """``(keys (b,) int64 sorted, weights (b, dim) float32)`` batches: every row (a full export) or
+        the rows whose served weights changed (a delta), each weight exactly representable in ``dtype``."""
+        ...
+
+    def gone(self, table: str) -> np.ndarray:
+        """(m,) int64: the keys the ``since`` checkpoint held and the exported one does not (after
+        :meth:`rows` of ``table`` was read to its end; deltas only)."""
+        ...
+
+    def holds(self, table: str, keys: np.ndarray) -> np.ndarray:
+        """keys (n,) int64 sorted unique -> (n,) bool: True where the exported checkpoint has a row."""
+        ...
+
+
+class LocalPart:
+    """The :class:`ExportPart` of a store directory this process reads: checkpoint ``now`` (and
+    ``old``, the ``since`` checkpoint, for a delta)."""
+
+    def __init__(self, now: CheckpointReader, old: CheckpointReader | None = None) -> None:
+        self.now, self.old = now, old
+        self.path, self.meta, self.infos = now.path, now.meta, now.infos
+        self._gone: dict[str, list[np.ndarray]] = {}
+
+    def rows(self, table: str, dim: int, dtype: str) -> Rows:
+        if self.old is None:
+            return _weights(self.now, table, dim, dtype)
+        return _changed(self.old, self.now, table, dim, dtype, self._gone.setdefault(table, []))
+
+    def gone(self, table: str) -> np.ndarray:
+        found = self._gone.pop(table, [])
+        return np.concatenate(found) if found else np.empty(0, np.int64)
+
+    def holds(self, table: str, keys: np.ndarray) -> np.ndarray:
+        if table not in self.meta.tables or not len(keys):
+            return np.zeros(len(keys), bool)
+        return self.now.read(table, keys)[0]
+
+    def close(self) -> None:
+        for reader in (self.now, self.old):
+            if reader is not None:
+                reader.close()
+
+
 def export_store(
     path: str | os.PathLike[str],
     out: str | os.PathLike[str],
@@ -144,67 +224,153 @@ def export_store(
     A full disk raises :class:`~hierps.errors.StoreFullError` naming the path (nothing is left).
     ``dtype``: the precision of the exported weights, ``"fp32"`` or ``"fp16"`` (half the bytes,
     rounded to nearest; a weight beyond fp16's range, 65504, raises ``ConfigError``).
+    A directory of rank stores whose parts are not all on this disk raises
+    :class:`~hierps.errors.MissingPartsError` (export from the job: :meth:`hierps.ShardedStore.export`).
     """
+    check_dtype(dtype)
+    out = check_export_path(path, out)
+    root = Path(path)
+    if (root / _MARKER).exists():
+        check_not_a_part(root)
+    sources, ckpt = checkpoint_sources(path, checkpoint)
+    base_sources: list[tuple[Path, int]] = []
+    base = None
+    if since is not None:
+        base_sources, base = checkpoint_sources(path, since, what="since")
+        check_since(since, base, ckpt, len(base_sources), len(sources))
+    if store_dirs(root) != [root]:
+        _check_parts_here(root, ckpt, [*sources, *base_sources])
+    parts = [
+        LocalPart(CheckpointReader(store, part), CheckpointReader(*base_sources[q]) if base_sources else None)
+        for q, (store, part) in enumerate(sources)
+    ]
+    try:
+        stores = [store for store, _ in sources]
+        old = parts[0].old
+        uid = check_marker(stores[0] / MARKER).uid
+        manifest = export_manifest(
+            root, ckpt, base, parts, uid, old.meta.created if old is not None else None
+        )
+        return write_export(out, manifest, parts, dtype)
+    finally:
+        for p in parts:
+            p.close()
+
+
+def check_dtype(dtype: str) -> None:
+    """``ConfigError`` unless ``dtype`` is a precision exports are written in."""
     if dtype not in EXPORT_DTYPES:
         raise ConfigError(
             f"dtype: expected one of {', '.join(EXPORT_DTYPES)} for an export. Got {dtype!r} instead"
             + (" (bf16 has no Zarr v3 data type that a plain reader knows)." if dtype == "bf16" else ".")
         )
-    out = _export_path(path, out)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+
+
+def check_export_path(store: str | os.PathLike[str], out: str | os.PathLike[str]) -> Path:
+    """``out`` checked to be a new (or empty) directory outside the store directory ``store``."""
+    target = _export_path(store, out)
+    if target.exists() and (not target.is_dir() or any(target.iterdir())):
         raise ConfigError(
-            f"{out}: already exists and is not empty; export to a new directory (exports are "
+            f"{target}: already exists and is not empty; export to a new directory (exports are "
             "never overwritten, so a reader never sees half of one)."
         )
-    sources, ckpt = checkpoint_sources(path, checkpoint)
-    stores = [store for store, _ in sources]
-    base = None
-    if since is not None:
-        base_sources, base = checkpoint_sources(path, since, what="since")
-        if base > ckpt:
-            raise ConfigError(
-                f"since {since!r}: checkpoint {base} is newer than the exported checkpoint {ckpt}; a delta "
-                "goes from an older checkpoint to a newer one."
-            )
-        if len(base_sources) != len(sources):
-            raise ConfigError(
-                f"since {since!r}: checkpoint {base} was written by {len(base_sources)} ranks and checkpoint "
-                f"{ckpt} by {len(sources)}: their rows are sharded differently, so no delta is taken "
-                "between them. Export in full."
-            )
-    now = [CheckpointReader(store, part) for store, part in sources]
-    old = [CheckpointReader(s, part) for s, part in base_sources] if since is not None else None
-    manifest = {
+    return target
+
+
+def check_since(since: int | str, base: int, ckpt: int, base_ranks: int, ranks: int) -> None:
+    """``ConfigError`` unless checkpoint ``base`` (``since``) can be the start of a delta to ``ckpt``."""
+    if base > ckpt:
+        raise ConfigError(
+            f"since {since!r}: checkpoint {base} is newer than the exported checkpoint {ckpt}; a delta "
+            "goes from an older checkpoint to a newer one."
+        )
+    if base_ranks != ranks:
+        raise ConfigError(
+            f"since {since!r}: checkpoint {base} was written by {base_ranks} ranks and checkpoint "
+            f"{ckpt} by {ranks}: their rows are sharded differently, so no delta is taken "
+            "between them. Export in full."
+        )
+
+
+def _check_parts_here(root: Path, ckpt: int, sources: list[tuple[Path, int]]) -> None:
+    """:class:`MissingPartsError` for the rank directories of ``sources`` this process does not see
+    (each host's own disk holds its ranks' parts)."""
+    missing = sorted({int(store.name.split("-")[1]) for store, _ in sources if store_uid(store) is None})
+    if missing:
+        names = ", ".join(f"part {q} (rank {q}: {rank_dir(root, q).name})" for q in missing)
+        raise MissingPartsError(
+            f"{root}: checkpoint {ckpt} has parts that are not on this disk: {names}; they are on "
+            "other hosts' disks (node-local storage). Export from the job, whose ranks reach every "
+            "part (hierps.ShardedStore.export, or engine.export_embeddings), or copy the missing "
+            "rank directories here. Nothing was written.",
+            parts=tuple(missing),
+            checkpoint=ckpt,
+        )
+
+
+def export_manifest(
+    source: Path,
+    ckpt: int,
+    base: int | None,
+    parts: Sequence[ExportPart],
+    store: str,
+    since_created: float | None,
+) -> dict[str, Any]:
+    """The manifest of an export of checkpoint ``ckpt`` (since ``base``, taken at ``since_created``)
+    of ``parts``, named by ``store`` (the uid of rank 0's store: checkpoints are numbered by it);
+    tables are filled in by :func:`write_export`."""
+    return {
         "format": EXPORT_FORMAT,
         "format_version": EXPORT_VERSION,
         "checkpoint": ckpt,
         "since": base,
-        "seed": _one({r.meta.seed for r in now}, "seed", stores),
-        "ranks": len(stores),
-        "source": str(Path(path).resolve()),
+        "seed": _one({p.meta.seed for p in parts}, "seed", parts),
+        "ranks": len(parts),
+        "source": str(source.resolve()),
         "created": time.time(),
         "uid": uuid.uuid4().hex,
         # Which rows it gives (and a delta applies to): checkpoints are numbered by rank 0's store.
-        "store": check_marker(stores[0] / MARKER).uid,
-        "checkpoint_created": now[0].meta.created,
-        "since_created": old[0].meta.created if old is not None else None,
+        "store": store,
+        "checkpoint_created": parts[0].meta.created,
+        "since_created": since_created,
         "tables": {},
     }
+
+
+def write_export(
+    out: Path,
+    manifest: dict[str, Any],
+    parts: Sequence[ExportPart],
+    dtype: str,
+    ready: Callable[[dict[str, Any]], None] | None = None,
+) -> dict[str, Any]:
+    """Write the rows of ``parts`` (disjoint keys), merged by key, as the export ``out`` described
+    by ``manifest`` (its ``since`` set: a delta); returns the manifest with its tables.
+
+    Written into a temporary directory beside ``out``; ``ready(manifest)``, called once it is
+    complete and durable, may raise to abandon it; then it is renamed into place.
+    """
+    ckpt = manifest["checkpoint"]
     out.parent.mkdir(parents=True, exist_ok=True)
     remove_stale_temp_dirs(out.parent)
     tmp = temp_dir_for(out)
     shutil.rmtree(tmp, ignore_errors=True)
     try:
         with disk_full_as_error(
-            tmp, f"the export of checkpoint {ckpt}", _bytes(now, dtype), then=_AFTER_FULL
+            tmp, f"the export of checkpoint {ckpt}", _bytes(parts, dtype), then=_AFTER_FULL
         ):
             tmp.mkdir(parents=True)
             zstore = LocalStore(str(tmp))
             zarr.open_group(zstore, mode="w", attributes={"format": EXPORT_FORMAT})
-            for name, info in _tables(now).items():
-                manifest["tables"][name] = _export_table(zstore, name, info, now, old, manifest["uid"], dtype)
+            delta = manifest["since"] is not None
+            for name, info in _tables(parts).items():
+                manifest["tables"][name] = _export_table(
+                    zstore, name, info, parts, delta, manifest["uid"], dtype
+                )
             (tmp / MANIFEST).write_text(manifest_text(manifest), encoding="utf-8")
             fsync_tree(tmp)
+        if ready is not None:
+            ready(manifest)
         if out.exists():
             out.rmdir()
         os.replace(tmp, out)
@@ -234,32 +400,27 @@ def _export_path(store: str | os.PathLike[str], out: str | os.PathLike[str]) -> 
     return Path(out)
 
 
-def _bytes(readers: list[CheckpointReader], dtype: str) -> int:
-    """About the bytes a full export of ``readers``' tables takes: keys and weights of every row."""
+def _bytes(parts: Sequence[ExportPart], dtype: str) -> int:
+    """About the bytes a full export of ``parts``' tables takes: keys and weights of every row."""
     value_bytes = np.dtype(EXPORT_DTYPES[dtype]).itemsize
-    return sum(e.rows * (8 + value_bytes * r.infos[t].dim) for r in readers for t, e in r.meta.tables.items())
+    return sum(e.rows * (8 + value_bytes * p.infos[t].dim) for p in parts for t, e in p.meta.tables.items())
 
 
 def _export_table(
     zstore: LocalStore,
     name: str,
     info: TableInfo,
-    now: list[CheckpointReader],
-    old: list[CheckpointReader] | None,
+    parts: Sequence[ExportPart],
+    delta: bool,
     export_id: str,
     dtype: str,
 ) -> dict[str, Any]:
-    """Write table ``name`` (of ``now``, or what changed since ``old``) in ``dtype``; its manifest entry."""
+    """Write table ``name`` of ``parts`` (what changed, for a ``delta``) in ``dtype``; its manifest entry."""
     dim = info.dim
-    gone: list[np.ndarray] = []
-    if old is None:
-        sources = [_weights(r, name, dim, dtype) for r in now]
-    else:
-        sources = [_changed(o, r, name, dim, dtype, gone) for o, r in zip(old, now)]
     writer = TableWriter(zstore, name, dim, export_id, dtype)
     try:
-        _write_rows(writer, now, sources)
-        deleted = _deleted(now, name, gone) if old is not None else np.empty(0, np.int64)
+        _write_rows(writer, parts, [p.rows(name, dim, dtype) for p in parts])
+        deleted = _deleted(parts, name) if delta else np.empty(0, np.int64)
         checks = writer.close(deleted)
     except BaseException:
         writer.abort()  # no descriptor of the removed export stays open
@@ -270,31 +431,31 @@ def _export_table(
         "weights_dtype": info.weights_dtype,
         "rows": writer.rows,
         "deleted": int(len(deleted)),
-        "total_rows": sum(r.meta.tables[name].rows for r in now if name in r.meta.tables),
+        "total_rows": sum(p.meta.tables[name].rows for p in parts if name in p.meta.tables),
         "initializer": info.initializer.to_json(),
         "unknown": info.admission.unknown_rows,
         "checks": checks,
     }
 
 
-def _one(values: set[Any], what: str, stores: list[Path]) -> Any:
+def _one(values: set[Any], what: str, parts: Sequence[ExportPart]) -> Any:
     if len(values) != 1:
         raise StoreFormatError(
-            f"{stores[0].parent}: the rank stores disagree on {what} ({sorted(values)}); they "
+            f"{parts[0].path.parent}: the rank stores disagree on {what} ({sorted(values)}); they "
             "are not shards of one model. Export them one by one."
         )
     return values.pop()
 
 
-def _tables(readers: list[CheckpointReader]) -> dict[str, TableInfo]:
+def _tables(parts: Sequence[ExportPart]) -> dict[str, TableInfo]:
     """Table name -> its settings, checked to agree over the rank stores."""
     out: dict[str, TableInfo] = {}
-    for r in readers:
-        for name, info in r.infos.items():
+    for p in parts:
+        for name, info in p.infos.items():
             first = out.setdefault(name, info)
             if first.dim != info.dim or first.initializer != info.initializer:
                 raise StoreFormatError(
-                    f"{r.path}: table {name!r} has dim {info.dim} / initializer "
+                    f"{p.path}: table {name!r} has dim {info.dim} / initializer "
                     f"{info.initializer.to_json()} there and dim {first.dim} / initializer "
                     f"{first.initializer.to_json()} in another rank store; they are not shards of one "
                     "model. Export them one by one."
@@ -352,22 +513,23 @@ def _changed(
             yield keys[take], rows[take]
 
 
-def _deleted(now: list[CheckpointReader], table: str, gone: list[np.ndarray]) -> np.ndarray:
-    """(m,) int64 sorted: keys a rank's old checkpoint held and no rank's new checkpoint holds."""
+def _deleted(parts: Sequence[ExportPart], table: str) -> np.ndarray:
+    """(m,) int64 sorted: keys a part's old checkpoint held and no part's new checkpoint holds."""
+    gone = [p.gone(table) for p in parts]
     keys = np.unique(np.concatenate(gone)) if gone else np.empty(0, np.int64)
-    for reader in now:
-        if len(keys) and table in reader.meta.tables and len(now) > 1:  # (moved to another rank: not deleted)
-            found, _ = reader.read(table, keys)
-            keys = keys[~found]
+    if len(parts) > 1:  # (moved to another rank: not deleted)
+        for p in parts:
+            if len(keys):
+                keys = keys[~p.holds(table, keys)]
     return keys
 
 
-def _write_rows(writer: TableWriter, readers: list[CheckpointReader], sources: list[Rows]) -> None:
-    """Write the rows of ``sources[r]`` (reader r's, by key), merged by key, as they come."""
+def _write_rows(writer: TableWriter, parts: Sequence[ExportPart], sources: list[Rows]) -> None:
+    """Write the rows of ``sources[r]`` (part r's, by key), merged by key, as they come."""
     for keys, rows, src in merged_sources(sources, writer.dim):
         twice = np.flatnonzero(keys[1:] == keys[:-1])
         if len(twice):
-            holders = sorted(readers[int(r)].path.name for r in src[twice[0] : twice[0] + 2])
+            holders = sorted(parts[int(r)].path.name for r in src[twice[0] : twice[0] + 2])
             raise StoreFormatError(
                 f"table {writer.name!r}: key {int(keys[twice[0]])} is stored in both {holders[0]} and "
                 f"{holders[1]}; rank stores of one model hold disjoint keys. Export them one by one."

@@ -15,7 +15,7 @@ is opened: rank 0's records are the root's checkpoints, and the newest record an
 latest (a record anywhere proves every part durable; rank 0 holds every record another rank
 holds). Each rank checks that it reaches the parts it needs (its directory's store is the one the
 record names and holds its part); a part no rank reaches fails the open on every rank with a
-``ConfigError`` naming the parts and their ranks, before anything is created or deleted. Then
+:class:`~hierps.errors.MissingPartsError` naming the parts and their ranks, before anything is created or deleted. Then
 each rank returns to its part of the latest checkpoint (removing parts that never committed and
 writing the record copies it missed); at another world size the checkpoint's rows are resharded
 into this one (each old part read by one rank that sees it, on its host's disk, its rows streamed
@@ -39,7 +39,7 @@ import torch
 
 from hierps._faults import fault_point
 from hierps._store import Store, store_parts
-from hierps.errors import ConfigError, HierpsError
+from hierps.errors import ConfigError, HierpsError, MissingPartsError
 from hierps.rows._pending import PENDING_ARRAYS, PendingKeys
 from hierps.sharding._local import OwnerParts
 from hierps.storage._checkpoint import CheckpointCatalog
@@ -145,10 +145,13 @@ def _reaches(root: Path, snap: Snapshot, q: int) -> bool:
         return False
 
 
-def _missing(root: Path, snap: Snapshot, seen: list[list[int]], own_parts: bool) -> ConfigError | None:
+def _missing(
+    root: Path, snap: Snapshot, seen: list[list[int]], own_parts: bool, action: str = "opened"
+) -> ConfigError | None:
     """The error for parts of ``snap`` out of reach (``seen[k][q]``: rank k reaches part q); None when
     each is reached. ``own_parts``: rank q must reach part q itself (it goes back to it); else any
-    rank may (a reshard reads each part on one rank that sees it)."""
+    rank may (a reshard or an export reads each part on one rank that sees it). ``action``: what
+    could not be done ("opened", "exported")."""
     world = len(seen)
     nowhere = [q for q in range(snap.world_size) if not any(row[q] for row in seen)]
     elsewhere = [q for q in range(snap.world_size) if own_parts and q not in nowhere and not seen[q][q]]
@@ -157,11 +160,13 @@ def _missing(root: Path, snap: Snapshot, seen: list[list[int]], own_parts: bool)
         names = ", ".join(
             f"part {q} (rank {q}: {rank_dir(root, q).name}, store {snap.stores[q][:8]})" for q in nowhere
         )
-        return ConfigError(
-            f"{what} cannot be opened: {len(nowhere)} of its parts are on no disk a rank of this job "
+        return MissingPartsError(
+            f"{what} cannot be {action}: {len(nowhere)} of its parts are on no disk a rank of this job "
             f"reaches: {names}. Their host did not come back, its disk was replaced, or fewer hosts were "
             f"started than saved it. Start the job on every host that saved it, each with its disk at "
-            f"{root}. Nothing was opened, created or deleted."
+            f"{root}. Nothing was {action}, created or deleted.",
+            parts=tuple(nowhere),
+            checkpoint=snap.id,
         )
     if elsewhere:
         where = "; ".join(

@@ -13,7 +13,6 @@ forward does that naturally).
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Callable
 from contextlib import AbstractContextManager
@@ -26,17 +25,17 @@ import torch
 
 from hierps._store import Store, store_parts
 from hierps.config import TableSettings, TableSpec
-from hierps.errors import ConfigError, HierpsError, NonFiniteGradientError
+from hierps.errors import ConfigError, NonFiniteGradientError
 from hierps.interface import Batches, Lookup, run_pass
 from hierps.lifecycle._lifecycle import observation
 from hierps.rows import _ids
 from hierps.rows._counters import COUNTERS
 from hierps.rows._table import TableInfo
 from hierps.sharding._commits import OneRank, ShardCheckpoints, rank_dir
+from hierps.sharding._export import export_sharded
 from hierps.sharding._fastpath import Fetched, PassRouter
 from hierps.sharding._local import OwnerParts
 from hierps.sharding._routes import owner_of
-from hierps.storage._export_format import MANIFEST as EXPORT_MANIFEST
 from hierps.training._trainer import summed_grads
 
 __all__ = ["ShardedStore", "Transport", "owner_of", "rank_dir"]
@@ -404,32 +403,34 @@ class ShardedStore:
         return {name: int(n) for name, n in zip(names, total.tolist())}
 
     def export(
-        self, path: str | os.PathLike[str], since: int | str | None = None, dtype: str = "fp32"
+        self,
+        path: str | os.PathLike[str],
+        since: int | str | None = None,
+        dtype: str = "fp32",
+        *,
+        checkpoint: int | str | None = None,
+        rank: int = 0,
     ) -> dict[str, Any]:
-        """One export of every rank's latest checkpoint (or a delta ``since`` a checkpoint), merged,
-        weights in ``dtype`` ("fp32" or "fp16"), for :mod:`hierps.serving`; returns its manifest
-        (collective; see :meth:`hierps.Store.export`)."""
-        from hierps.lifecycle._export import export_store
+        """One export of checkpoint ``checkpoint`` (an id or tag; default the latest) of all ranks, or
+        a delta ``since`` an earlier one, merged, weights in ``dtype`` ("fp32" or "fp16"), for
+        :mod:`hierps.serving`; returns its manifest on every rank (collective; see
+        :meth:`hierps.Store.export`).
 
-        self.transport.barrier()  # every rank's checkpoint is complete before rank 0 reads them
-        manifest: dict[str, Any] | None = None
-        failure: BaseException | None = None
-        if self.rank == 0:
-            try:
-                manifest = export_store(self.root, path, since=since, dtype=dtype)
-            except Exception as exc:  # raised below, once every rank knows
-                failure = exc
-        failed = self.transport.all_reduce_sum(torch.tensor([float(failure is not None)]))
-        if failure is not None:
-            raise failure
-        if failed[0] > 0:
-            raise HierpsError(
-                f"{path}: the export of {self.root}, run by rank 0, failed; see rank 0's error."
-            )
-        if manifest is None:
-            manifest = json.loads((Path(path) / EXPORT_MANIFEST).read_text(encoding="utf-8"))
-            manifest.pop("crc32", None)
-        return manifest
+        It is written at ``path`` on the host of rank ``rank``, whose disk needs room for it; the other
+        ranks stream the rows of the parts their hosts hold to it, in bounded pieces, so no shared
+        file system is needed (see :mod:`hierps.sharding._export`). A part no rank reaches raises
+        :class:`~hierps.errors.MissingPartsError` on every rank; nothing is written.
+        """
+        return export_sharded(
+            self.root,
+            self.transport,
+            self.checkpoints.catalog,
+            path,
+            since=since,
+            checkpoint=checkpoint,
+            dtype=dtype,
+            writer=rank,
+        )
 
     def _check_no_pending(self, what: str) -> None:
         if self._pending:
