@@ -285,7 +285,10 @@ LAYERS: list[tuple[str, set[str]]] = [
     ("rows", {"hierps.rows", "hierps._tensors"}),
     ("storage", {"hierps.storage"}),
     # The tiers, serving from exports, the modules users touch and the store protocol they talk to.
-    ("tiers / serving / modules", {"hierps.tiers", "hierps.serving", "hierps.modules", "hierps.interface"}),
+    (
+        "tiers / serving / modules",
+        {"hierps.tiers", "hierps.serving", "hierps.modules", "hierps.interface", "hierps.metrics"},
+    ),
     ("core", {"hierps._core"}),
     ("lifecycle", {"hierps.lifecycle"}),
     ("training", {"hierps.training"}),
@@ -298,6 +301,8 @@ LAYERS: list[tuple[str, set[str]]] = [
     ("integrations", {"hierps.integrations", "hierps.deepspeed"}),
     ("demo", {"hierps.demo"}),
     ("bench", {"hierps.bench", "hierps.bench_dist"}),
+    # Capacity planning: sizes from the tiers, the DeepSpeed section, the bench's machine probes.
+    ("planning", {"hierps.planning"}),
     ("cli", {"hierps.cli"}),
 ]
 # Packages that use only what users can: no private module (last part ``_x``) of another package.

@@ -120,7 +120,7 @@ def test_a_pass_loads_the_initializer_rows_of_its_keys(make_parts):
     np.testing.assert_array_equal(device_rows(parts, "t", keys)[:, :DIM], initial_weights(parts, "t", keys))
     assert parts.passes.in_pass and len(parts.passes.plan.groups) == 1
     parts.passes.end_pass()
-    assert parts.core.passes == 1 and parts.core.stats.history[-1]["new_rows"] == 4
+    assert parts.core.passes == 1 and parts.core.stats.history[-1].new_rows == 4
     assert parts.core.device_tier.num_rows("t") == 0
     assert parts.core.memory.num_rows("t") == 0  # nothing trained: no row is dirty, none written
 

@@ -122,9 +122,9 @@ def main() -> None:
             if len(shard.stats.history) > reported:  # a pass ended: report it
                 reported, s = len(shard.stats.history), shard.stats.history[-1]
                 say(
-                    f"pass {s['pass']:3d}  loss {np.mean(losses[-loader.pass_batches :]):.4f}  rows in RAM "
-                    f"{s['rows_memory']} / on SSD {s['rows_ssd']}  new {s['new_rows']}  read from SSD "
-                    f"{s['ssd_bytes_read'] / 2**20:.1f}MiB  {time.perf_counter() - start:.1f}s"
+                    f"pass {s.pass_index:3d}  loss {np.mean(losses[-loader.pass_batches :]):.4f}  rows in RAM "
+                    f"{s.rows_memory} / on SSD {s.rows_ssd}  new {s.new_rows}  read from SSD "
+                    f"{s.ssd_bytes_read / 2**20:.1f}MiB  {time.perf_counter() - start:.1f}s"
                 )
 
     if args.save_dir:

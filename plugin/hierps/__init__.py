@@ -56,7 +56,7 @@ from hierps.interface import StoreInterface
 from hierps.modules import Embedding, EmbeddingBag, get_default_store, set_default_store
 from hierps.sharding._sharded import ShardedStore
 from hierps.tiers import CheckpointReader
-from hierps.tiers._stats import PassStats
+from hierps.tiers._stats import PassRecord, PassStats
 from hierps.tiers._usage import StoreUsage
 
 __version__ = "0.1.0"
@@ -78,6 +78,7 @@ __all__ = [
     "NotSupportedError",
     "OffsetsError",
     "OptimizerConfig",
+    "PassRecord",
     "PassStats",
     "PeerLostError",
     "ShardedStore",
@@ -97,7 +98,12 @@ __all__ = [
     "set_default_store",
 ]
 
-_LAZY = {"deepspeed": "hierps.deepspeed", "serving": "hierps.serving"}
+_LAZY = {
+    "deepspeed": "hierps.deepspeed",
+    "serving": "hierps.serving",
+    "metrics": "hierps.metrics",
+    "planning": "hierps.planning",
+}
 
 
 def __getattr__(name: str) -> Any:

@@ -182,7 +182,9 @@ class Store:
 
     @property
     def stats(self) -> PassStats:
-        """Per-pass figures: rows loaded from each tier, hit rates, stage times, waits."""
+        """Per-pass figures: ``stats.history`` holds one :class:`hierps.PassRecord` per finished pass
+        (rows loaded from each tier, hit rates, SSD bytes read and written, rows and bytes per tier;
+        each field documented on the record and in docs/planning.md), ``stats.last`` the newest."""
         return self._core.stats
 
     @property

@@ -1,4 +1,4 @@
-"""The ``hierps`` command: ``demo``, ``bench``, and ``inspect`` / ``export`` / ``shrink`` of a store directory."""
+"""The ``hierps`` command: ``demo``, ``bench``, ``plan``, and ``inspect`` / ``export`` / ``shrink`` of a store directory."""
 
 from __future__ import annotations
 
@@ -121,6 +121,30 @@ def _export(args: argparse.Namespace) -> int:
     return 0
 
 
+def _plan(args: argparse.Namespace) -> int:
+    from hierps.planning import format_plan, load_machine, measure_machine, plan_from_spec, read_spec
+
+    _check_json_target(args.json)
+    spec = read_spec(args.spec)
+    for key in ("world_size", "memory_budget", "device_budget"):
+        if getattr(args, key) is not None:
+            spec[key] = getattr(args, key)
+    if args.sample is not None:
+        spec["traffic"] = {
+            "sample": str(Path(args.sample).resolve()),
+            "examples_per_pass": args.examples_per_pass,
+        }
+    machine = None
+    if args.machine == "measure":
+        machine = measure_machine(args.tmp)
+    elif args.machine is not None:
+        machine = load_machine(args.machine)
+    result = plan_from_spec(spec, base=Path(args.spec).parent, machine=machine)
+    print(format_plan(result))
+    _write_json(args.json, result.to_json())
+    return 0
+
+
 def _shrink(args: argparse.Namespace) -> int:
     from hierps._store import Store
     from hierps.lifecycle._export import store_dirs
@@ -210,6 +234,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     shr.add_argument("--table", default=None, help="only this table (default: all)")
     shr.set_defaults(func=_shrink)
+
+    pln = sub.add_parser(
+        "plan",
+        help="bytes per tier, hit rates per pass and times of a store, before it trains (hierps.planning)",
+    )
+    pln.add_argument(
+        "spec", help="a plan spec (.json / .yaml) or a DeepSpeed config with 'tables' beside its section"
+    )
+    pln.add_argument("--sample", help="a sample of batches (.npz / .parquet, one array of ids per table)")
+    pln.add_argument("--examples-per-pass", type=int, default=0, help="examples of the sample in one pass")
+    pln.add_argument("--world-size", type=int, help="ranks (default: the spec's, else 1)")
+    pln.add_argument("--memory-budget", help="RAM tier budget per rank (default: the spec's or section's)")
+    pln.add_argument("--device-budget", help="device tier budget per rank (default: the spec's or section's)")
+    pln.add_argument(
+        "--machine", help="`hierps bench --json` output or a machine JSON; 'measure' to probe now"
+    )
+    pln.add_argument("--tmp", help="with --machine measure: a directory on the store's disk")
+    pln.add_argument("--json", help="also write the plan as JSON here")
+    pln.set_defaults(func=_plan)
 
     args = parser.parse_args(argv)
     try:

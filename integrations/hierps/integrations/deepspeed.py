@@ -101,6 +101,7 @@ from hierps.integrations.swap import (
     retire_weights,
 )
 from hierps.integrations.transport import HorovodTransport, TorchDistributedTransport
+from hierps.metrics import monitor_events
 from hierps.modules import Embedding, EmbeddingBag, without_tables
 from hierps.rows._ids import same_device
 from hierps.sharding._commits import ALONE, ShardCheckpoints, rank_dir
@@ -579,6 +580,7 @@ class HierpsEngine:
                 self.hierps_store.step()
             else:
                 self.hierps_store.zero_grad()
+        _monitor_passes(self)
 
     def save_checkpoint(
         self,
@@ -686,6 +688,7 @@ class HierpsEngine:
 
     def destroy(self) -> None:
         """DeepSpeed's destroy, then close the store (rows after the last checkpoint are not kept)."""
+        _monitor_passes(self)
         super().destroy()  # type: ignore[misc]
         self.hierps_store.close()
 
@@ -721,6 +724,19 @@ class HierpsEngine:
                 "keep_checkpoints to keep more tags loadable, or point path at the store this tag was saved with."
             )
         return ckpt
+
+
+def _monitor_passes(engine: Any) -> None:
+    """Hand DeepSpeed's monitor (the config's ``tensorboard`` / ``csv_monitor`` / ``wandb`` sections)
+    the pass records it has not had yet, as ``hierps/<field>`` events at the engine's global step
+    (:func:`hierps.metrics.monitor_events`). A store without per-pass records (sharded) gives none."""
+    monitor, stats = getattr(engine, "monitor", None), getattr(engine.hierps_store, "stats", None)
+    if monitor is None or not getattr(monitor, "enabled", False) or stats is None:
+        return
+    seen = getattr(engine, "_hierps_monitored", 0)
+    for record in stats.history[seen:]:
+        monitor.write_events(monitor_events(record, int(engine.global_steps)))
+    engine._hierps_monitored = len(stats.history)
 
 
 def _find_record(directory: str | os.PathLike[str], tag: str, rank: int) -> Path | None:

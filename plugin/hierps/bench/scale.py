@@ -350,9 +350,9 @@ def _train_pass(store: Any, batches: np.ndarray) -> dict[str, Any]:
         "io": io,
         "checkpoint_io": checkpoint_io,
         "dirty_bytes": batches.size * store.info("t").width * 4,
-        "rows_loaded": int(stats["rows_loaded"]),
-        "ssd_rows": round(stats["rows_loaded"] * stats["ssd_hit_rate"]),
-        "ssd_bytes_read": int(stats["ssd_bytes_read"]),
+        "rows_loaded": stats.rows_loaded,
+        "ssd_rows": stats.ssd_rows,
+        "ssd_bytes_read": stats.ssd_bytes_read,
     }
 
 

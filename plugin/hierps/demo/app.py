@@ -197,7 +197,7 @@ def run_demo(cfg: DemoConfig, out: Callable[[str], Any] = print) -> dict[str, An
                 if bar is not None:
                     bar.update(1)
             store.end_pass()
-            stats = store.stats.history[-1]
+            stats = store.stats.history[-1].to_json()
             probe_auc, _ = evaluate(model, probe, store.device)
             record = {**stats, "train_loss": float(np.mean(losses)), "probe_auc": probe_auc}
             history.append(record)

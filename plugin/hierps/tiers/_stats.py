@@ -1,28 +1,121 @@
-"""Per-pass statistics: from which tier each pass's rows were loaded, SSD traffic, rows per tier."""
+"""Per-pass statistics: from which tier each pass's rows were loaded, SSD traffic, rows per tier.
+
+Each finished pass leaves one :class:`PassRecord` in :attr:`PassStats.history`; the record is what
+the demo and the bench print, what ``hierps.deepspeed`` hands to DeepSpeed's monitor and what
+``hierps.metrics`` serves to Prometheus, and what ``hierps.planning`` predicts.
+"""
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from hierps.errors import ConfigError
 from hierps.tiers._memory import MemoryTier
 from hierps.tiers._ssd import SsdTier
 
-__all__ = ["PassStats"]
+__all__ = ["PassRecord", "PassStats"]
+
+
+@dataclass(frozen=True)
+class PassRecord:
+    """What one pass did, recorded when it closed (:meth:`hierps.Store.end_pass`).
+
+    Rows "loaded" are the rows of the pass's working set that were not resident in the device tier
+    already (with the pipeline on, rows shared with the previous pass stay there): each came from
+    the RAM tier, from the SSD tier, or was new (never stored: the initializer's row). The rates
+    are fractions of ``rows_loaded``. SSD bytes count row bytes the tier asked of the disk (before
+    page caching), from the previous record to this one, compaction included.
+    """
+
+    pass_index: int
+    """Index of the pass (0 for the store's first), the clock of the rows' counters."""
+    seconds: float
+    """Wall time from ``begin_pass`` to ``end_pass``."""
+    rows_loaded: int
+    """Rows brought into the device tier for the pass: ``ram_rows + ssd_rows + new_rows``."""
+    ram_rows: int
+    """Rows loaded that the RAM tier held."""
+    ssd_rows: int
+    """Rows loaded that the SSD tier held (a RAM miss)."""
+    new_rows: int
+    """Rows loaded that no tier held: keys never stored, started by the initializer."""
+    ram_hit_rate: float
+    """``ram_rows / rows_loaded`` (0 when nothing was loaded)."""
+    ssd_hit_rate: float
+    """``ssd_rows / rows_loaded`` (0 when nothing was loaded)."""
+    ssd_bytes_read: int
+    """Row bytes read from the SSD tier since the previous record."""
+    ssd_bytes_written: int
+    """Bytes of segments written (rows and their keys) since the previous record."""
+    rows_memory: int
+    """Rows cached in the RAM tier when the pass closed."""
+    rows_ssd: int
+    """Live rows (the newest of their key) in the SSD tier when the pass closed."""
+    memory_bytes: int
+    """Bytes the RAM tier charges against its budget (rows and their bookkeeping)."""
+    index_ram_bytes: int
+    """RAM the SSD tier holds to find keys (fences and filters of the segments loaded so far)."""
+
+    def to_json(self) -> dict[str, Any]:
+        """The record as a JSON-able dict, one key per field."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> PassRecord:
+        """The record of :meth:`to_json`; ``ConfigError`` naming a missing or unknown field."""
+        names = [f.name for f in dataclasses.fields(cls)]
+        missing, unknown = sorted(set(names) - set(data)), sorted(set(data) - set(names))
+        if missing or unknown:
+            raise ConfigError(
+                f"a pass record needs exactly the fields {names}; missing {missing}, unknown {unknown}."
+            )
+        record = cls(**{n: data[n] for n in names})
+        record.check()
+        return record
+
+    def check(self) -> None:
+        """``ConfigError`` when the figures contradict each other (counts that do not add up, a
+        rate outside [0, 1], a negative count)."""
+        counts = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.type == "int"}
+        negative = [n for n, v in counts.items() if v < 0]
+        if negative:
+            raise ConfigError(f"pass record: {negative[0]} is negative ({counts[negative[0]]}).")
+        if self.ram_rows + self.ssd_rows + self.new_rows != self.rows_loaded:
+            raise ConfigError(
+                f"pass record: ram_rows + ssd_rows + new_rows = "
+                f"{self.ram_rows + self.ssd_rows + self.new_rows}, not rows_loaded = {self.rows_loaded}."
+            )
+        for name in ("ram_hit_rate", "ssd_hit_rate"):
+            value = getattr(self, name)
+            if not (0.0 <= value <= 1.0) or math.isnan(value):
+                raise ConfigError(f"pass record: {name} = {value} lies outside [0, 1].")
+
+    @property
+    def metrics(self) -> dict[str, float]:
+        """The figures by field name, as numbers (what the monitors are given)."""
+        return {name: float(value) for name, value in self.to_json().items()}
 
 
 @dataclass
 class PassStats:
-    """Counters of the current pass and the record of finished ones (``history``)."""
+    """Counters of the current pass and the records of finished ones (``history``, oldest first)."""
 
-    history: list[dict[str, Any]] = field(default_factory=list)
+    history: list[PassRecord] = field(default_factory=list)
     _loads: dict[str, list[int]] = field(default_factory=dict)
     _ahead: dict[str, list[int]] = field(default_factory=dict)  # read ahead for the next pass
     _pass: int = 0
     _t0: float = 0.0
     _ssd0: tuple[int, int] = (0, 0)
     on_demand_rebuilds: int = 0  # times rows fetched on demand overflowed the device tier (all passes)
+
+    @property
+    def last(self) -> PassRecord | None:
+        """The record of the last finished pass (None before the first)."""
+        return self.history[-1] if self.history else None
 
     def begin_pass(self, index: int) -> None:
         self._pass, self._t0 = index, time.perf_counter()
@@ -37,7 +130,7 @@ class PassStats:
     def count_on_demand_rebuild(self) -> None:
         self.on_demand_rebuilds += 1
 
-    def end_pass(self, ssd: SsdTier, memory: MemoryTier, tables: list[str]) -> dict[str, Any]:
+    def end_pass(self, ssd: SsdTier, memory: MemoryTier, tables: list[str]) -> PassRecord:
         ram = sum(c[0] for c in self._loads.values())
         ssd_rows = sum(c[1] for c in self._loads.values())
         new = sum(c[2] for c in self._loads.values())
@@ -47,22 +140,25 @@ class PassStats:
 
     def _record(
         self, ssd: SsdTier, memory: MemoryTier, tables: list[str], ram: int, ssd_rows: int, new: int
-    ) -> dict[str, Any]:
-        loaded = max(ram + ssd_rows + new, 1)
+    ) -> PassRecord:
+        loaded = ram + ssd_rows + new
         read, written = ssd.bytes_read, ssd.bytes_written
-        record = {
-            "pass": self._pass,
-            "seconds": time.perf_counter() - self._t0,
-            "rows_loaded": ram + ssd_rows + new,
-            "ram_hit_rate": ram / loaded,
-            "ssd_hit_rate": ssd_rows / loaded,
-            "new_rows": new,
-            "ssd_bytes_read": read - self._ssd0[0],
-            "ssd_bytes_written": written - self._ssd0[1],
-            "rows_memory": sum(memory.num_rows(t) for t in tables),
-            "rows_ssd": sum(ssd.num_rows(t) for t in tables),
-            "memory_bytes": memory.bytes_used,
-        }
+        record = PassRecord(
+            pass_index=self._pass,
+            seconds=time.perf_counter() - self._t0,
+            rows_loaded=loaded,
+            ram_rows=ram,
+            ssd_rows=ssd_rows,
+            new_rows=new,
+            ram_hit_rate=ram / max(loaded, 1),
+            ssd_hit_rate=ssd_rows / max(loaded, 1),
+            ssd_bytes_read=read - self._ssd0[0],
+            ssd_bytes_written=written - self._ssd0[1],
+            rows_memory=sum(memory.num_rows(t) for t in tables),
+            rows_ssd=sum(ssd.num_rows(t) for t in tables),
+            memory_bytes=memory.bytes_used,
+            index_ram_bytes=ssd.index_ram_bytes,
+        )
         self._ssd0 = (read, written)
         self.history.append(record)
         self._loads = {}

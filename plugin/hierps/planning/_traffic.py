@@ -1,0 +1,217 @@
+"""The id traffic a plan is made for: passes of ids per table, from a sample of real batches or
+drawn from a power law.
+
+A pass is ``{table: ids}`` (int64, repeats included, in arrival order). Either source can be
+*spatially sampled*: only the keys whose hash falls in a fraction ``f`` of the hash space are kept
+(the way cache simulators such as SHARDS sample a trace), so that a plan of 10^9 keys simulates
+a few million; the simulator then scales every budget by ``f``. A key is kept or dropped with all
+its occurrences, so per-key behaviour (its reuse from pass to pass) is that of the full traffic.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from hierps.errors import ConfigError
+from hierps.rows import splitmix64
+
+__all__ = ["PowerLaw", "SampledTraffic", "Traffic", "keep_fraction", "load_sample"]
+
+Pass = dict[str, np.ndarray]
+
+
+def keep_fraction(keys: np.ndarray, fraction: float, salt: int = 0) -> np.ndarray:
+    """keys (n,) int64 -> (n,) bool: True for the keys in the first ``fraction`` of the hash space.
+
+    ``salt`` picks another slice of the hash space (the ranks of a sharded store hash the same
+    way: the slice a rank keeps stands for any rank's)."""
+    if fraction >= 1.0:
+        return np.ones(len(keys), bool)
+    h = splitmix64(np.asarray(keys, np.int64) ^ np.int64(salt))
+    return h < np.uint64(int(fraction * 2.0**64))
+
+
+class Traffic:
+    """Passes of ids; ``fraction`` of the key space kept (1.0: all of it)."""
+
+    fraction: float = 1.0
+    examples_per_pass: int = 0
+
+    def passes(self) -> Iterator[Pass]:
+        raise NotImplementedError
+
+    def describe(self) -> dict[str, Any]:
+        raise NotImplementedError
+
+
+@dataclass
+class SampledTraffic(Traffic):
+    """Passes cut from a sample of real batches: ``ids[table]`` (N,) or (N, L) int64, one row per
+    example, ``examples_per_pass`` rows a pass (the last, partial pass dropped unless it is the only one)."""
+
+    ids: Mapping[str, np.ndarray]
+    examples_per_pass: int
+    fraction: float = 1.0
+    source: str = "arrays"
+
+    def __post_init__(self) -> None:
+        lengths = {t: len(a) for t, a in self.ids.items()}
+        if not lengths:
+            raise ConfigError("traffic sample: no table's ids found; give one array of ids per table.")
+        if len(set(lengths.values())) != 1:
+            raise ConfigError(
+                f"traffic sample: every table needs one row of ids per example; got rows per table {lengths}."
+            )
+        if self.examples_per_pass < 1:
+            raise ConfigError(
+                f"examples_per_pass: expected at least 1. Got {self.examples_per_pass} instead."
+            )
+
+    @property
+    def examples(self) -> int:
+        return len(next(iter(self.ids.values())))
+
+    def passes(self) -> Iterator[Pass]:
+        n = self.examples
+        count = max(1, n // self.examples_per_pass)
+        for p in range(count):
+            a, b = p * self.examples_per_pass, min(n, (p + 1) * self.examples_per_pass)
+            out = {}
+            for table, ids in self.ids.items():
+                flat = np.asarray(ids[a:b], np.int64).reshape(-1)
+                out[table] = flat[keep_fraction(flat, self.fraction)]
+            yield out
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "kind": "sample",
+            "source": self.source,
+            "examples": self.examples,
+            "examples_per_pass": self.examples_per_pass,
+            "passes": max(1, self.examples // self.examples_per_pass),
+            "fraction": self.fraction,
+        }
+
+
+def load_sample(
+    path: str | os.PathLike[str], examples_per_pass: int, tables: list[str] | None = None
+) -> SampledTraffic:
+    """A sample of batches from ``path``: an ``.npz`` with one array of ids per table (named by the
+    table; (N,) or (N, L) int64), or a Parquet file with one column per table (ints, or lists of
+    ints: one row per example). ``tables``: keep only these (all when None)."""
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"traffic sample {str(p)!r}: no such file; give an .npz or .parquet of ids.")
+    arrays: dict[str, np.ndarray] = {}
+    if p.suffix == ".npz":
+        with np.load(p, allow_pickle=False) as data:
+            arrays = {name: np.asarray(data[name]) for name in data.files}
+    elif p.suffix in (".parquet", ".pq"):
+        import pyarrow.parquet as pq
+
+        table = pq.read_table(p)
+        for name in table.column_names:
+            col = table.column(name).combine_chunks()
+            if hasattr(col, "flatten") and hasattr(col, "offsets"):
+                lengths = np.diff(np.asarray(col.offsets))
+                if len(set(lengths.tolist())) > 1:
+                    raise ConfigError(
+                        f"traffic sample {str(p)!r}: column {name!r} has lists of several lengths; "
+                        "give the same number of ids per example (pad with a repeated id)."
+                    )
+                width = int(lengths[0]) if len(lengths) else 0
+                arrays[name] = np.asarray(col.flatten()).reshape(-1, width)
+            else:
+                arrays[name] = np.asarray(col)
+    else:
+        raise ConfigError(f"traffic sample {str(p)!r}: expected a .npz or .parquet file.")
+    if tables is not None:
+        missing = sorted(set(tables) - set(arrays))
+        if missing:
+            raise ConfigError(
+                f"traffic sample {str(p)!r} has no ids for table {missing[0]!r}; it holds {sorted(arrays)}."
+            )
+        arrays = {t: arrays[t] for t in tables}
+    for name, a in arrays.items():
+        if not np.issubdtype(a.dtype, np.integer):
+            raise ConfigError(f"traffic sample {str(p)!r}: ids of {name!r} are {a.dtype}, not integers.")
+    return SampledTraffic(arrays, examples_per_pass, source=str(p))
+
+
+@dataclass(frozen=True)
+class TableDraw:
+    """The ids of one table drawn from a power law: ``keys`` distinct keys, key of rank ``r``
+    drawn with probability proportional to ``r ** -exponent``, ``ids_per_example`` a row."""
+
+    keys: int
+    exponent: float
+    ids_per_example: int = 1
+
+
+@dataclass
+class PowerLaw(Traffic):
+    """``passes`` passes of ``examples_per_pass`` examples, each table's ids from a power law.
+
+    Spatial sampling here keeps a random subset of ``fraction * keys`` ranks per table and draws
+    only their occurrences (their number from the binomial law of the whole pass), so a pass of
+    10^8 ids over 10^9 keys costs what a pass over the kept keys costs.
+    """
+
+    tables: Mapping[str, TableDraw]
+    examples_per_pass: int
+    count: int = 4
+    fraction: float = 1.0
+    seed: int = 0
+
+    def passes(self) -> Iterator[Pass]:
+        rng = np.random.default_rng(self.seed)
+        kept = {t: self._kept(d, rng) for t, d in self.tables.items()}
+        for _ in range(self.count):
+            out = {}
+            for table, d in self.tables.items():
+                ranks, cdf, mass = kept[table]
+                n = int(rng.binomial(self.examples_per_pass * d.ids_per_example, min(1.0, mass)))
+                out[table] = ranks[np.searchsorted(cdf, rng.random(n) * cdf[-1], side="right")]
+            yield out
+
+    def _kept(self, d: TableDraw, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray, float]:
+        """(kept ranks (k,) int64 sorted, their cumulative weights, their share of the probability)."""
+        k = max(1, min(d.keys, round(d.keys * self.fraction)))
+        ranks = np.arange(1, k + 1, dtype=np.int64) if k == d.keys else _distinct_ranks(d.keys, k, rng)
+        weights = ranks.astype(np.float64) ** -d.exponent
+        return ranks, np.cumsum(weights), float(weights.sum() / _zeta(d.keys, d.exponent))
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "kind": "power_law",
+            "tables": {t: d.__dict__ for t, d in self.tables.items()},
+            "examples_per_pass": self.examples_per_pass,
+            "passes": self.count,
+            "fraction": self.fraction,
+            "seed": self.seed,
+        }
+
+
+def _distinct_ranks(n: int, k: int, rng: np.random.Generator) -> np.ndarray:
+    """``k`` distinct ranks of 1..n, uniformly, sorted."""
+    out = np.unique(rng.integers(1, n + 1, size=int(k * 1.1) + 16))
+    while len(out) < k:
+        out = np.unique(np.concatenate([out, rng.integers(1, n + 1, size=k - len(out) + 16)]))
+    return np.sort(rng.choice(out, size=k, replace=False))
+
+
+def _zeta(n: int, s: float) -> float:
+    """sum_{r=1}^{n} r^-s: the first 10^6 terms exactly, the rest by Euler-Maclaurin."""
+    head = min(n, 1_000_000)
+    total = float((np.arange(1, head + 1, dtype=np.float64) ** -s).sum())
+    if n > head:
+        a, b = head + 0.5, n + 0.5  # midpoint rule: sum_{r=a+.5}^{b-.5} r^-s ~ integral from a to b
+        total += math.log(b / a) if s == 1.0 else (b ** (1 - s) - a ** (1 - s)) / (1 - s)
+    return total
