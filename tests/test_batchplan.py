@@ -341,3 +341,78 @@ def test_a_table_pooled_with_the_others_but_left_out_of_the_loss_is_not_stepped(
     after = store._core.whole_rows("a", keys)
     np.testing.assert_array_equal(after[:, :24], before[:, :24])  # weights, Adam's m and v
     assert not np.array_equal(store._core.whole_rows("b", keys)[:, :8], before[:, :8])
+
+
+def _bag_passes(seed: int, sizes: dict[str, int]) -> list[list[dict[str, tuple[torch.Tensor, torch.Tensor]]]]:
+    """Two passes of two mini-batches; each table its own id count and ragged bags (some empty)."""
+    rng = np.random.default_rng(seed)
+    return [
+        [
+            {
+                t: (torch.from_numpy(KEYS[(rng.zipf(1.3, size=n) - 1) % 300]), _ragged_offsets(rng, n, 12))
+                for t, n in sizes.items()
+            }
+            for _ in range(2)
+        ]
+        for _ in range(2)
+    ]
+
+
+@pytest.mark.parametrize("mode", ["sum", "mean"])
+@pytest.mark.parametrize("optimizer", ["sgd", "adagrad"])
+def test_tables_announced_with_their_own_bags_pool_in_one_call_as_one_by_one(
+    make_store, monkeypatch, mode, optimizer
+):
+    """Tables announced as hierps.Bags, each with its own offsets and id count, are pooled by one
+    embedding_bag over their concatenated bags (and, summed, their gradient by one more), with the
+    rows and optimizer state of the generic path, table by table. A forward whose offsets are not
+    the announced ones (table b's, in the last mini-batch) pools its own, as exactly."""
+    from hierps.training import _trainer
+
+    fused: list[bool] = []
+    real = _trainer.pool_bags
+
+    def spy(*args, **kwargs):
+        fused.append(len(args) > 7 and args[7] is not None)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(_trainer, "pool_bags", spy)
+    passes = _bag_passes(7, {"a": 48, "b": 30, "c": 20})
+    other = torch.tensor([0, 5, 5, 29])  # the last mini-batch's b: not the announced bags
+    results = []
+    for planned in (False, True):
+        store = make_store(f"s{planned}", memory_budget="4KiB")
+        bags, _ = _model(store, {"type": optimizer, "params": {"lr": 0.1}}, None, mode=mode)
+        for p, group in enumerate(passes):
+            announced = [{t: hierps.Bags(i, o) for t, (i, o) in b.items()} for b in group]
+            unmatched = [{t: torch.cat([i, UNUSED]) for t, (i, _) in b.items()} for b in group]
+            store.begin_pass(announced if planned else unmatched)
+            for k, batch in enumerate(group):
+                last = (p, k) == (1, 1)
+                outs = [bags[t](i, other if last and t == "b" else o) for t, (i, o) in batch.items()]
+                sum((out * (j + 1)).square().sum() for j, out in enumerate(outs)).backward()
+                store.step()
+            store.end_pass()
+        store.checkpoint()
+        results.append({t: store._core.whole_rows(t, KEYS[:300]) for t in DIMS})
+    for t in DIMS:
+        np.testing.assert_array_equal(results[1][t], results[0][t], err_msg=t)
+    # a and b (one arena) and c (its own) pooled at once in every mini-batch of the planned run
+    assert len(fused) == 8 and all(fused) == (mode == "sum")
+
+
+def test_bags_announced_wrong_are_refused_naming_the_table(make_store):
+    store = make_store()
+    hierps.EmbeddingBag(None, 8, mode="sum", store=store, name="a")
+    ids = torch.from_numpy(KEYS[:6])
+    for offsets, says in [
+        (torch.tensor([1, 3]), "must start at 0"),
+        (torch.tensor([0, 4, 2]), "must start at 0, never decrease"),
+        (torch.tensor([0, 7]), "within the 6 ids"),
+        (torch.zeros((2, 2), dtype=torch.int64), "offsets must be 1-D"),
+    ]:
+        with pytest.raises(hierps.OffsetsError, match=says) as err:
+            store.begin_pass([{"a": hierps.Bags(ids, offsets)}])
+        assert "'a'" in str(err.value)
+    with pytest.raises(hierps.OffsetsError, match="ids must be 1-D"):
+        store.begin_pass([{"a": hierps.Bags(ids.view(2, 3), torch.tensor([0]))}])

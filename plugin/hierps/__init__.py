@@ -52,7 +52,7 @@ from hierps.errors import (
     StoreLockedError,
     TableMismatchError,
 )
-from hierps.interface import StoreInterface
+from hierps.interface import Bags, StoreInterface
 from hierps.modules import Embedding, EmbeddingBag, get_default_store, set_default_store
 from hierps.sharding._sharded import ShardedStore
 from hierps.tiers import CheckpointReader
@@ -63,6 +63,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AdmissionConfig",
+    "Bags",
     "CheckpointReader",
     "CheckpointRetiredError",
     "ConfigError",

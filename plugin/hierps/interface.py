@@ -23,10 +23,28 @@ import torch
 from hierps.config import TableSettings, TableSpec
 from hierps.rows._table import TableInfo
 
-__all__ = ["Batches", "Lookup", "StoreInterface", "run_pass"]
+__all__ = ["Bags", "Batches", "Lookup", "StoreInterface", "run_pass"]
 
 # A pass: {table: ids} for the whole pass, or one such mapping per mini-batch, in order.
 Batches = Mapping[str, Any] | Sequence[Mapping[str, Any]]
+
+
+@dataclass(frozen=True, slots=True)
+class Bags:
+    """A pooled table's ids of one announced mini-batch with its bags: ``ids`` (N,) and ``offsets``
+    (B,), the two tensors its ``nn.EmbeddingBag`` forward will get.
+
+    Announced this way (``store.begin_pass([{"user": hierps.Bags(ids, offsets)}, ...])``, or from
+    a :class:`~hierps.integrations.loader.PassLoader`, which finds offsets in the batch itself), the
+    tables of a mini-batch that share a row width are pooled by one ``embedding_bag`` over their
+    concatenated bags at the first table's forward, and their gradient summed by one more in the
+    backward, even when each table has offsets of its own. Every forward still checks its ids and
+    offsets against the announced ones: offsets that differ only cost that table its share of the
+    fused call.
+    """
+
+    ids: Any
+    offsets: Any
 
 
 @dataclass(frozen=True, slots=True)

@@ -476,6 +476,10 @@ def _attach(
             )
         engine.enable_backward_allreduce = False  # Horovod averages them in step() instead
         average = transport.average_gradients
+    elif engine.zero_optimization_stage() == 0 and int(getattr(engine, "dp_world_size", 0)) == 1:
+        # One data-parallel replica: DeepSpeed's all-reduce would flatten every dense gradient, reduce
+        # it with itself and copy it back (a few ms a step, no change to a bit).
+        engine.enable_backward_allreduce = False
     base = type(engine)
     engine.__class__ = type(f"Hierps{base.__name__}", (HierpsEngine, base), {})
     engine.hierps_store = store

@@ -37,6 +37,7 @@ from torch import nn
 
 from hierps._store import Store
 from hierps.errors import ConfigError, StoreClosedError
+from hierps.interface import Bags
 from hierps.sharding._sharded import ShardedStore
 
 __all__ = ["BatchIds", "PassLoader", "infer_batch_ids", "parse_batch_ids"]
@@ -162,16 +163,24 @@ class PassLoader:
         """Yield up to ``_INFER_BATCHES`` batches unchanged (rows fetched on demand), watching the ids
         the swapped modules get, until each module's ids have one place in the batch."""
         seen: dict[str, list[torch.Tensor]] = {}
+        seen_offsets: dict[str, list[torch.Tensor]] = {}
         found: dict[str, list[BatchIds]] | None = None
-        hooks = [m.register_forward_pre_hook(_Recorder(name, seen)) for name, m in self.modules.items()]
+        bags: dict[str, list[BatchIds]] | None = None  # where pooled modules' offsets are
+        hooks = [
+            m.register_forward_pre_hook(_Recorder(name, seen, seen_offsets))
+            for name, m in self.modules.items()
+        ]
         try:
             for _ in range(_INFER_BATCHES):
                 batch = next(batches, _END)
                 if batch is _END:
                     return
                 seen.clear()
+                seen_offsets.clear()
                 yield batch
                 found = infer_batch_ids(batch, seen, found, names=self.modules)
+                if bags is None or set(bags) == set(seen_offsets):
+                    bags = infer_batch_ids(batch, seen_offsets, bags)
                 if found is None or all(len(c) == 1 for c in found.values()):
                     break
         finally:
@@ -188,11 +197,13 @@ class PassLoader:
             )
             return
         chosen = {name: c[0] for name, c in found.items()}
+        offsets = {name: c[0] for name, c in (bags or {}).items() if c and name in chosen}
         _log.info(
-            "PassLoader: batch_ids found from the first batches: %s",
+            "PassLoader: batch_ids found from the first batches: %s; offsets of the bags: %s",
             {n: b.to_json() for n, b in chosen.items()},
+            {n: b.to_json() for n, b in offsets.items()},
         )
-        self.ids_of = _by_key(chosen)
+        self.ids_of = _by_key(chosen, offsets)
 
 
 def _store_of(target: Any) -> Store | ShardedStore:
@@ -207,14 +218,18 @@ def _store_of(target: Any) -> Store | ShardedStore:
     )
 
 
-def _by_key(mapping: Mapping[str, BatchIds]) -> IdsFn:
-    """``{module: BatchIds}`` -> ``batch -> {module: ids}``, with an error naming a missing key."""
+def _by_key(mapping: Mapping[str, BatchIds], offsets: Mapping[str, BatchIds] | None = None) -> IdsFn:
+    """``{module: BatchIds}`` -> ``batch -> {module: ids}``, with an error naming a missing key;
+    a module with a place in ``offsets`` gets ``hierps.Bags(ids, its offsets)``."""
+    bags = dict(offsets or {})
 
     def ids_of(batch: Any) -> dict[str, Any]:
         out = {}
         for module, where in mapping.items():
             try:
                 out[module] = where(batch)
+                if module in bags:
+                    out[module] = Bags(out[module], bags[module](batch))
             except (KeyError, IndexError, TypeError):
                 raise ConfigError(
                     f"batch_ids: module {module!r} reads batch{where.describe()}, which this batch does not "
@@ -299,12 +314,16 @@ def _parse_one(module: str, spec: Any) -> BatchIds:
 class _Recorder:
     """Forward pre-hook: the ids a module gets in each training forward."""
 
-    def __init__(self, name: str, seen: dict[str, list[torch.Tensor]]) -> None:
-        self.name, self.seen = name, seen
+    def __init__(
+        self, name: str, seen: dict[str, list[torch.Tensor]], offsets: dict[str, list[torch.Tensor]]
+    ) -> None:
+        self.name, self.seen, self.offsets = name, seen, offsets
 
     def __call__(self, module: nn.Module, args: tuple[Any, ...]) -> None:
         if module.training and torch.is_grad_enabled() and args and isinstance(args[0], torch.Tensor):
             self.seen.setdefault(self.name, []).append(args[0].detach().reshape(-1).cpu())
+            if len(args) > 1 and isinstance(args[1], torch.Tensor) and args[0].dim() == 1:
+                self.offsets.setdefault(self.name, []).append(args[1].detach().reshape(-1).cpu())
 
 
 def infer_batch_ids(

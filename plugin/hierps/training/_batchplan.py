@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 
 __all__ = [
+    "BagIds",
     "Batch",
     "BatchPlan",
     "FusedBags",
@@ -44,6 +45,24 @@ __all__ = [
 ]
 
 
+class BagIds(np.ndarray):
+    """An announced mini-batch's ids of one table (n,) int64 that came with their bags' ``offsets``
+    (B,) int64 (:class:`hierps.Bags`). Only the array made from the announcement carries them: a
+    view or a piece of it (routing ids to their owners) has ``offsets`` None."""
+
+    offsets: np.ndarray | None
+
+    def __array_finalize__(self, obj: object) -> None:
+        self.offsets = None
+
+
+def bag_ids(ids: np.ndarray, offsets: np.ndarray) -> BagIds:
+    """``ids`` (n,) int64 carrying ``offsets`` (B,) int64 (checked by the caller)."""
+    out = ids.view(BagIds)
+    out.offsets = offsets
+    return out
+
+
 @dataclass
 class BatchPlan:
     """One table's ids of one mini-batch, translated (all tensors on the training device)."""
@@ -55,6 +74,9 @@ class BatchPlan:
     slots: torch.Tensor  # (U,) int64 device-tier slots of the keys' rows
     order: torch.Tensor  # (n,) int64 positions of the ids sorted by key (stable)
     starts: torch.Tensor  # (U,) int64 each key's first entry in order
+    # Announced bags (hierps.Bags), else None: their offsets (B,) and the bag of each id in ``order``.
+    offsets: torch.Tensor | None = None
+    bags: torch.Tensor | None = None
 
 
 @dataclass
@@ -116,6 +138,8 @@ class RowGroup:
     pieces: dict[str, torch.Tensor] | None = None
     offsets: torch.Tensor | None = None
     mode: str | None = None
+    # ...or of each member's own offsets as announced (hierps.Bags), pooled concatenated.
+    bag_offsets: dict[str, torch.Tensor] | None = None
     pooled: set[str] = field(default_factory=set)  # members that took their piece
     backed: set[int] = field(default_factory=set)  # members (by index) whose piece a backward reached
 
@@ -261,9 +285,9 @@ class _PooledBags(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, leaf, local, bags, mode, bag_count, members, backed):
+    def forward(ctx, leaf, local, bags, mode, bag_count, members, backed, by_key):
         ctx.set_materialize_grads(False)  # an output no loss uses comes back as None, not zeros
-        ctx.backed = backed
+        ctx.backed, ctx.by_key = backed, by_key
         out, offset2bag, bag_size, max_indices = torch.ops.aten._embedding_bag(
             leaf, local, bags, False, _MODES[mode], True, None, False, -1
         )
@@ -294,6 +318,18 @@ class _PooledBags(torch.autograd.Function):
         some = next(g for g in grads if g is not None)
         # contiguous: index_add_ reads strided rows slowly
         grad_out = torch.cat([g if g is not None else torch.zeros_like(some) for g in grads])
+        if ctx.by_key is not None:  # summed bags: each key's gradient, the sum of its ids' bags'
+            ids_bags, starts = ctx.by_key
+            return (
+                F.embedding_bag(ids_bags, grad_out, starts, mode="sum"),
+                None,
+                None,
+                None,
+                None,
+                None,
+                None,
+                None,
+            )
         if one_hot:
             values = grad_out.split([m.numel() for m, _ in members])  # each id's bag is itself
         else:
@@ -317,7 +353,7 @@ class _PooledBags(torch.autograd.Function):
         for (member_local, n_rows), member_values in zip(members, values):
             grad.narrow(0, rows, n_rows).index_add_(0, member_local, member_values)
             rows += n_rows
-        return grad, None, None, None, None, None, None
+        return grad, None, None, None, None, None, None, None
 
 
 def pool_bags(
@@ -325,18 +361,22 @@ def pool_bags(
     local: torch.Tensor,
     bags: torch.Tensor,
     mode: str,
-    bag_count: int,
+    bag_count: int | list[int],
     members: list[tuple[torch.Tensor, int]],
     backed: set[int] | None = None,
+    by_key: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, ...]:
-    """Pool the rows of T tables at once -> T outputs of (B, dim).
+    """Pool the rows of T tables at once -> T outputs of (B_t, dim).
 
     leaf: (U, dim) the tables' rows one table after the other; local: (N,) each id's row of
-    leaf; bags: (T * B,) bag starts in local; mode ``"sum"`` or ``"mean"``; members: per table,
-    its ids' rows within its own slice (n_t,) and its row count U_t. The leaf's gradient is dense.
-    ``backed``: if given, gets the index of each output a backward reached.
+    leaf; bags: (sum B_t,) bag starts in local, table after table; bag_count: B (every table's)
+    or each B_t; mode ``"sum"`` or ``"mean"``; members: per table, its ids' rows within its own
+    slice (n_t,) and its row count U_t. The leaf's gradient is dense. ``backed``: if given, gets
+    the index of each output a backward reached. ``by_key`` (sum only): the bag of each id with
+    the ids sorted by row (N,), and each row's first entry there (U,): the backward is then one
+    ``embedding_bag`` of the output gradients, summing each row's in the order of its ids.
     """
-    return _PooledBags.apply(leaf, local, bags, mode, bag_count, members, backed)
+    return _PooledBags.apply(leaf, local, bags, mode, bag_count, members, backed, by_key)
 
 
 @dataclass
@@ -386,7 +426,8 @@ class PassBatches:
 def same_batches(a: Sequence[Mapping[str, np.ndarray]], b: Sequence[Mapping[str, np.ndarray]]) -> bool:
     """Whether two passes have the same mini-batches: the same tables and ids, in the same order."""
     return len(a) == len(b) and all(
-        x.keys() == y.keys() and all(np.array_equal(x[t], y[t]) for t in x) for x, y in zip(a, b)
+        x is y or x.keys() == y.keys() and all(x[t] is y[t] or np.array_equal(x[t], y[t]) for t in x)
+        for x, y in zip(a, b)
     )
 
 
@@ -423,6 +464,12 @@ def _unique_inverse(ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return ranked[first], inverse
 
 
+def _bag_tensors(bags: tuple[np.ndarray, np.ndarray] | None, device: torch.device) -> dict[str, torch.Tensor]:
+    if bags is None:
+        return {}
+    return {"offsets": torch.from_numpy(bags[0]).to(device), "bags": torch.from_numpy(bags[1]).to(device)}
+
+
 def translate(
     batches: Sequence[Mapping[str, np.ndarray]],
     keep: Mapping[str, np.ndarray],
@@ -441,9 +488,11 @@ def translate(
     for k, batch in enumerate(batches):
         tables = [t for t in batch if t in keep]
         ids, keys, local, counts, slots, orders, starts = [], [], [], [], [], [], []
+        bags: list[tuple[np.ndarray, np.ndarray] | None] = []
         for table in tables:
             # A private copy: later changes to the caller's ids don't leak into the plan.
             t_ids = np.array(batch[table], dtype=np.int64, copy=True)
+            t_offsets = getattr(batch[table], "offsets", None)
             # Dedup through the positions in the pass's sorted keys: counting, no sort.
             known = positions[k].get(table) if positions is not None else None
             at = known if known is not None else np.searchsorted(keep[table], t_ids)
@@ -458,6 +507,13 @@ def translate(
             slots.append(base[table] + where)
             orders.append(np.argsort(t_local, kind="stable"))
             starts.append(np.cumsum(t_counts) - t_counts)
+            if t_offsets is None:
+                bags.append(None)
+            else:  # each id's bag, in the order of the keys: what the backward sums per key
+                bag_of = np.repeat(
+                    np.arange(len(t_offsets), dtype=np.int64), np.diff(t_offsets, append=len(t_ids))
+                )
+                bags.append((t_offsets.copy(), bag_of[orders[-1]]))
         sizes = [len(k) for k in keys]
         j_slots = torch.from_numpy(np.concatenate(slots or [np.empty(0, np.int64)]).astype(np.int64)).to(
             device
@@ -476,6 +532,7 @@ def translate(
                 slots=p_slots,
                 order=torch.from_numpy(orders[i].astype(np.int64)).to(device),
                 starts=torch.from_numpy(starts[i].astype(np.int64)).to(device),
+                **_bag_tensors(bags[i], device),
             )
             for i, (table, p_slots, p_counts) in enumerate(
                 zip(tables, j_slots.split(sizes), j_counts.split(sizes))

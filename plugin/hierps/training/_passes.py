@@ -18,10 +18,18 @@ import torch
 
 from hierps._core import StoreCore
 from hierps._faults import fault_point
-from hierps.errors import ConfigError, DeviceBudgetError, InvalidIdsError
+from hierps.errors import ConfigError, DeviceBudgetError, InvalidIdsError, OffsetsError
+from hierps.interface import Bags
 from hierps.lifecycle._features import Features
 from hierps.rows import _ids
-from hierps.training._batchplan import Batch, PassBatches, same_batches, translate, union_positions
+from hierps.training._batchplan import (
+    Batch,
+    PassBatches,
+    bag_ids,
+    same_batches,
+    translate,
+    union_positions,
+)
 from hierps.training._pipeline import PassPipeline
 
 __all__ = ["PassRunner"]
@@ -65,6 +73,10 @@ class PassRunner:
         self.in_pass = False
         self._announced: list[dict[str, np.ndarray]] | None = None
         self._last_plan: _LastPlan | None = None
+        # The batches prefetch parsed, by identity (the mappings and their id objects), and the result.
+        self._parsed: (
+            tuple[list[tuple[Mapping[str, Any], tuple[Any, ...]]], list[dict[str, np.ndarray]]] | None
+        ) = None
 
     def forget_announced(self) -> None:
         """Drop the pass announced between passes (e.g. when the store returns to a checkpoint)."""
@@ -158,7 +170,7 @@ class PassRunner:
         :meth:`begin_pass` (after that pass's write-back is queued, which keeps reads fresh).
         """
         self._core.check_open()
-        raw = self.parse_batches(batches)  # bad input is refused here, not at the next begin_pass
+        raw = self.parse_batches(batches, keep=True)  # bad input is refused here, not at the next begin_pass
         if not self._core.settings.pipeline:
             return
         if not self.in_pass:
@@ -230,9 +242,12 @@ class PassRunner:
         for table in list(self._core.tables):
             self._core.ssd.compact(table, self._core.settings.max_segments, lock=self._pipe.lock)
 
-    def parse_batches(self, batches: Any) -> list[dict[str, np.ndarray]]:
-        """``{table: ids}`` or a sequence of them -> one ``{table: (n,) int64}`` per mini-batch;
-        ``InvalidIdsError`` / ``ConfigError`` (unknown table) for anything else."""
+    def parse_batches(self, batches: Any, keep: bool = False) -> list[dict[str, np.ndarray]]:
+        """``{table: ids}`` or a sequence of them -> one ``{table: (n,) int64}`` per mini-batch (ids
+        announced as :class:`hierps.Bags` carry their offsets: :class:`~hierps.training._batchplan.BagIds`);
+        ``InvalidIdsError`` / ``OffsetsError`` / ``ConfigError`` (unknown table) for anything else.
+        ``keep``: remember the result for the next call, if that one gets the same mappings of the same
+        id objects (``prefetch`` keeps, for the ``begin_pass`` of the same pass)."""
         per_batch = [batches] if isinstance(batches, Mapping) else batches
         if isinstance(per_batch, (str, bytes)) or not isinstance(per_batch, Sequence):
             per_batch = None
@@ -243,13 +258,30 @@ class PassRunner:
                 + (f" of {type(next(iter(batches))).__name__}" if per_batch else "")
                 + "."
             )
+        last, self._parsed = self._parsed, None
+        if (
+            last is not None
+            and len(last[0]) == len(per_batch)
+            and all(
+                b is m and len(b) == len(v) and all(x is y for x, y in zip(b.values(), v))
+                for b, (m, v) in zip(per_batch, last[0])
+            )
+        ):
+            # The pass prefetch announced, begun with the same mappings of the same id objects:
+            # parsed and checked then.
+            return last[1]
         out = []
         for batch in per_batch:
             keys = {}
             for table, ids in batch.items():
                 self._core.info(table)
-                keys[table] = _ids.as_int64_array(ids, what=f"ids for table {table!r}")
+                if isinstance(ids, Bags):
+                    keys[table] = _announced_bags(table, ids)
+                else:
+                    keys[table] = _ids.as_int64_array(ids, what=f"ids for table {table!r}")
             out.append(keys)
+        if keep:
+            self._parsed = ([(b, tuple(b.values())) for b in per_batch], out)
         return out
 
     def _planned(
@@ -373,3 +405,19 @@ class PassRunner:
         with self._pipe.lock:
             self._core.put_dirty(drained)
         self._core.stats.count_on_demand_rebuild()
+
+
+def _announced_bags(table: str, bags: Bags) -> np.ndarray:
+    """The ids of ``bags`` carrying its offsets, checked as ``nn.EmbeddingBag`` checks them."""
+    for what, value in (("ids", bags.ids), ("offsets", bags.offsets)):
+        shape = tuple(value.shape) if isinstance(value, (torch.Tensor, np.ndarray)) else np.shape(value)
+        if len(shape) != 1:
+            raise OffsetsError(f"Bags of table {table!r}: {what} must be 1-D. Got shape {shape}.")
+    flat = _ids.as_int64_array(bags.ids, what=f"ids for table {table!r}")
+    offsets = _ids.as_int64_array(bags.offsets, what=f"offsets for table {table!r}")
+    if len(offsets) and (offsets[0] != 0 or offsets[-1] > len(flat) or (offsets[1:] < offsets[:-1]).any()):
+        raise OffsetsError(
+            f"Bags of table {table!r}: offsets must start at 0, never decrease and stay within the "
+            f"{len(flat)} ids (each bag starts where the last one ended). Got {offsets[:8].tolist()}..."
+        )
+    return bag_ids(flat, offsets)

@@ -85,9 +85,10 @@ def _pools_alike(lookup: Lookup) -> bool:
     )
 
 
-def _same_bags(group: RowGroup, lookup: Lookup) -> bool:
-    """Whether ``lookup`` pools the bags ``group``'s members were pooled with at once."""
-    mine, theirs = lookup.offsets, group.offsets
+def _same_bags(group: RowGroup, table: str, lookup: Lookup) -> bool:
+    """Whether ``lookup`` pools the bags ``table`` was pooled with, with the rest of ``group``."""
+    mine = lookup.offsets
+    theirs = group.bag_offsets.get(table) if group.bag_offsets is not None else group.offsets
     if not _pools_alike(lookup) or lookup.mode != group.mode or mine is None or theirs is None:
         return False
     return mine is theirs or (mine.numel() == theirs.numel() and torch.equal(mine, theirs))
@@ -199,11 +200,12 @@ class SparseTrainer:
                 self._pool_members(group, batch, lookup)
         piece = None
         if group.pieces is not None and table in group.pieces:
-            if _same_bags(group, lookup):
+            if _same_bags(group, table, lookup):
                 piece = group.pieces.pop(table)
                 group.pooled.add(table)
-            else:  # this model's tables pool differently: each pools its own from now on
+            elif group.bag_offsets is None:  # this model's tables pool differently: each its own from now on
                 self._pool_alike = False
+            # (bags announced for this mini-batch that are not the forward's: only this one pools apart)
         group.left -= 1
         if group.left == 0:
             del batches.groups[key]  # every member has taken its rows; their outputs keep the group
@@ -228,24 +230,47 @@ class SparseTrainer:
         )
 
     def _pool_members(self, group: RowGroup, batch: Batch, lookup: Lookup) -> None:
-        """Pool every member of ``group`` at once with ``lookup``'s offsets (one ``embedding_bag``,
-        :func:`~hierps.training._batchplan.pool_bags`), if they have as many ids each: the tables of
-        a model that hands one offsets tensor to all of them then take their pieces."""
+        """Pool every member of ``group`` at once (one ``embedding_bag``,
+        :func:`~hierps.training._batchplan.pool_bags`), each with the offsets announced for it
+        (:class:`hierps.Bags`), or else all with ``lookup``'s, if they have as many ids each (the
+        tables of a model that hands one offsets tensor to all of them). Each member's forward then
+        takes its piece if its offsets are the ones pooled."""
         members = list(group.start)
         plans = [batch.plans[t] for t in members]
-        n = plans[0].ids.numel()
-        offsets = lookup.offsets
-        assert offsets is not None and lookup.mode is not None
-        if any(p.ids.numel() != n for p in plans):
-            return
+        assert lookup.offsets is not None and lookup.mode is not None
         if len(members) == len(batch.plans):
             local = batch.local
         else:
             local = torch.cat([p.local + group.start[t] for t, p in zip(members, plans)])
-        bags = torch.cat([offsets + i * n for i in range(len(plans))])
         parts = [(p.local, p.keys.numel()) for p in plans]
-        pieces = pool_bags(group.weights, local, bags, lookup.mode, offsets.numel(), parts, group.backed)
-        group.pieces, group.offsets, group.mode = dict(zip(members, pieces)), offsets, lookup.mode
+        announced = [p.offsets for p in plans]
+        if all(o is not None for o in announced):
+            offsets = [o for o in announced if o is not None]
+            firsts = np.cumsum([0, *[p.ids.numel() for p in plans[:-1]]]).tolist()
+            bags = torch.cat([o + n0 if n0 else o for o, n0 in zip(offsets, firsts)])
+            counts = [o.numel() for o in offsets]
+            by_key = None
+            if lookup.mode == "sum":
+                bag0 = np.cumsum([0, *counts[:-1]]).tolist()
+                ids_bags = torch.cat(
+                    [p.bags + b0 if b0 else p.bags for p, b0 in zip(plans, bag0) if p.bags is not None]
+                )
+                starts = torch.cat([p.starts + n0 if n0 else p.starts for p, n0 in zip(plans, firsts)])
+                by_key = (ids_bags, starts)
+            pieces = pool_bags(group.weights, local, bags, lookup.mode, counts, parts, group.backed, by_key)
+            group.pieces, group.bag_offsets, group.mode = (
+                dict(zip(members, pieces)),
+                dict(zip(members, offsets)),
+                lookup.mode,
+            )
+            return
+        offsets_t = lookup.offsets
+        n = plans[0].ids.numel()
+        if any(p.ids.numel() != n for p in plans):
+            return
+        bags = torch.cat([offsets_t + i * n for i in range(len(plans))])
+        pieces = pool_bags(group.weights, local, bags, lookup.mode, offsets_t.numel(), parts, group.backed)
+        group.pieces, group.offsets, group.mode = dict(zip(members, pieces)), offsets_t, lookup.mode
 
     def _gather_group(self, batch: Batch, table: str) -> RowGroup:
         """The rows of the tables of ``batch`` that share ``table``'s arena, dim and weights dtype,
