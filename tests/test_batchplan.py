@@ -358,10 +358,11 @@ def _bag_passes(seed: int, sizes: dict[str, int]) -> list[list[dict[str, tuple[t
     ]
 
 
+@pytest.mark.parametrize("dims", [DIMS, {"a": 8, "b": 8, "c": 8}], ids=["two-arenas", "one-arena"])
 @pytest.mark.parametrize("mode", ["sum", "mean"])
 @pytest.mark.parametrize("optimizer", ["sgd", "adagrad"])
 def test_tables_announced_with_their_own_bags_pool_in_one_call_as_one_by_one(
-    make_store, monkeypatch, mode, optimizer
+    make_store, monkeypatch, mode, optimizer, dims
 ):
     """Tables announced as hierps.Bags, each with its own offsets and id count, are pooled by one
     embedding_bag over their concatenated bags (and, summed, their gradient by one more), with the
@@ -382,7 +383,11 @@ def test_tables_announced_with_their_own_bags_pool_in_one_call_as_one_by_one(
     results = []
     for planned in (False, True):
         store = make_store(f"s{planned}", memory_budget="4KiB")
-        bags, _ = _model(store, {"type": optimizer, "params": {"lr": 0.1}}, None, mode=mode)
+        opt = {"type": optimizer, "params": {"lr": 0.1}}
+        bags = {
+            t: hierps.EmbeddingBag(None, d, mode=mode, store=store, name=t, optimizer=opt)
+            for t, d in dims.items()
+        }
         for p, group in enumerate(passes):
             announced = [{t: hierps.Bags(i, o) for t, (i, o) in b.items()} for b in group]
             unmatched = [{t: torch.cat([i, UNUSED]) for t, (i, _) in b.items()} for b in group]
@@ -397,8 +402,8 @@ def test_tables_announced_with_their_own_bags_pool_in_one_call_as_one_by_one(
         results.append({t: store._core.whole_rows(t, KEYS[:300]) for t in DIMS})
     for t in DIMS:
         np.testing.assert_array_equal(results[1][t], results[0][t], err_msg=t)
-    # a and b (one arena) and c (its own) pooled at once in every mini-batch of the planned run
-    assert len(fused) == 8 and all(fused) == (mode == "sum")
+    # each arena's tables pooled at once in every mini-batch of the planned run
+    assert len(fused) == 4 * len(set(dims.values())) and all(fused) == (mode == "sum")
 
 
 def test_bags_announced_wrong_are_refused_naming_the_table(make_store):
@@ -416,3 +421,41 @@ def test_bags_announced_wrong_are_refused_naming_the_table(make_store):
         assert "'a'" in str(err.value)
     with pytest.raises(hierps.OffsetsError, match="ids must be 1-D"):
         store.begin_pass([{"a": hierps.Bags(ids.view(2, 3), torch.tensor([0]))}])
+
+
+def test_the_pass_loader_finds_each_tables_offsets_and_announces_bags(make_store):
+    """Given no ids, the PassLoader finds where each module's ids and offsets are in a batch (a
+    tuple of lists, as the reference DLRM's), then announces hierps.Bags: the tables train pooled
+    at once, with the rows of the loop without a loader."""
+    from types import SimpleNamespace
+
+    from hierps.integrations.loader import PassLoader
+
+    rng = np.random.default_rng(2)
+    names = ["a", "b", "c"]
+    batches = []
+    for _ in range(10):
+        n = [int(rng.integers(20, 40)) for _ in names]
+        batches.append(
+            (
+                [torch.from_numpy(KEYS[rng.integers(0, 300, k)]) for k in n],
+                [_ragged_offsets(rng, k, 8) for k in n],
+            )
+        )
+    results = []
+    for with_loader in (False, True):
+        store = make_store(f"s{with_loader}", memory_budget="4KiB")
+        mods = {t: hierps.EmbeddingBag(None, 8, mode="sum", store=store, name=t) for t in names}
+        loader = PassLoader(batches, None, SimpleNamespace(hierps_store=store, hierps_modules=mods), 2)
+        for ids, offsets in loader if with_loader else batches:
+            sum(mods[t](i, o).square().sum() for t, i, o in zip(names, ids, offsets)).backward()
+            store.step()
+        store.checkpoint()
+        results.append({t: store._core.whole_rows(t, KEYS[:300])[:, :8] for t in names})  # weights
+    for t in names:
+        np.testing.assert_array_equal(results[1][t], results[0][t], err_msg=t)
+    announced = loader.ids_of(batches[0])
+    for k, t in enumerate(names):
+        assert isinstance(announced[t], hierps.Bags)
+        assert torch.equal(announced[t].ids, batches[0][0][k])
+        assert torch.equal(announced[t].offsets, batches[0][1][k])

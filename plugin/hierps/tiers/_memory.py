@@ -94,6 +94,10 @@ class _Slab:
 
     def insert(self, keys: np.ndarray, slots: np.ndarray) -> None:
         """Add sorted new ``keys`` (absent from the index) at ``slots``."""
+        if not len(self.keys) or len(keys) and keys[0] > self.keys[-1]:  # after every key held (copy-in)
+            self.keys = np.concatenate([self.keys, keys])
+            self.slots = np.concatenate([self.slots, slots])
+            return
         at = np.searchsorted(self.keys, keys)
         self.keys = np.insert(self.keys, at, keys)
         self.slots = np.insert(self.slots, at, slots)
@@ -175,16 +179,21 @@ class MemoryTier:
         (``OSError``, e.g. a full disk), every row given stays cached and the error is raised.
         """
         slab = self._slabs[table]
-        hit, at = slab.find(keys)
-        slots = slab.slots[at[hit]]
-        slab.rows[slots] = rows[hit]
-        slab.dirty[slots] |= dirty
-        self._touch(slab, slots)
-        new = ~hit
-        n_new = int(new.sum())
+        if not len(keys):
+            return
+        if not len(slab) or keys[0] > slab.keys[-1]:  # none cached yet (a table copied in): no search
+            n_new, new_keys, new_rows = len(keys), keys, rows
+        else:
+            hit, at = slab.find(keys)
+            slots = slab.slots[at[hit]]
+            slab.rows[slots] = rows[hit]
+            slab.dirty[slots] |= dirty
+            self._touch(slab, slots)
+            new = ~hit
+            n_new = int(new.sum())
+            new_keys, new_rows = keys[new], rows[new]
         if n_new == 0:
             return
-        new_keys, new_rows = keys[new], rows[new]
         row_bytes = self.row_bytes(table)
         want = min(n_new, self.budget // row_bytes)
         overflow = self.bytes_used + want * row_bytes - self.budget
@@ -206,10 +215,13 @@ class MemoryTier:
         if len(keys) == 0:
             return
         slots = slab.take_slots(len(keys))
-        slab.rows[slots] = rows
-        slab.dirty[slots] = dirty
-        slab.score[slots] = 0
-        self._touch(slab, slots)
+        # Slots in one run (a slab grown for them) are written as a slice: at memory speed.
+        at: slice | np.ndarray = slots
+        if len(slots) > 1 and slots[-1] - slots[0] == len(slots) - 1 and bool((np.diff(slots) == 1).all()):
+            at = slice(int(slots[0]), int(slots[-1]) + 1)
+        slab.rows[at] = rows
+        slab.dirty[at] = dirty
+        slab.score[at] = self.tick if self.policy == "lru" else 1  # as _touch scores a fresh row
         slab.insert(keys, slots)
 
     def _evict(self, nbytes: int) -> None:

@@ -35,6 +35,7 @@ __all__ = [
     "Batch",
     "BatchPlan",
     "FusedBags",
+    "JoinedBags",
     "PassBatches",
     "RowGroup",
     "pool_bags",
@@ -92,6 +93,22 @@ class Batch:
     slots: torch.Tensor  # (sum U,) int64
     counts: torch.Tensor  # (sum U,) float32
     local: torch.Tensor  # (sum n,) int64
+    # When every table's bags were announced: the same joined, for one pooling of all of them
+    # (:func:`pool_bags`), and None otherwise.
+    bags: JoinedBags | None = None
+
+
+@dataclass
+class JoinedBags:
+    """The announced bags of a mini-batch's tables joined in their order: ``offsets`` (sum B,) into
+    :attr:`Batch.local`, ``counts`` each table's B, and for the summed gradient ``ids_bags``
+    (sum n,), each id's bag with the ids sorted by row, and ``starts`` (sum U,), each row's first
+    entry there."""
+
+    offsets: torch.Tensor
+    counts: list[int]
+    ids_bags: torch.Tensor
+    starts: torch.Tensor
 
 
 @dataclass
@@ -523,6 +540,23 @@ def translate(
         j_local = torch.from_numpy(
             np.concatenate([loc + s for loc, s in zip(local, firsts)] or [np.empty(0, np.int64)])
         ).to(device)
+        joined = None
+        if tables and all(b is not None for b in bags):
+            n_before = np.cumsum([0, *[len(i) for i in ids[:-1]]])
+            b_counts = [len(b[0]) for b in bags if b is not None]
+            b_before = np.cumsum([0, *b_counts[:-1]])
+            joined = JoinedBags(
+                offsets=torch.from_numpy(
+                    np.concatenate([b[0] + n0 for b, n0 in zip(bags, n_before) if b is not None])
+                ).to(device),
+                counts=b_counts,
+                ids_bags=torch.from_numpy(
+                    np.concatenate([b[1] + b0 for b, b0 in zip(bags, b_before) if b is not None])
+                ).to(device),
+                starts=torch.from_numpy(
+                    np.concatenate([st + n0 for st, n0 in zip(starts, n_before)]).astype(np.int64)
+                ).to(device),
+            )
         plans = {
             table: BatchPlan(
                 ids=torch.from_numpy(ids[i]).to(device),
@@ -538,5 +572,5 @@ def translate(
                 zip(tables, j_slots.split(sizes), j_counts.split(sizes))
             )
         }
-        out.append(Batch(plans, j_slots, j_counts, j_local))
+        out.append(Batch(plans, j_slots, j_counts, j_local, joined))
     return out

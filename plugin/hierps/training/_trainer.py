@@ -244,6 +244,19 @@ class SparseTrainer:
             local = torch.cat([p.local + group.start[t] for t, p in zip(members, plans)])
         parts = [(p.local, p.keys.numel()) for p in plans]
         announced = [p.offsets for p in plans]
+        joined = batch.bags
+        if joined is not None and len(members) == len(batch.plans):  # joined ahead, on the worker
+            by_key = (joined.ids_bags, joined.starts) if lookup.mode == "sum" else None
+            pieces = pool_bags(
+                group.weights, local, joined.offsets, lookup.mode, joined.counts, parts, group.backed, by_key
+            )
+            offsets = [o for o in announced if o is not None]
+            group.pieces, group.bag_offsets, group.mode = (
+                dict(zip(members, pieces)),
+                dict(zip(members, offsets)),
+                lookup.mode,
+            )
+            return
         if all(o is not None for o in announced):
             offsets = [o for o in announced if o is not None]
             firsts = np.cumsum([0, *[p.ids.numel() for p in plans[:-1]]]).tolist()
