@@ -112,7 +112,7 @@ def train_hierps(
     losses = []
     # Reads pass_batches batches ahead and loads all their rows before the first one runs.
     for dense, ids, offsets, labels in hierps.deepspeed.PassLoader(
-        batches, lambda b: dict(zip(names, b.ids)), engine
+        batches, lambda b: {t: hierps.Bags(i, o) for t, i, o in zip(names, b.ids, b.offsets)}, engine
     ):
         loss = LOSS(engine(dense, ids, offsets), labels)
         engine.backward(loss)
