@@ -3,6 +3,6 @@
 
 from __future__ import annotations
 
-from hierps.bench.hosts import TwoHosts, can_make_hosts, wait_all, wait_for
+from hierps.bench.hosts import SSH_PORT, TwoHosts, can_make_hosts, wait_all, wait_for
 
-__all__ = ["TwoHosts", "can_make_hosts", "wait_all", "wait_for"]
+__all__ = ["SSH_PORT", "TwoHosts", "can_make_hosts", "wait_all", "wait_for"]

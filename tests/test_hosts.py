@@ -5,19 +5,22 @@ The hosts are network namespaces on this machine (:mod:`hosts`, root only); torc
 ``dist_worker.py`` with rank directories 0-1 on host A's disk and 2-3 on host B's. They train as
 one process on the whole batches, checkpoint without a file the hosts share and resume exactly; a
 whole host SIGKILLed inside a checkpoint leaves every rank reopening at one committed checkpoint,
-bit for bit; a host that comes back without its disk makes the open fail, naming the parts.
+bit for bit; a host that comes back without its disk makes the open fail, naming the parts. The
+resumed job runs under ``horovodrun -H hostA:2,hostB:2`` (ssh into host B: sshd in its namespaces)
+and exports onto host B's disk, which serves the rows there.
 """
 
 from __future__ import annotations
 
 import os
 import shutil
+import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 from dist_worker import ALL_KEYS
-from hosts import TwoHosts, can_make_hosts, wait_all, wait_for
+from hosts import SSH_PORT, TwoHosts, can_make_hosts, wait_all, wait_for
 from test_distributed import BIN, WORKER, _assert_same_training, _env, _full_rows, _load, torchrun
 
 import hierps.serving
@@ -53,10 +56,37 @@ def run_hosts(
     return procs
 
 
+def horovod_ready() -> bool:
+    """Whether horovodrun can run across the test hosts: Horovod installed, and sshd to reach host B."""
+    try:
+        import horovod.torch  # noqa: F401
+    except ImportError:
+        return False
+    return Path("/usr/sbin/sshd").exists()
+
+
+def run_horovod(hosts: TwoHosts, disks: list[Path], out: Path, *args: str):
+    """Run ``dist_worker.py ARGS --transport horovod`` by ``horovodrun -H hostA:2,hostB:2 --gloo``
+    from host A, which reaches host B by ssh (sshd in B's namespaces, B's disk at the common path)."""
+    out.mkdir(parents=True, exist_ok=True)
+    key, ssh_env = hosts.ssh(out / "ssh", disks)
+    cmd = [
+        str(BIN / "horovodrun"),
+        "-np", "4",
+        "-H", f"{hosts.addrs[0]}:2,{hosts.addrs[1]}:2",
+        "--gloo",
+        "--network-interfaces", hosts.nic,
+        "--ssh-port", str(SSH_PORT),
+        "--ssh-identity-file", str(key),
+        sys.executable, WORKER, *args, "--transport", "horovod",
+    ]  # fmt: skip
+    return [hosts.launch(0, disks[0], cmd, {**_env(), **ssh_env}, out / "host-0.log")]
+
+
 def finish(procs, out: Path) -> None:
     codes = wait_all(procs, TIMEOUT_S)
-    logs = "\n".join((out / f"host-{h}.log").read_text()[-3000:] for h in (0, 1))
-    assert codes == [0, 0], f"hosts ended with {codes}:\n{logs}"
+    logs = "\n".join((out / f"host-{h}.log").read_text()[-3000:] for h in range(len(procs)))
+    assert codes == [0] * len(procs), f"hosts ended with {codes}:\n{logs}"
 
 
 @pytest.fixture(scope="module")
@@ -75,6 +105,8 @@ def trained(tmp_path_factory):
 
 
 def test_four_ranks_on_two_hosts_train_as_one_process_and_resume(trained, tmp_path):
+    """Trained under torchrun; resumed, and exported onto host B's disk, under ``horovodrun -H
+    hostA:2,hostB:2`` (torchrun where Horovod or sshd is missing)."""
     ref = _load(trained / "one", "result-0.npz")
     for rank in range(4):
         _assert_same_training(ref, _load(trained / "out", f"result-{rank}.npz"))
@@ -88,10 +120,10 @@ def test_four_ranks_on_two_hosts_train_as_one_process_and_resume(trained, tmp_pa
     for host in (0, 1):
         shutil.copytree(trained / f"disk-{'ab'[host]}", disks[host])
     with TwoHosts(tmp_path / "common") as hosts:
-        common = str(hosts.common / "store")
-        finish(
-            run_hosts(hosts, disks, tmp_path, "reopen", common, str(tmp_path), "--export-rank", "2"), tmp_path
-        )
+        # Under horovodrun across the hosts where it can run (else torchrun, as the train did).
+        args = ["reopen", str(hosts.common / "store"), str(tmp_path), "--export-rank", "2"]
+        launch = run_horovod if horovod_ready() else run_hosts
+        finish(launch(hosts, disks, tmp_path, *args), tmp_path)
     written = _full_rows(trained / "out", "result", 4, "owned_keys", "owned_rows")
     full = _full_rows(tmp_path, "reopened", 4, "keys", "full")
     assert full.keys() == written.keys()

@@ -327,6 +327,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "(hierps.bench.dist; also python -m hierps.bench_dist)",
     )
     a(
+        "--hosts",
+        action="store_true",
+        help="with --dist: 2 test hosts x 2 ranks against 1 host x 4 ranks (bytes within and across hosts), and "
+        "a reshard 4 -> 2 across hosts against the link and the disk (network namespaces; root only)",
+    )
+    a(
         "--dropin",
         action="store_true",
         help="instead: a plain-PyTorch model (nn.Embedding per field) trained through hierps.deepspeed.initialize "
@@ -411,17 +417,23 @@ def run_from_args(args: argparse.Namespace) -> int:
 
         return run_serving(args)
     if args.dist:
-        from hierps.bench.dist import run_distributed_bench
+        from hierps.bench.dist import run_distributed_bench, run_hosts_bench
 
         cfg = config_from_args(args)
-        results = run_distributed_bench(
-            examples=cfg.examples if args.examples or args.quick else 65_536,
-            rows=args.rows or 200_000,
-            dim=cfg.dim,
-            batch_size=cfg.batch_size,
-            pass_batches=args.pass_batches or 8,
-            memory_budget=args.memory_budget or "64MiB",
-            repeats=cfg.repeats,
+        workload: dict[str, Any] = {
+            "rows": args.rows or 200_000,
+            "dim": cfg.dim,
+            "batch_size": cfg.batch_size,
+            "pass_batches": args.pass_batches or 8,
+            "memory_budget": args.memory_budget or "64MiB",
+        }
+        given = args.examples or args.quick
+        results = (
+            run_hosts_bench(examples=cfg.examples if given else 32_768, **workload)
+            if args.hosts
+            else run_distributed_bench(
+                examples=cfg.examples if given else 65_536, repeats=cfg.repeats, **workload
+            )
         )
         if args.json:
             Path(args.json).write_text(json.dumps(results, indent=1), encoding="utf-8")
