@@ -23,8 +23,8 @@ from thread_world import ThreadTransport, run_ranks
 import hierps
 import hierps.serving
 from hierps.cli import main
-from hierps.errors import ConfigError, HierpsError, MissingPartsError
-from hierps.lifecycle._export import export_store
+from hierps.errors import ConfigError, CorruptStoreError, HierpsError, MissingPartsError
+from hierps.lifecycle._export import LocalPart, export_store
 from hierps.sharding import owner_of
 from hierps.storage._commit_log import delete_record, rank_dir, read_records, snapshots
 
@@ -297,9 +297,14 @@ def test_an_export_of_parts_on_each_hosts_disk_serves_the_rows_of_one_directory(
         served(out[0] / "final", [out[1] / "delta"]),
         served(tmp_path / "ref-full", [tmp_path / "ref-delta"]),
     )
+    # Copied into one serving directory (as a serving host receives them), base and delta form its chain.
+    for export in (out[0] / "final", out[1] / "delta"):
+        shutil.copytree(export, tmp_path / "serve" / export.name)
+    followed = served(tmp_path / "serve")
     for t in TABLES:
         np.testing.assert_array_equal(many[t], one[t], err_msg=t)
         np.testing.assert_array_equal(chain[t], ref_chain[t], err_msg=t)
+        np.testing.assert_array_equal(followed[t], chain[t], err_msg=t)
     # ... and the rows the ranks hold at each checkpoint, exactly.
     for at, rows in ((many, 1), (chain, 3)):
         for t in TABLES:
@@ -333,3 +338,30 @@ def test_one_process_exporting_one_hosts_disk_is_told_which_parts_are_elsewhere(
     assert err.value.parts == (2, 3) and "hierps.ShardedStore.export" in str(err.value)
     assert main(["export", str(host_root(two_hosts[0], 0)), str(tmp_path / "exp")]) != 0
     assert not (tmp_path / "exp").exists() and files(two_hosts[0]) == before
+
+
+def test_a_part_that_fails_to_read_on_the_other_host_fails_the_export_on_every_rank(
+    two_hosts, tmp_path, monkeypatch
+):
+    hosts = copy_hosts(two_hosts, tmp_path)
+    rows = LocalPart.rows
+
+    def damaged(self: LocalPart, table: str, dim: int, dtype: str) -> Any:
+        if self.path.name == "rank-00003" and table == "plain":
+            raise CorruptStoreError(f"{self.path}: segment 1 of table 'plain' fails its checksum")
+        return rows(self, table, dim, dtype)
+
+    monkeypatch.setattr(LocalPart, "rows", damaged)
+
+    def rank_main(s: hierps.ShardedStore) -> str:
+        with pytest.raises(HierpsError) as err:
+            s.export(tmp_path / "exp")
+        return f"{type(err.value).__name__}: {err.value}"
+
+    messages = on_hosts(hosts, 4, rank_main)
+    assert messages[3].startswith("CorruptStoreError"), messages[3]  # the reader raises its own error
+    assert "rank 3, reading part 3, failed to send its rows of table 'plain'" in messages[0], messages[0]
+    assert "fails its checksum" in messages[0]
+    for m in (messages[1], messages[2]):  # the others name both failed ranks
+        assert "the export failed, so none was written; rank 0: HierpsError" in m and "rank 3:" in m, m
+    assert not (tmp_path / "exp").exists() and not list(tmp_path.glob(".exp*"))

@@ -301,8 +301,8 @@ def _check_parts_here(root: Path, ckpt: int, sources: list[tuple[Path, int]]) ->
         raise MissingPartsError(
             f"{root}: checkpoint {ckpt} has parts that are not on this disk: {names}; they are on "
             "other hosts' disks (node-local storage). Export from the job, whose ranks reach every "
-            "part (hierps.ShardedStore.export, or engine.export_embeddings), or copy the missing "
-            "rank directories here. Nothing was written.",
+            "part (hierps.ShardedStore.export; with DeepSpeed, engine.hierps_store.export), or copy "
+            "the missing rank directories here. Nothing was written.",
             parts=tuple(missing),
             checkpoint=ckpt,
         )
