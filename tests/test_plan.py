@@ -13,6 +13,7 @@ import hierps
 import hierps.planning as hp
 from hierps import cli
 from hierps._store import store_parts
+from hierps.config import parse_size
 from hierps.errors import ConfigError
 
 DIM, KEYS, BATCH, PASSES = 16, 20_000, 4_000, 6
@@ -189,3 +190,64 @@ def test_power_law_spec_in_yaml_and_bad_specs(tmp_path):
         hp.plan_from_spec({"budget": 1})
     with pytest.raises(ConfigError, match="'traffic' needs 'sample'"):
         hp.plan_from_spec({"tables": {"user": {"dim": 8}}, "traffic": {"examples_per_pass": 3}})
+
+
+def test_a_demo_dlrm_run_is_predicted_from_a_sample_of_its_batches(tmp_path):
+    """26 tables of the demo's DLRM trained pass by pass as ``hierps demo`` trains them (the next
+    pass read ahead while one trains), planned from the ids of the very batches it trained on."""
+    from hierps.demo.app import DemoConfig, build_model, load_data, table_names
+
+    cfg = DemoConfig(examples=3_000, batch_size=150, pass_batches=3, memory_budget="64KiB", progress=False)
+    train, _ = load_data(cfg)
+    names = table_names(train.sparse.shape[1])
+    batches = list(train.batches(cfg.batch_size, shuffle=True, seed=cfg.seed))
+    passes = [batches[p : p + cfg.pass_batches] for p in range(0, len(batches), cfg.pass_batches)]
+    assert len(names) == 26 and len(passes) == 6 and all(len(p) == cfg.pass_batches for p in passes)
+
+    def pass_ids(group):
+        return [{n: sparse[:, i] for i, n in enumerate(names)} for _, sparse, _ in group]
+
+    store = hierps.Store(tmp_path / "s", memory_budget=cfg.memory_budget, device_budget=cfg.device_budget)
+    try:
+        model = build_model(store, cfg)
+        loss_fn = torch.nn.BCEWithLogitsLoss()
+        for p, group in enumerate(passes):
+            store.begin_pass(pass_ids(group))
+            if p + 1 < len(passes):
+                store.prefetch(pass_ids(passes[p + 1]))
+            for dense, sparse, labels in group:
+                loss_fn(model(dense, sparse), labels).backward()
+                store.step()
+            store.end_pass()
+        records = store.stats.history
+    finally:
+        store.close()
+    order = np.random.default_rng(cfg.seed).permutation(len(train))  # the batches' order
+    sample = {n: train.sparse[order, i] for i, n in enumerate(names)}
+    spec = hierps.TableSpec.of(optimizer="adagrad")
+    plan = hp.plan(
+        {n: hp.TableInput(dim=cfg.embedding_dim, spec=spec) for n in names},
+        hp.SampledTraffic(sample, cfg.batch_size * cfg.pass_batches),
+        memory_budget=cfg.memory_budget,
+        device_budget=cfg.device_budget,
+        checkpoint_every=None,
+        read_ahead=True,
+    )
+    assert len(plan.passes) == len(records) == 6
+    for i, (want, got) in enumerate(zip(plan.passes, records, strict=True)):
+        assert got.rows_loaded == pytest.approx(want.rows_loaded, rel=0.03), i
+        assert got.ram_hit_rate == pytest.approx(want.ram_hit_rate, abs=0.05), i
+        assert got.ssd_hit_rate == pytest.approx(want.ssd_hit_rate, abs=0.05), i
+    # A record is taken while the pass's write-back may still run: RAM bytes at most the peak.
+    assert max(r.memory_bytes for r in records) <= plan.ram_bytes <= parse_size(cfg.memory_budget)
+    # Bytes the SSD tier counts by the time a pass closes: written as the write-back evicts (at most
+    # one write-back late), read as the read-ahead reads (at most one pass early).
+    for name, early, late in (("ssd_bytes_written", 1, 0), ("ssd_bytes_read", 0, 1)):
+        got = np.cumsum([getattr(r, name) for r in records])
+        want = np.cumsum([getattr(p, name) for p in plan.passes])
+        for i in range(len(records)):
+            low, high = want[max(i - early, 0)] if i >= early else 0.0, want[min(i + late, len(want) - 1)]
+            assert 0.97 * low - 2_000 <= got[i] <= 1.03 * high + 2_000, (name, i)
+    read = sum(r.ssd_bytes_read for r in records)  # the last pass reads nothing ahead: all counted
+    assert read == pytest.approx(sum(p.ssd_bytes_read for p in plan.passes), rel=0.03)
+    assert max(r.ssd_hit_rate for r in records) > 0.2 and max(r.ram_hit_rate for r in records) > 0.02

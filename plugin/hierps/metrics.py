@@ -32,6 +32,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 from hierps.errors import ConfigError
+from hierps.storage._export_format import MANIFEST
 from hierps.tiers._stats import PassRecord
 
 __all__ = ["MetricsServer", "monitor_events", "render", "serve", "serving_samples", "store_samples"]
@@ -70,10 +71,9 @@ def serving_samples(tables: Any, started: float) -> list[Sample]:
     """The figures of serving tables (:func:`hierps.serving.open`); ``started``: when counting began."""
     info = tables.cache_info()
     lookups = info["hits"] + info["misses"]
-    newest = tables.applied[-1]
-    try:
-        written = max(os.stat(os.path.join(d, f)).st_mtime for d, _, fs in os.walk(newest) for f in fs)
-    except ValueError:
+    try:  # an export's manifest is written last, just before the export is renamed into place
+        written = os.stat(tables.applied[-1] / MANIFEST).st_mtime
+    except OSError:
         written = time.time()
     return [
         (
@@ -133,7 +133,11 @@ class MetricsServer:
             if handler.path.split("?")[0] not in ("/metrics", "/"):
                 handler.send_error(404, "the metrics are at /metrics")
                 return
-            body = render(collect()).encode()
+            try:
+                body = render(collect()).encode()
+            except Exception as exc:  # a figure that cannot be read now: say so, keep serving
+                handler.send_error(500, "hierps figures unavailable", f"{type(exc).__name__}: {exc}")
+                return
             handler.send_response(200)
             handler.send_header("Content-Type", _CONTENT_TYPE)
             handler.send_header("Content-Length", str(len(body)))

@@ -90,6 +90,22 @@ def _batch_ids(value: Any) -> Any:
     return dict(value)
 
 
+def _metrics_port(value: Any) -> tuple[str, int] | None:
+    """``metrics_port``: None, a port (an int or its digits) on loopback, or ``"HOST:PORT"`` -> (host, port)."""
+    if value is None:
+        return None
+    host, port = "127.0.0.1", value
+    if isinstance(value, str):
+        host, _, port = value.rpartition(":") if ":" in value else ("127.0.0.1", "", value)
+        port = int(port) if port.isdigit() and host else None
+    if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
+        raise ConfigError(
+            'metrics_port: expected a port from 0 to 65535 (0: any free one), or "HOST:PORT" like '
+            f'"0.0.0.0:9108". Got {value!r} instead.'
+        )
+    return host, port
+
+
 def _dtype(value: Any, info: Any) -> str:
     """A row precision, checked where ``hierps.Store.table`` checks it (:func:`hierps.config.parse_dtype`)."""
     return parse_dtype(value, info.field_name)
@@ -144,6 +160,10 @@ class HierarchicalPSConfig(BaseModel):
     """Read the next pass ahead and write the last one back in the background (same parameters as false)."""
     max_segments: Annotated[int, Setting] = _DEFAULTS.max_segments
     """SSD segments per table before background compaction merges them (bounds the files a read opens)."""
+    metrics_port: Annotated[tuple[str, int] | None, BeforeValidator(_metrics_port)] = None
+    """Serve each rank's store figures for Prometheus (:func:`hierps.metrics.serve`) from initialize to
+    ``engine.destroy()``: rank r at ``http://127.0.0.1:<port + local rank>/metrics`` (0: any free port,
+    see ``engine.hierps_metrics.url``); "HOST:PORT" binds HOST instead. null: no endpoint."""
     batch_ids: Annotated[dict[str, Any] | None, BeforeValidator(_batch_ids)] = None
     """Module name -> where its ids are in a batch: a key ("user_ids", 0), a path ([0, "user"]), or
     {"path": [0], "columns": [3, 4]}. For PassLoader and the loader of training_data; without it they

@@ -101,12 +101,13 @@ from hierps.integrations.swap import (
     retire_weights,
 )
 from hierps.integrations.transport import HorovodTransport, TorchDistributedTransport
-from hierps.metrics import monitor_events
+from hierps.metrics import MetricsServer, monitor_events, serve
 from hierps.modules import Embedding, EmbeddingBag, without_tables
 from hierps.rows._ids import same_device
 from hierps.sharding._commits import ALONE, ShardCheckpoints, rank_dir
 from hierps.sharding._sharded import ShardedStore, owner_of
 from hierps.storage._files import fsync_dir, read_json_checked, write_json_atomic
+from hierps.tiers._stats import PassRecord
 
 __all__ = ["HierarchicalPSConfig", "HierpsEngine", "PassLoader", "initialize", "swap_embeddings"]
 
@@ -497,6 +498,7 @@ def _attach(
     dtype = torch.bfloat16 if engine.bfloat16_enabled() else torch.half if engine.fp16_enabled() else None
     for twin in {id(t): t for t in twins.values()}.values():
         twin.register_forward_hook(_OutputHook(engine, dtype))
+    engine._hierps_unmonitor = _monitor_passes(engine)
 
 
 class _OutputHook:
@@ -537,7 +539,8 @@ class HierpsEngine:
     Attributes: ``hierps_store`` (a :class:`hierps.Store`, or a :class:`hierps.ShardedStore`
     over several ranks), ``hierps_config`` (the section), ``hierps_modules`` (qualified name ->
     hierps module), ``hierps_dense_allreduce`` (``deepspeed`` or ``horovod``), ``hierps_swap`` (which
-    embedding modules went into the store and which stayed dense, and why).
+    embedding modules went into the store and which stayed dense, and why), ``hierps_metrics`` (the
+    Prometheus endpoint of the section's ``metrics_port``, or None).
     """
 
     hierps_store: Store | ShardedStore
@@ -546,6 +549,8 @@ class HierpsEngine:
     hierps_modules: dict[str, nn.Module]
     hierps_dense_allreduce: DenseAllreduce
     hierps_swap: SwapReport
+    hierps_metrics: MetricsServer | None
+    _hierps_unmonitor: Callable[[], None]
     _hierps_average: Callable[[list[nn.Parameter]], None] | None
     _hierps_lr: TablesFollowLr
 
@@ -584,7 +589,6 @@ class HierpsEngine:
                 self.hierps_store.step()
             else:
                 self.hierps_store.zero_grad()
-        _monitor_passes(self)
 
     def save_checkpoint(
         self,
@@ -692,7 +696,7 @@ class HierpsEngine:
 
     def destroy(self) -> None:
         """DeepSpeed's destroy, then close the store (rows after the last checkpoint are not kept)."""
-        _monitor_passes(self)
+        self._hierps_unmonitor()
         super().destroy()  # type: ignore[misc]
         self.hierps_store.close()
 
@@ -730,17 +734,38 @@ class HierpsEngine:
         return ckpt
 
 
-def _monitor_passes(engine: Any) -> None:
-    """Hand DeepSpeed's monitor (the config's ``tensorboard`` / ``csv_monitor`` / ``wandb`` sections)
-    the pass records it has not had yet, as ``hierps/<field>`` events at the engine's global step
-    (:func:`hierps.metrics.monitor_events`). A store without per-pass records (sharded) gives none."""
-    monitor, stats = getattr(engine, "monitor", None), getattr(engine.hierps_store, "stats", None)
-    if monitor is None or not getattr(monitor, "enabled", False) or stats is None:
-        return
-    seen = getattr(engine, "_hierps_monitored", 0)
-    for record in stats.history[seen:]:
-        monitor.write_events(monitor_events(record, int(engine.global_steps)))
-    engine._hierps_monitored = len(stats.history)
+def _monitor_passes(engine: Any) -> Callable[[], None]:
+    """Hand each pass record of this rank's store (of a sharded store: its part here) to DeepSpeed's
+    monitor (the config's ``tensorboard`` / ``csv_monitor`` / ``wandb`` sections, written at rank 0)
+    as ``hierps/<field>`` events at the global step the pass closed at
+    (:func:`hierps.metrics.monitor_events`); with the section's ``metrics_port``, serve the store's
+    figures at ``engine.hierps_metrics``. Returns what stops both (at ``destroy``)."""
+    local: Store = getattr(engine.hierps_store, "local", engine.hierps_store)
+    monitor = getattr(engine, "monitor", None)
+    stop: list[Callable[[], None]] = []
+    if monitor is not None and getattr(monitor, "enabled", False):
+
+        def write(record: PassRecord) -> None:
+            try:
+                monitor.write_events(monitor_events(record, int(engine.global_steps)))
+            except Exception as exc:  # a monitor that fails to write does not stop training
+                _log.warning(
+                    "hierps: DeepSpeed's monitor could not write pass %d: %s", record.pass_index, exc
+                )
+
+        local.stats.listeners.append(write)
+        stop.append(lambda: local.stats.listeners.remove(write))
+    engine.hierps_metrics = None
+    if engine.hierps_config.metrics_port is not None:
+        host, port = engine.hierps_config.metrics_port
+        engine.hierps_metrics = serve(port + int(engine.local_rank) if port else 0, store=local, host=host)
+        stop.append(engine.hierps_metrics.close)
+
+    def unmonitor() -> None:
+        while stop:
+            stop.pop()()
+
+    return unmonitor
 
 
 def _find_record(directory: str | os.PathLike[str], tag: str, rank: int) -> Path | None:

@@ -147,6 +147,7 @@ def plan(
     checkpoint_every: int | None = 1,
     machine: Machine | None = None,
     max_ids_per_pass: int = 2_000_000,
+    read_ahead: bool = False,
 ) -> Plan:
     """Plan a store of ``tables`` (name -> :class:`TableInput`) for ``traffic`` (passes of ids,
     :class:`SampledTraffic` or :class:`PowerLaw`), at ``world_size`` ranks each with these budgets.
@@ -154,6 +155,8 @@ def plan(
     The traffic is spatially sampled down to about ``max_ids_per_pass`` ids a pass per rank (its
     ``fraction`` when set below 1 is kept). ``checkpoint_every``: passes between checkpoints
     (None: none). ``machine``: rates for the times (None: no times, 0 in the record).
+    ``read_ahead``: each pass is announced while the one before trains (``store.prefetch``, as
+    ``PassLoader`` and ``hierps demo`` do), so its rows are read before that pass's write-back.
     """
     if not tables:
         raise ConfigError("plan: no tables given; give at least one table with its dim.")
@@ -179,6 +182,7 @@ def plan(
         policy=eviction,
         pipeline=pipeline,
         checkpoint_every=checkpoint_every,
+        read_ahead=read_ahead,
     )
     seen = _distinct_seen(counts)
     tplans = [
@@ -228,7 +232,8 @@ def _traffic_tables(traffic: Traffic) -> list[str]:
 
 
 def _choose_fraction(traffic: Traffic, world_size: int, max_ids: int) -> float:
-    """Fraction of a rank's keys to replay: all of them unless a pass brings over ``max_ids`` ids."""
+    """Fraction of a rank's keys to replay: all of them unless a pass brings over ``max_ids`` ids
+    (or a power law spans over ``max_ids`` keys) per rank."""
     if traffic.fraction < 1.0:
         return min(1.0, traffic.fraction * world_size)
     if isinstance(traffic, SampledTraffic):
@@ -237,6 +242,9 @@ def _choose_fraction(traffic: Traffic, world_size: int, max_ids: int) -> float:
         )
     elif isinstance(traffic, PowerLaw):
         per_pass = traffic.examples_per_pass * sum(d.ids_per_example for d in traffic.tables.values())
+        # A power law is drawn over every key it keeps: keep at most ``max_ids`` keys a rank too.
+        keys = sum(d.keys for d in traffic.tables.values())
+        per_pass = max(per_pass, keys)
     else:
         return 1.0
     return min(1.0, max_ids / max(per_pass / world_size, 1))

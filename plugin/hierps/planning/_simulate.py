@@ -101,11 +101,14 @@ def replay(
     policy: str = "lru",
     pipeline: bool = True,
     checkpoint_every: int | None = None,
+    read_ahead: bool = False,
 ) -> list[PassCounts]:
     """Replay ``passes`` (``{table: ids}`` each) through the store's tiers, budgets in bytes (already
     scaled to the keys kept); one :class:`PassCounts` per pass. Per table: ``ram_row_bytes`` and
     ``device_row_bytes`` what a row costs in those tiers, ``read_bytes`` / ``written_bytes`` what
-    the SSD tier counts per row read / written."""
+    the SSD tier counts per row read / written. ``read_ahead``: each pass after the first is read
+    while the one before trains (``prefetch``, as ``PassLoader`` and ``hierps demo`` do): its RAM
+    hits are touched at that pass's clock."""
     tables = list(ram_row_bytes)
     sink = _Sink(tables)
     ram = _KeyTier(int(memory_budget), sink, policy, ram_row_bytes)
@@ -120,6 +123,8 @@ def replay(
         split = ws_bytes > device_budget
         piped = pipeline and not split
         counts: dict[str, dict[str, int]] = {}
+        if read_ahead and piped and index:
+            ram.tick = index - 1
         for t, keys in work.items():
             missing = np.setdiff1d(keys, resident[t], assume_unique=True) if piped else keys
             hit, _ = ram.get(t, missing, touch=True)
@@ -132,6 +137,7 @@ def replay(
                 "ssd_rows": int(on_ssd.sum()),
                 "new_rows": int(len(rest) - on_ssd.sum()),
             }
+        ram.tick = index
         for t, keys in work.items():
             if piped:
                 leaving = np.setdiff1d(resident[t], keys, assume_unique=True)

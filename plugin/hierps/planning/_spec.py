@@ -9,6 +9,8 @@
     device_budget: 40GiB
     world_size: 8
     checkpoint_every: 1           # passes between checkpoints (null: none)
+    read_ahead: false             # each pass announced while the one before trains (store.prefetch);
+                                  #   default true with a hierarchical_ps section (PassLoader does it)
     traffic:                      # a sample of batches ...
       sample: ids.npz             #   .npz / .parquet, one array (column) of ids per table
       examples_per_pass: 100000
@@ -42,6 +44,7 @@ _KEYS = {
     "pipeline",
     "eviction",
     "checkpoint_every",
+    "read_ahead",
     "traffic",
     "machine",
     "hierarchical_ps",
@@ -98,6 +101,7 @@ def plan_from_spec(
         if spec.get("checkpoint_every", 1) is None
         else _int(spec.get("checkpoint_every", 1), "checkpoint_every"),
         machine=machine,
+        read_ahead=bool(spec.get("read_ahead", "hierarchical_ps" in spec)),
     )
 
 

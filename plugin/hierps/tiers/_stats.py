@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -102,9 +103,15 @@ class PassRecord:
 
 @dataclass
 class PassStats:
-    """Counters of the current pass and the records of finished ones (``history``, oldest first)."""
+    """Counters of the current pass and the records of finished ones (``history``, oldest first).
+
+    ``listeners`` are called with each new record as it is appended, on the thread that closed the
+    pass (the training thread): ``hierps.deepspeed`` hands records to DeepSpeed's monitor this way,
+    at the global step the pass closed at. A listener that raises fails that ``end_pass``.
+    """
 
     history: list[PassRecord] = field(default_factory=list)
+    listeners: list[Callable[[PassRecord], None]] = field(default_factory=list)
     _loads: dict[str, list[int]] = field(default_factory=dict)
     _ahead: dict[str, list[int]] = field(default_factory=dict)  # read ahead for the next pass
     _pass: int = 0
@@ -162,4 +169,6 @@ class PassStats:
         self._ssd0 = (read, written)
         self.history.append(record)
         self._loads = {}
+        for listener in list(self.listeners):
+            listener(record)
         return record
