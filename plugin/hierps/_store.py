@@ -226,6 +226,16 @@ class Store:
         background while this one trains, and its :meth:`begin_pass` takes them from there."""
         self._passes.prefetch(batches)
 
+    def read_ahead(self, batches: Batches) -> None:
+        """Announce mini-batches that will be evaluated, not trained (as :meth:`begin_pass` takes
+        them): the rows of their ids that the device tier lacks are read in the background (from
+        RAM, SSD, or the initializer's values), for their forwards under ``torch.no_grad()`` or
+        ``model.eval()``. No row enters a tier and nothing is counted; a row that changes in the
+        meantime is read again by its forward. ``PassLoader(..., evaluate=True)`` calls it a
+        group of batches ahead."""
+        self._core.check_open()
+        self._trainer.read_ahead.announce(self._passes.parse_batches(batches))
+
     @property
     def pass_groups(self) -> int:
         """Groups the current pass was split into to fit the device budget (1: it loaded whole; 0: none)."""
@@ -426,6 +436,7 @@ class Store:
         self._trainer.drop()
         self._passes.forget_batches()  # forwards take the generic path, which refuses a closed store
         try:
+            self._trainer.read_ahead.close()
             self._pipe.close()
         finally:
             self._core.ssd.close()  # segment files kept open for reads

@@ -61,6 +61,9 @@ class PassLoader:
         target: the :class:`hierps.Store` (or :class:`hierps.ShardedStore`: then every rank iterates
             its own loader, with as many batches), or an engine from ``hierps.deepspeed.initialize``.
         pass_batches: mini-batches per pass; default the section's ``pass_batches`` (16 for a store).
+        evaluate: the batches are evaluated, not trained: no pass is begun; the rows of each group of
+            ``pass_batches`` batches are read ahead (``store.read_ahead``) while the group before
+            it runs, for forwards under ``torch.no_grad()`` / ``model.eval()``.
 
     Each pass: ``store.begin_pass`` gets the ids of its ``pass_batches`` batches (one dict per
     batch, in order); the batches of the pass after it are read too and announced with
@@ -78,8 +81,11 @@ class PassLoader:
         ids: IdsFn | Mapping[str, Any] | None,
         target: Any,
         pass_batches: int | None = None,
+        *,
+        evaluate: bool = False,
     ) -> None:
         self.loader = loader
+        self.evaluate = evaluate
         self.store = _store_of(target)
         section = getattr(target, "hierps_config", None)
         if pass_batches is None:
@@ -127,6 +133,9 @@ class PassLoader:
             if self.ids_of is None:  # not found: the rest runs on demand
                 yield from batches
                 return
+        if self.evaluate:
+            yield from self._evaluated(batches)
+            return
         prefetch = getattr(self.store, "prefetch", None)
         group = self._read(batches)
         in_pass = False
@@ -153,6 +162,20 @@ class PassLoader:
                 except StoreClosedError:
                     pass
 
+    def _evaluated(self, batches: Iterator[Any]) -> Iterator[Any]:
+        """Evaluation: each group's rows read ahead while the group before it runs; no pass."""
+        read_ahead = getattr(self.store, "read_ahead", None)
+        group = self._read(batches)
+        if group and read_ahead is not None:
+            read_ahead([ids for _, ids in group])
+        while group:
+            upcoming = self._read(batches)
+            if upcoming and read_ahead is not None:
+                read_ahead([ids for _, ids in upcoming])
+            for batch, _ in group:
+                yield batch
+            group = upcoming
+
     def _read(self, batches: Iterator[Any]) -> list[tuple[Any, Mapping[str, Any]]]:
         """The next ``size`` batches (fewer at the end), each with its ids."""
         ids_of = self.ids_of
@@ -167,7 +190,7 @@ class PassLoader:
         found: dict[str, list[BatchIds]] | None = None
         bags: dict[str, list[BatchIds]] | None = None  # where pooled modules' offsets are
         hooks = [
-            m.register_forward_pre_hook(_Recorder(name, seen, seen_offsets))
+            m.register_forward_pre_hook(_Recorder(name, seen, seen_offsets, self.evaluate))
             for name, m in self.modules.items()
         ]
         try:
@@ -312,15 +335,20 @@ def _parse_one(module: str, spec: Any) -> BatchIds:
 
 
 class _Recorder:
-    """Forward pre-hook: the ids a module gets in each training forward."""
+    """Forward pre-hook: the ids a module gets in each training forward (each forward, evaluating)."""
 
     def __init__(
-        self, name: str, seen: dict[str, list[torch.Tensor]], offsets: dict[str, list[torch.Tensor]]
+        self,
+        name: str,
+        seen: dict[str, list[torch.Tensor]],
+        offsets: dict[str, list[torch.Tensor]],
+        evaluating: bool = False,
     ) -> None:
-        self.name, self.seen, self.offsets = name, seen, offsets
+        self.name, self.seen, self.offsets, self.evaluating = name, seen, offsets, evaluating
 
     def __call__(self, module: nn.Module, args: tuple[Any, ...]) -> None:
-        if module.training and torch.is_grad_enabled() and args and isinstance(args[0], torch.Tensor):
+        training = module.training and torch.is_grad_enabled()
+        if (training or self.evaluating) and args and isinstance(args[0], torch.Tensor):
             self.seen.setdefault(self.name, []).append(args[0].detach().reshape(-1).cpu())
             if len(args) > 1 and isinstance(args[1], torch.Tensor) and args[0].dim() == 1:
                 self.offsets.setdefault(self.name, []).append(args[1].detach().reshape(-1).cpu())

@@ -244,8 +244,10 @@ def _hierps(cfg: dict[str, Any], tmp: Path, name: str, profile: str | None) -> d
             engine.backward(loss)
             engine.step()
             run.losses.append(loss.item())
+        evaluation = _evaluate(engine, batches, names) if name != "hierps-no-loader" else {}
         usage = engine.hierps_store.usage()
         return run.record(
+            **evaluation,
             batch_size=cfg["batch_size"],
             rows=sum(sizes),
             distinct_rows=distinct,
@@ -260,6 +262,37 @@ def _hierps(cfg: dict[str, Any], tmp: Path, name: str, profile: str | None) -> d
         )
     finally:
         engine.destroy()
+
+
+@torch.no_grad()
+def _evaluate(engine: Any, batches: list[Any], names: list[str]) -> dict[str, float]:
+    """Seconds per evaluation batch over the epoch's batches after training: each forward reading
+    its rows itself, then through ``PassLoader(..., evaluate=True)`` (rows read a group ahead)."""
+    import hierps
+    import hierps.deepspeed
+
+    engine.eval()
+    out = {}
+    try:
+        for label, loader in (
+            ("eval_s_per_batch", batches),
+            (
+                "eval_ahead_s_per_batch",
+                hierps.deepspeed.PassLoader(
+                    batches,
+                    lambda b: {t: hierps.Bags(i, o) for t, i, o in zip(names, b.ids, b.offsets)},
+                    engine,
+                    evaluate=True,
+                ),
+            ),
+        ):
+            t0 = time.perf_counter()
+            for b in loader:
+                engine(b.dense, b.ids, b.offsets)
+            out[label] = (time.perf_counter() - t0) / len(batches)
+    finally:
+        engine.train()
+    return out
 
 
 def run_phase(spec: dict[str, Any]) -> dict[str, Any]:
@@ -412,6 +445,14 @@ def format_report(results: dict[str, Any], out: Callable[[str], Any] = print) ->
             f"{name:18} {r['examples_per_s']:11,.0f} {r.get('vs_torch', float('nan')):8.2f} "
             f"{r.get('vs_torch_cpu', float('nan')):31.2f} {r['peak_rss_bytes'] / _MiB:7,.0f}MiB {r['final_loss']:11.6f} {r.get('max_loss_diff', float('nan')):12.2e}"
         )
+    for name, r in results["variants"].items():
+        if "eval_s_per_batch" in r:
+            step = r["seconds"] / (r["examples"] / cfg["batch_size"])
+            out(
+                f"{name:18} evaluation: {1e3 * r['eval_s_per_batch']:.1f} ms a batch reading its own rows, "
+                f"{1e3 * r['eval_ahead_s_per_batch']:.1f} ms read ahead (PassLoader evaluate=True); "
+                f"{r['eval_ahead_s_per_batch'] / step:.2f}x a training step ({1e3 * step:.1f} ms)"
+            )
     for name, parts in results.get("profile", {}).items():
         out(f"\n{name}: cumulative ms per measured step (cProfile, an extra run)")
         for label, part in parts.items():

@@ -122,6 +122,7 @@ class MemoryTier:
         self.policy = policy
         self._slabs: dict[str, _Slab] = {}
         self.tick = 0  # advanced per pass by the store; the LRU clock
+        self.changes = 0  # moves whenever a row read from this tier may read otherwise
         self.hits = 0
         self.misses = 0
         self.evicted_rows = 0
@@ -181,6 +182,7 @@ class MemoryTier:
         slab = self._slabs[table]
         if not len(keys):
             return
+        self.changes += 1
         if not len(slab) or keys[0] > slab.keys[-1]:  # none cached yet (a table copied in): no search
             n_new, new_keys, new_rows = len(keys), keys, rows
         else:
@@ -266,6 +268,7 @@ class MemoryTier:
 
     def discard(self, table: str, keys: np.ndarray | None = None) -> None:
         """Forget rows without writing them anywhere (all of the table when ``keys`` is None)."""
+        self.changes += 1
         slab = self._slabs[table]
         if keys is None:
             self._slabs[table] = _Slab(slab.width)

@@ -76,6 +76,7 @@ class SsdTier:
     def __init__(self, root: Path, max_segments: int = 16, *, store_id: str) -> None:
         self.root = Path(root)
         self.store_id = store_id  # the store's id: segment chunks are bound to it
+        self.changes = 0  # moves whenever a row read from this tier may read otherwise (not compaction)
         self.root.mkdir(parents=True, exist_ok=True)
         self._zstore = LocalStore(str(self.root))
         self.max_segments = max_segments
@@ -236,6 +237,7 @@ class SsdTier:
         rows ``rows[at]`` (e.g. slots of a larger array), gathered a slice at a time: memory stays
         bounded however many rows are written.
         """
+        self.changes += 1
         if len(keys) == 0:
             return
         t0 = time.perf_counter()
@@ -330,6 +332,7 @@ class SsdTier:
     def delete(self, table: str, keys: np.ndarray) -> int:
         """Remove ``keys`` from the tier: every segment holding any row of them is rewritten without
         them (at once: no index remembers deletions). Returns how many keys had a row."""
+        self.changes += 1
         keys = np.unique(np.asarray(keys, np.int64))
         found = self._locate({table: keys}, with_rows=False)[table][0]
         holding = {
@@ -345,6 +348,7 @@ class SsdTier:
 
     def reset(self, table: str) -> None:
         """Forget every row of ``table`` (kept checkpoints keep theirs)."""
+        self.changes += 1
         for seg in list(self._segs[table]):
             self._retire(table, seg)
 
@@ -506,6 +510,7 @@ class SsdTier:
 
     def load_segments(self, table: str, width: int, segments: Mapping[int, SegmentRef]) -> None:
         """Replace the live set of ``table`` by ``{id: (rows, live rows, check)}`` (from a checkpoint)."""
+        self.changes += 1
         self.add_table(table, width)
         for seg in list(self._segs[table]):
             self._drop(table, seg)

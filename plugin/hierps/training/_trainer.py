@@ -46,6 +46,7 @@ from hierps.rows._optim import apply_step
 from hierps.rows._table import TableInfo
 from hierps.training._batchplan import Batch, BatchPlan, RowGroup, pool_bags, table_rows
 from hierps.training._passes import PassRunner
+from hierps.training._readahead import ReadAhead
 
 __all__ = ["MissingStepWarning", "SparseTrainer"]
 
@@ -112,6 +113,7 @@ class SparseTrainer:
         self._warned = False
         # Pool the tables of a mini-batch at once while they bring one offsets tensor (until one does not).
         self._pool_alike = True
+        self.read_ahead = ReadAhead(core)  # rows of announced evaluation mini-batches
 
     def _record(self, pending: _Pending) -> None:
         """Keep what a forward gathered for the next step; warn once when steps seem forgotten."""
@@ -347,10 +349,16 @@ class SparseTrainer:
         if found_np.any():
             weights[found] = tier.weights(table, slots[found], info.layout)
         rest = np.flatnonzero(~found_np)
+        keys_np = keys.cpu().numpy()
+        ahead = self.read_ahead.rows(table, keys_np[rest]) if len(rest) else None
+        if ahead is not None:  # read in the background, announced by store.read_ahead
+            hit, rows_ahead = ahead
+            at_ahead = torch.from_numpy(rest[hit]).to(self._core.device)
+            weights[at_ahead] = info.layout.weights_of(torch.from_numpy(rows_ahead)).to(self._core.device)
+            rest = rest[~hit]
         if len(rest):
             self._pipe_wait()
             piece = max(1, tier.budget // tier.row_bytes(table))
-            keys_np = keys.cpu().numpy()
             for start in range(0, len(rest), piece):
                 at = rest[start : start + piece]
                 rows = torch.from_numpy(self._core.fetch(table, keys_np[at], touch=False))
