@@ -15,7 +15,14 @@ hierps-ram         built on the meta device and handed to ``hierps.deepspeed.ini
                    ``PassLoader`` loads each pass's rows; the RAM tier holds every row it creates
 hierps-ssd         the same with a 64 MiB RAM tier: most rows live on SSD
 hierps-no-loader   as hierps-ram, the loop over the batches as they are: rows fetched on demand
+torch-tables       (asked for by ``--variants``) the 26 tables alone, without the MLPs: the mean
+                   square of their pooled outputs as the loss, torch's sparse SGD
+hierps-tables      the same tables in a store (RAM), announced as ``hierps.Bags`` by a PassLoader
 =================  ==============================================================================
+
+After training, hierps-ram and hierps-ssd also time an evaluation epoch over the same batches
+(``torch.no_grad()``), its forwards reading their own rows, then with ``PassLoader(...,
+evaluate=True)`` reading each group's rows ahead; the report sets that against a training step.
 
 Every hierps variant has a 512 MiB device tier. Each variant runs in its own process (the bench
 worker, so peak RSS, ``VmHWM``, is its own): a warm-up epoch, then a timed one over the same
@@ -34,9 +41,10 @@ import os
 import pstats
 import tempfile
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, cast
+from types import SimpleNamespace
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -44,12 +52,12 @@ from torch import nn
 
 from hierps.bench._worker import median_record, one_rank_ds_config, single_rank_env, spawn
 
-if TYPE_CHECKING:
-    from hierps.demo.models import ReferenceDLRM
-
 __all__ = ["REF_VARIANTS", "config_from_args", "format_report", "run_from_args", "run_phase", "run_ref_bench"]
 
 REF_VARIANTS = ("torch", "hierps-ram", "hierps-no-loader", "hierps-ssd")
+# The model's 26 tables alone (the mean square of their pooled outputs as the loss, SGD), on the same batches: the
+# part of a step hierps replaces, apart from the MLPs both run alike. Run when asked (--variants).
+TABLE_VARIANTS = ("torch-tables", "hierps-tables")
 # dlrm's Kaggle rate for SGD. (The example trains at 1.0, where its AUC rises faster, but there
 # rounding differences grow step by step: by 1e-5 in about 100 steps.)
 _LR = {"sgd": 0.1, "adagrad": 0.01}
@@ -156,6 +164,56 @@ class _Run:
         return record
 
 
+# -- the tables alone ---------------------------------------------------------------------------------
+def _tables_only(cfg: dict[str, Any], tmp: Path, name: str) -> dict[str, Any]:
+    """The reference DLRM's tables without its MLPs: plain ``nn.EmbeddingBag(sparse=True)`` with
+    torch's SGD, or hierps modules in a store (tables in RAM) announced by a ``PassLoader``."""
+    import hierps
+    import hierps.deepspeed
+
+    batches, sizes = _batches(cfg)
+    names = _names(len(sizes))
+    torch.manual_seed(cfg["seed"])
+    stream: Iterable[Any] = batches + batches
+    step: Callable[[], None]
+    tables: list[nn.Module]
+    if name == "torch-tables":
+        plain = [nn.EmbeddingBag(n, cfg["dim"], mode="sum", sparse=True) for n in sizes]
+        _start_from_initializer(plain, batches, cfg)
+        opt = torch.optim.SGD([t.weight for t in plain], lr=cfg["lr"])
+        tables = list(plain)
+
+        def step() -> None:
+            opt.step()
+            opt.zero_grad()
+
+    else:
+        store = hierps.Store(
+            tmp / "store",
+            memory_budget="4GiB",
+            device_budget=cfg["device_budget"],
+            optimizer={"type": "sgd", "params": {"lr": cfg["lr"]}},
+            initializer=_initializer(),
+            seed=cfg["seed"],
+        )
+        tables = [hierps.EmbeddingBag(None, cfg["dim"], mode="sum", store=store, name=t) for t in names]
+        step = store.step
+        target = SimpleNamespace(hierps_store=store, hierps_modules=dict(zip(names, tables)))
+        stream = hierps.deepspeed.PassLoader(
+            stream,
+            lambda b: {t: hierps.Bags(i, o) for t, i, o in zip(names, b.ids, b.offsets)},
+            target,
+            cfg["pass_batches"],
+        )
+    run = _Run(len(batches), None)
+    for b in run.steps(stream):
+        loss = torch.cat([t(i, o) for t, i, o in zip(tables, b.ids, b.offsets)], 1).square().mean()
+        loss.backward()
+        step()
+        run.losses.append(loss.item())
+    return run.record(batch_size=cfg["batch_size"], rows=sum(sizes))
+
+
 # -- torch -------------------------------------------------------------------------------------------
 def _torch(cfg: dict[str, Any], profile: str | None) -> dict[str, Any]:
     from hierps.demo.models import ReferenceDLRM
@@ -163,7 +221,7 @@ def _torch(cfg: dict[str, Any], profile: str | None) -> dict[str, Any]:
     batches, sizes = _batches(cfg)
     torch.manual_seed(cfg["seed"])
     model = ReferenceDLRM(sizes, cfg["dim"])
-    _start_from_initializer(model, batches, cfg)
+    _start_from_initializer(list(model.tables), batches, cfg)
     opts = [_optimizer(cfg, model.sparse_parameters()), _optimizer(cfg, model.dense_parameters())]
     run = _Run(len(batches), profile)
     for b in run.steps(batches + batches):
@@ -177,14 +235,14 @@ def _torch(cfg: dict[str, Any], profile: str | None) -> dict[str, Any]:
 
 
 @torch.no_grad()
-def _start_from_initializer(model: ReferenceDLRM, batches: list[Any], cfg: dict[str, Any]) -> None:
+def _start_from_initializer(tables: Sequence[nn.Module], batches: list[Any], cfg: dict[str, Any]) -> None:
     """Give the rows ``batches`` read the values the store's initializer gives them in the hierps runs."""
     from hierps.config import InitializerConfig
     from hierps.rows import initial_rows, table_salt
 
     init = InitializerConfig.parse(_initializer())
     for k, name in enumerate(_names(len(batches[0].ids))):
-        table = cast(nn.EmbeddingBag, model.tables[k])
+        table = cast(nn.EmbeddingBag, tables[k])
         keys = np.unique(np.concatenate([b.ids[k].numpy() for b in batches]))
         rows = initial_rows(keys, cfg["dim"], table_salt(cfg["seed"], name), init)
         table.weight[torch.from_numpy(keys)] = torch.from_numpy(rows)
@@ -244,10 +302,8 @@ def _hierps(cfg: dict[str, Any], tmp: Path, name: str, profile: str | None) -> d
             engine.backward(loss)
             engine.step()
             run.losses.append(loss.item())
-        evaluation = _evaluate(engine, batches, names) if name != "hierps-no-loader" else {}
         usage = engine.hierps_store.usage()
-        return run.record(
-            **evaluation,
+        record = run.record(  # the clock stops here: the evaluation after it is timed on its own
             batch_size=cfg["batch_size"],
             rows=sum(sizes),
             distinct_rows=distinct,
@@ -260,6 +316,9 @@ def _hierps(cfg: dict[str, Any], tmp: Path, name: str, profile: str | None) -> d
             ssd_bytes_written=usage.ssd_bytes_written,
             passes=engine.hierps_store.passes,
         )
+        if name != "hierps-no-loader":
+            record.update(_evaluate(engine, batches, names))
+        return record
     finally:
         engine.destroy()
 
@@ -301,11 +360,13 @@ def run_phase(spec: dict[str, Any]) -> dict[str, Any]:
     t0 = time.perf_counter()
     if name == "torch":
         record = _torch(cfg, profile)
+    elif name in TABLE_VARIANTS:
+        record = _tables_only(cfg, Path(spec["tmp"]), name)
     elif name in REF_VARIANTS:
         record = _hierps(cfg, Path(spec["tmp"]), name, profile)
     else:
         raise ValueError(
-            f"dlrm-ref variant: expected one of {', '.join(REF_VARIANTS)}. Got {name!r} instead."
+            f"dlrm-ref variant: expected one of {', '.join(REF_VARIANTS + TABLE_VARIANTS)}. Got {name!r} instead."
         )
     record["peak_rss_bytes"] = peak_rss_bytes()
     record["process_seconds"] = time.perf_counter() - t0
@@ -363,10 +424,10 @@ def _write_profile(profiler: cProfile.Profile, path: str, steps: int) -> dict[st
 # -- the run ---------------------------------------------------------------------------------------------
 def run_ref_bench(cfg: dict[str, Any], tmp: str | None = None, profile: str | None = None) -> dict[str, Any]:
     """Every variant of ``cfg`` ``repeats`` times, interleaved, each in its own process; medians."""
-    unknown = sorted(set(cfg["variants"]) - set(REF_VARIANTS))
+    unknown = sorted(set(cfg["variants"]) - set(REF_VARIANTS + TABLE_VARIANTS))
     if unknown or "torch" not in cfg["variants"]:
         raise ValueError(
-            f"dlrm-ref variants: expected a subset of {','.join(REF_VARIANTS)} with torch (the baseline). "
+            f"dlrm-ref variants: expected a subset of {','.join(REF_VARIANTS + TABLE_VARIANTS)} with torch (the baseline). "
             f"Got {','.join(cfg['variants'])} instead."
         )
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name in cfg["variants"]}
@@ -412,9 +473,11 @@ def run_ref_bench(cfg: dict[str, Any], tmp: str | None = None, profile: str | No
 
 
 def _compare(results: dict[str, Any]) -> None:
-    """Each variant's ratio to torch's examples/s and its largest step-loss difference from torch's."""
-    base = results["variants"].get("torch", {})
-    for record in results["variants"].values():
+    """Each variant's ratio to torch's examples/s and its largest step-loss difference from torch's
+    (the tables-alone variants: to torch-tables')."""
+    for name, record in results["variants"].items():
+        # the tables alone against torch's tables alone
+        base = results["variants"].get("torch-tables" if name in TABLE_VARIANTS else "torch", {})
         if "examples_per_s" not in record or "examples_per_s" not in base:
             continue
         record["vs_torch"] = record["examples_per_s"] / base["examples_per_s"]
