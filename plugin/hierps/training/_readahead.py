@@ -6,8 +6,8 @@ lacks from RAM, SSD or the initializer and puts them in no tier
 (:meth:`~hierps.training._trainer.SparseTrainer.read_weights`). With rows on SSD that read is on the
 training thread, batch after batch. :meth:`ReadAhead.announce` (``store.read_ahead(batches)``; a
 ``PassLoader(..., evaluate=True)`` calls it a group of batches ahead) reads the distinct keys of
-the mini-batches given on a worker thread, through the same hierarchy (RAM, then SSD, then the
-initializer), and keeps them beside the tiers: the last two announcements at most, each as many of
+the mini-batches given on a worker thread, those the RAM tier does not hold (from SSD, else the
+initializer's values, as the forward would), and keeps them beside the tiers: the last two announcements at most, each as many of
 its first mini-batches' rows as half the device budget holds. :meth:`ReadAhead.rows` then gives an evaluating forward the rows it
 finds there.
 
@@ -66,7 +66,8 @@ class ReadAhead:
         self, batches: list[Mapping[str, np.ndarray]]
     ) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
         """On the worker: the distinct keys of the first mini-batches whose rows fit their share of
-        the device budget (the reads kept hold at most the budget), and their rows."""
+        the device budget (the reads kept hold at most the budget), less those in the RAM tier, and
+        their rows (from SSD, or the initializer's)."""
         tier = self._core.device_tier
         n = len(batches)
         while True:
@@ -77,7 +78,10 @@ class ReadAhead:
             if n == 1 or sum(len(k) * tier.row_bytes(t) for t, k in keys.items()) <= tier.budget // _KEPT:
                 break
             n //= 2
-        return keys, self._core.fetch_many(keys, touch=False)
+        core = self._core
+        with core.pipe.lock:  # rows the RAM tier holds are a copy away for the forward: read the rest
+            keys = {t: k[~core.memory.contains(t, k)] for t, k in keys.items()}
+        return keys, core.fetch_many(keys, touch=False)
 
     def rows(self, table: str, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
         """keys (n,) int64 sorted unique that the device tier lacks -> (found (n,) bool, their stored
