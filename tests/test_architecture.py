@@ -300,9 +300,9 @@ LAYERS: list[tuple[str, set[str]]] = [
     # hierps.deepspeed is hierps.integrations.deepspeed under its short name.
     ("integrations", {"hierps.integrations", "hierps.deepspeed"}),
     ("demo", {"hierps.demo"}),
-    ("bench", {"hierps.bench", "hierps.bench_dist"}),
-    # Capacity planning: sizes from the tiers, the DeepSpeed section, the bench's machine probes.
-    ("planning", {"hierps.planning"}),
+    # The benches, and capacity planning (sizes from the tiers, the DeepSpeed section, the bench's
+    # machine probes), which the scale bench checks against what it measures.
+    ("bench / planning", {"hierps.bench", "hierps.bench_dist", "hierps.planning"}),
     ("cli", {"hierps.cli"}),
 ]
 # Packages that use only what users can: no private module (last part ``_x``) of another package.

@@ -238,8 +238,10 @@ def test_a_demo_dlrm_run_is_predicted_from_a_sample_of_its_batches(tmp_path):
         assert got.rows_loaded == pytest.approx(want.rows_loaded, rel=0.03), i
         assert got.ram_hit_rate == pytest.approx(want.ram_hit_rate, abs=0.05), i
         assert got.ssd_hit_rate == pytest.approx(want.ssd_hit_rate, abs=0.05), i
-    # A record is taken while the pass's write-back may still run: RAM bytes at most the peak.
-    assert max(r.memory_bytes for r in records) <= plan.ram_bytes <= parse_size(cfg.memory_budget)
+    # A record is taken while the pass's write-back may still run (its RAM bytes mid-eviction, in no
+    # state a pass closes in): only the budget holds both.
+    budget = parse_size(cfg.memory_budget)
+    assert max(r.memory_bytes for r in records) <= budget and plan.ram_bytes <= budget
     # Bytes the SSD tier counts by the time a pass closes: written as the write-back evicts (at most
     # one write-back late), read as the read-ahead reads (at most one pass early).
     for name, early, late in (("ssd_bytes_written", 1, 0), ("ssd_bytes_read", 0, 1)):
@@ -251,3 +253,36 @@ def test_a_demo_dlrm_run_is_predicted_from_a_sample_of_its_batches(tmp_path):
     read = sum(r.ssd_bytes_read for r in records)  # the last pass reads nothing ahead: all counted
     assert read == pytest.approx(sum(p.ssd_bytes_read for p in plan.passes), rel=0.03)
     assert max(r.ssd_hit_rate for r in records) > 0.2 and max(r.ram_hit_rate for r in records) > 0.02
+
+
+def test_bench_plan_compares_the_scale_workload_on_the_machine_it_measured():
+    from hierps.bench.plan import compare_scale
+    from hierps.bench.scale import ScaleConfig, phase_config
+
+    conf = phase_config(ScaleConfig(sizes=(100_000,), passes=3, batches=2, batch_keys=1_000))
+    machine = hp.Machine(
+        disk_read=1e9, disk_write=5e8, ram_copy=1e10, random_read=20_000.0, checkpoint_latency=0.01,
+        segment_write=5e7, replace_rate=40_000.0,
+    )  # fmt: skip
+    measured = {
+        "seconds": 0.2,
+        "checkpoint_seconds": 0.1,
+        "ssd_rows": 2_000,
+        "ssd_bytes_read": 2_000 * 4 * 37,
+    }
+    results = {"config": conf, "sizes": [{"rows": 100_000, "phases": {"train": {"passes": [measured] * 3}}}]}
+    (got,) = compare_scale(results, machine)
+    words = hierps.rows.row_layout("adagrad", 16).words
+    assert words == 37 and got["rows"] == 100_000
+    # Every fresh key of a pass is read from the SSD tier (the bench wrote them all), one page each.
+    assert got["ssd_rows_predicted"] == 2_000 and got["ssd_bytes_read_predicted"] == 2_000 * 4 * words
+    assert got["stage_seconds"]["ssd_read"] == pytest.approx(2_000 / 20_000.0)
+    ram = 2 * 2_000 * 4 * words / 1e10  # rows copied in and written back
+    assert got["pass_seconds_high"] == pytest.approx(0.1 + ram) and got["pass_ratio"] == pytest.approx(
+        0.2 / (0.1 + ram)
+    )
+    # The checkpoint after a pass: its 2,000 trained rows, each replacing its stored version.
+    segment = 2_000 * hp.row_bytes(16, hierps.TableSpec()).ssd
+    want = segment / 5e7 + 0.01 + 2_000 / 40_000.0
+    assert got["checkpoint_seconds_predicted"] == pytest.approx(want, rel=1e-3)
+    assert got["checkpoint_ratio"] == pytest.approx(0.1 / want, rel=1e-3)

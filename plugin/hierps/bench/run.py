@@ -314,6 +314,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "serving each in a fresh process: seconds, peak RSS against its limit, I/O, files (hierps.bench.scale)",
     )
     a(
+        "--plan",
+        action="store_true",
+        help="with --scale: also the planner's pass and checkpoint times against it",
+    )
+    a(
         "--serving",
         action="store_true",
         help="instead: serving an export at 10^6 and 10^7 rows (--full: also 10^8): open time, lookup latency "
@@ -409,9 +414,9 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
 def run_from_args(args: argparse.Namespace) -> int:
     """``hierps bench``: run, print the report, write ``--json`` / ``--plot``."""
     if args.scale:
-        from hierps.bench.scale import run_from_args as run_scale
+        from hierps.bench import plan, scale
 
-        return run_scale(args)
+        return (plan if args.plan else scale).run_from_args(args)
     if args.serving:
         from hierps.bench.serving import run_from_args as run_serving
 

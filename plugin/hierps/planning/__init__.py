@@ -17,7 +17,7 @@ checkpoints and restores will go, before it trains (``hierps plan``).
 - :mod:`._plan` — the plan itself and its text; :mod:`._spec` — inputs from a spec or DeepSpeed config.
 """
 
-from hierps.planning._machine import Machine, load_machine, measure_machine
+from hierps.planning._machine import Machine, checkpoint_costs, load_machine, measure_machine
 from hierps.planning._plan import PassPlan, Plan, TableInput, TablePlan, format_plan, plan
 from hierps.planning._simulate import PassCounts, replay
 from hierps.planning._sizes import RowBytes, row_bytes
@@ -35,6 +35,7 @@ __all__ = [
     "TableDraw",
     "TableInput",
     "TablePlan",
+    "checkpoint_costs",
     "format_plan",
     "keep_fraction",
     "load_machine",

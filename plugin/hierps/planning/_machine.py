@@ -4,14 +4,16 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import tempfile
-from dataclasses import asdict, dataclass
+import time
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
 from hierps.errors import ConfigError
 
-__all__ = ["Machine", "load_machine", "measure_machine"]
+__all__ = ["Machine", "checkpoint_costs", "load_machine", "measure_machine"]
 
 
 @dataclass(frozen=True)
@@ -26,6 +28,19 @@ class Machine:
     ssd_tier_read: float | None = None
     device_copy: float | None = None
     """Host to device copies (None: rows stay on the host, the CPU is the device)."""
+    random_read: float | None = None
+    """Random 4 KiB reads per second of the disk, many in flight (``hierps bench --scale``'s probe),
+    when measured: a row the SSD tier reads costs one (None: a page at ``disk_read``)."""
+    checkpoint_latency: float | None = None
+    """Seconds a checkpoint takes beyond its bytes, per table it writes a segment for (files made
+    durable one by one: fsyncs of the segment's files, its directory, the manifest), from
+    :func:`checkpoint_costs` (None: 0)."""
+    segment_write: float | None = None
+    """Bytes of segments the store writes per second, its writer's CPU work included, from
+    :func:`checkpoint_costs` (None: ``disk_write``)."""
+    replace_rate: float | None = None
+    """Rows per second a segment write locates the older versions of (rows replacing stored ones,
+    each in its own chunk), from :func:`checkpoint_costs` (None: free)."""
     name: str = "measured"
 
     def to_json(self) -> dict[str, Any]:
@@ -47,7 +62,7 @@ class Machine:
                 ssd_tier_read=float(tier["bytes_per_s"]) if tier.get("bytes_per_s") else None,
                 name="hierps bench",
             )
-        names = {"disk_read", "disk_write", "ram_copy", "ssd_tier_read", "device_copy", "name"}
+        names = {f.name for f in fields(cls)}
         unknown, missing = (
             sorted(set(data) - names),
             sorted({"disk_read", "disk_write", "ram_copy"} - set(data)),
@@ -55,7 +70,7 @@ class Machine:
         if unknown or missing:
             raise ConfigError(
                 f"machine: expected the keys disk_read, disk_write, ram_copy (bytes/s; optional ssd_tier_read, "
-                f"device_copy, name) or the JSON of `hierps bench`; missing {missing}, unknown {unknown}."
+                f"device_copy, random_read (reads/s), checkpoint_latency (s), segment_write, replace_rate, name) or the JSON of `hierps bench`; missing {missing}, unknown {unknown}."
             )
         machine = cls(**data)
         for key in ("disk_read", "disk_write", "ram_copy"):
@@ -87,9 +102,57 @@ def measure_machine(folder: str | os.PathLike[str] | None = None, nbytes: int = 
     ram = ram_copy(min(nbytes, 64 << 20), repeats=3)
     with tempfile.TemporaryDirectory(prefix="hierps-plan-", dir=folder) as tmp:
         disk = disk_read(Path(tmp), nbytes)
+        latency, segment_write, replace_rate = checkpoint_costs(tmp)
     return Machine(
         disk_read=disk["bytes_per_s"],
         disk_write=disk["write_bytes_per_s"],
         ram_copy=ram["bytes_per_s"],
+        checkpoint_latency=latency,
+        segment_write=segment_write,
+        replace_rate=replace_rate,
         name="measured",
     )
+
+
+def checkpoint_costs(
+    folder: str | os.PathLike[str] | None = None, repeats: int = 3
+) -> tuple[float, float, float]:
+    """(seconds a checkpoint takes per segment beyond its bytes, bytes of segment written per second,
+    rows per second whose older version a write locates), from store checkpoints on the disk of
+    ``folder`` (default: the system temp dir): of 256 and 8,192 new rows (dim 16, adagrad), then of
+    2,048 rows replacing stored ones each in its own chunk (as rows a pass trained replace theirs).
+    The writer's CPU work (checksums, filter, fences) is in the rates, as in a real checkpoint."""
+    import numpy as np
+
+    from hierps import Store
+    from hierps.planning._sizes import segment_bytes
+    from hierps.storage._segment import chunk_rows_for
+
+    def timed(store: Store, keys: np.ndarray, width: int) -> float:
+        store.write_rows("t", keys, np.zeros((len(keys), width), np.float32))
+        t0 = time.perf_counter()
+        store.checkpoint()
+        return time.perf_counter() - t0
+
+    with tempfile.TemporaryDirectory(prefix="hierps-plan-", dir=folder) as tmp:
+        with Store(Path(tmp) / "s", memory_budget="64MiB", device="cpu", pipeline=False) as store:
+            info = store.table("t", 16)
+            fixed, per_row = segment_bytes(info.words)
+            spread = 2_048 * chunk_rows_for(info.words)
+            timed(store, np.arange(spread, dtype=np.int64), info.width)  # stored: the rows to replace
+            first, new = spread, []
+            for n in (256, 8_192):
+                times = []
+                for _ in range(repeats):
+                    times.append(timed(store, np.arange(first, first + n, dtype=np.int64), info.width))
+                    first += n
+                new.append(statistics.median(times))
+            stride = chunk_rows_for(info.words)
+            replace = statistics.median(
+                timed(store, np.arange(i, spread, stride, dtype=np.int64), info.width) for i in range(repeats)
+            )
+    nbytes = [fixed + per_row * n for n in (256, 8_192)]
+    rate = (nbytes[1] - nbytes[0]) / max(new[1] - new[0], 1e-9)
+    latency = max(new[0] - nbytes[0] / rate, 0.0)
+    fresh_2048 = latency + (fixed + per_row * 2_048) / rate
+    return latency, rate, 2_048 / max(replace - fresh_2048, 1e-9)

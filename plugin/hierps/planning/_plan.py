@@ -82,6 +82,8 @@ class PassPlan:
     ``ssd_bytes_written``)."""
     checkpoint_bytes: float
     """Disk bytes of those rows' segment."""
+    checkpoint_seconds: float
+    """Time of that checkpoint on the machine (0 without one, or without a checkpoint)."""
     memory_bytes: float
     seconds_low: float
     seconds_high: float
@@ -148,6 +150,7 @@ def plan(
     machine: Machine | None = None,
     max_ids_per_pass: int = 2_000_000,
     read_ahead: bool = False,
+    restored: bool = False,
 ) -> Plan:
     """Plan a store of ``tables`` (name -> :class:`TableInput`) for ``traffic`` (passes of ids,
     :class:`SampledTraffic` or :class:`PowerLaw`), at ``world_size`` ranks each with these budgets.
@@ -157,6 +160,8 @@ def plan(
     (None: none). ``machine``: rates for the times (None: no times, 0 in the record).
     ``read_ahead``: each pass is announced while the one before trains (``store.prefetch``, as
     ``PassLoader`` and ``hierps demo`` do), so its rows are read before that pass's write-back.
+    ``restored``: the tables already hold every key (the store opens at a checkpoint): rows are read
+    from the SSD tier, none is new.
     """
     if not tables:
         raise ConfigError("plan: no tables given; give at least one table with its dim.")
@@ -183,6 +188,7 @@ def plan(
         pipeline=pipeline,
         checkpoint_every=checkpoint_every,
         read_ahead=read_ahead,
+        restored=restored,
     )
     seen = _distinct_seen(counts)
     tplans = [
@@ -210,7 +216,7 @@ def plan(
         ssd_peak_bytes=_PEAK * live,
         index_ram_bytes=index,
         checkpoint_bytes_per_pass=ckpt,
-        checkpoint_seconds=ckpt / machine.disk_write if machine else 0.0,
+        checkpoint_seconds=sum(p.checkpoint_seconds for p in passes) / max(len(passes), 1),
         restore_seconds=index / machine.disk_read if machine else 0.0,
         reshard_seconds=live / machine.disk_read + live / machine.disk_write if machine else 0.0,
         total_ssd_bytes=live * world_size,
@@ -294,7 +300,8 @@ def _pass_plan(
     if c.checkpoint_rows:
         mean_ssd = sum(ssd_per_key.values()) / len(ssd_per_key)
         ckpt_bytes = c.checkpoint_rows * mean_ssd / f
-    stages = _stage_seconds(c, f, moved / f, machine)
+    pages = sum(row["ssd_rows"] * sizes[t].chunk_pages for t, row in c.per_table.items()) / f
+    stages = _stage_seconds(c, f, moved / f, pages, machine)
     return PassPlan(
         pass_index=index,
         working_set=c.working_set / f,
@@ -309,6 +316,14 @@ def _pass_plan(
         ssd_bytes_written=c.ssd_bytes_written / f,
         checkpoint_rows=c.checkpoint_rows / f,
         checkpoint_bytes=ckpt_bytes,
+        checkpoint_seconds=_checkpoint_seconds(
+            ckpt_bytes,
+            c.checkpoint_replaced / f,
+            sum(1 for row in c.per_table.values() if row["working_set"]),
+            machine,
+        )
+        if c.checkpoint_rows
+        else 0.0,
         memory_bytes=c.memory_bytes / f,
         seconds_low=max(stages.values(), default=0.0),
         seconds_high=sum(stages.values()),
@@ -316,21 +331,46 @@ def _pass_plan(
     )
 
 
-def _stage_seconds(c: PassCounts, f: float, moved: float, machine: Machine | None) -> dict[str, float]:
-    """Seconds of each stage a pass's rows go through, at the machine's rates."""
+def _stage_seconds(
+    c: PassCounts, f: float, moved: float, pages: float, machine: Machine | None
+) -> dict[str, float]:
+    """Seconds of each stage a pass's rows go through, at the machine's rates; ``pages``: the pages
+    of the chunks its SSD reads fetch."""
     if machine is None:
         return {}
     read = c.ssd_bytes_read / f
     out = {
-        "ssd_read": read / machine.ssd_tier_read
-        if machine.ssd_tier_read
-        else (c.ssd_rows / f) * _PAGE / machine.disk_read,
-        "ssd_write": (c.ssd_bytes_written / f) / machine.disk_write,
+        "ssd_read": _ssd_read_seconds(read, pages, machine),
+        "ssd_write": (c.ssd_bytes_written / f) / (machine.segment_write or machine.disk_write),
         "ram": moved / machine.ram_copy,
     }
     if machine.device_copy:
         out["device_copy"] = moved / machine.device_copy
     return out
+
+
+def _checkpoint_seconds(nbytes: float, replaced: float, tables: int, machine: Machine | None) -> float:
+    """A checkpoint of ``nbytes`` of segments, one per table, ``replaced`` of its rows replacing stored
+    ones: the bytes at the store's segment write rate (else the disk's), the machine's latency of a
+    segment made durable per table, and the lookup of each replaced row's old segment."""
+    if machine is None:
+        return 0.0
+    return (
+        nbytes / (machine.segment_write or machine.disk_write)
+        + tables * (machine.checkpoint_latency or 0.0)
+        + (replaced / machine.replace_rate if machine.replace_rate else 0.0)
+    )
+
+
+def _ssd_read_seconds(row_bytes: float, pages: float, machine: Machine) -> float:
+    """Seconds the SSD tier takes to read rows scattered over its segments, each in a chunk of its own
+    (``pages``: their chunks' 4 KiB pages): at its own measured rate, else the pages at the disk's
+    random 4 KiB rate, else at its sequential rate."""
+    if machine.ssd_tier_read:
+        return row_bytes / machine.ssd_tier_read
+    if machine.random_read:
+        return pages / machine.random_read
+    return pages * _PAGE / machine.disk_read
 
 
 def _warnings(

@@ -14,6 +14,7 @@ does what :class:`hierps.Store` does per pass:
 - every row of a pass is trained (so dirty); a checkpoint puts the device tier's dirty rows into
   the RAM tier and flushes every dirty row to the SSD tier (the checkpoint's bytes).
 
+A store opened at a checkpoint (``restored``) holds every key on the SSD tier from the start.
 Not replayed: admission filters (every key counts as admitted), feature eviction (``shrink``),
 and the read-ahead of the next pass (whose reads see the RAM tier a write-back earlier).
 """
@@ -43,6 +44,8 @@ class PassCounts:
     """Rows the RAM tier handed to the SSD tier during the pass (evictions, overflow)."""
     checkpoint_rows: int
     """Rows a checkpoint after this pass wrote (0 when none was taken)."""
+    checkpoint_replaced: int
+    """Of those, rows whose key the SSD tier held already (their old version is located)."""
     device_bytes: float
     """Device bytes of the working set."""
     ids: int
@@ -63,11 +66,15 @@ class PassCounts:
 class _Sink:
     """Where the replayed RAM tier's dirty rows go: the set of keys the SSD tier holds."""
 
-    def __init__(self, tables: Iterable[str]) -> None:
+    def __init__(self, tables: Iterable[str], restored: bool = False) -> None:
         self.keys = {t: np.empty(0, np.int64) for t in tables}
         self.rows = dict.fromkeys(self.keys, 0)
+        self.replaced = 0  # rows written whose key the tier held already (all of them, restored)
+        self.restored = restored
 
     def write(self, table: str, keys: np.ndarray, rows: np.ndarray, at: np.ndarray | None = None) -> None:
+        held = len(keys) if self.restored else int(np.isin(keys, self.keys[table], assume_unique=True).sum())
+        self.replaced += held
         self.keys[table] = np.union1d(self.keys[table], keys)
         self.rows[table] += len(keys)
 
@@ -102,15 +109,17 @@ def replay(
     pipeline: bool = True,
     checkpoint_every: int | None = None,
     read_ahead: bool = False,
+    restored: bool = False,
 ) -> list[PassCounts]:
     """Replay ``passes`` (``{table: ids}`` each) through the store's tiers, budgets in bytes (already
     scaled to the keys kept); one :class:`PassCounts` per pass. Per table: ``ram_row_bytes`` and
     ``device_row_bytes`` what a row costs in those tiers, ``read_bytes`` / ``written_bytes`` what
     the SSD tier counts per row read / written. ``read_ahead``: each pass after the first is read
     while the one before trains (``prefetch``, as ``PassLoader`` and ``hierps demo`` do): its RAM
-    hits are touched at that pass's clock."""
+    hits are touched at that pass's clock. ``restored``: the tables already hold every key (a store
+    opened at a checkpoint of the model): a row no tier above holds is read from the SSD tier."""
     tables = list(ram_row_bytes)
-    sink = _Sink(tables)
+    sink = _Sink(tables, restored)
     ram = _KeyTier(int(memory_budget), sink, policy, ram_row_bytes)
     resident = {t: np.empty(0, np.int64) for t in tables}
     dirty = False  # the device tier's rows were trained since the last write to RAM
@@ -129,7 +138,7 @@ def replay(
             missing = np.setdiff1d(keys, resident[t], assume_unique=True) if piped else keys
             hit, _ = ram.get(t, missing, touch=True)
             rest = missing[~hit]
-            on_ssd = np.isin(rest, sink.keys[t], assume_unique=True)
+            on_ssd = np.ones(len(rest), bool) if restored else np.isin(rest, sink.keys[t], assume_unique=True)
             counts[t] = {
                 "working_set": len(keys),
                 "device_rows": len(keys) - len(missing),
@@ -154,16 +163,16 @@ def replay(
         else:
             resident, dirty = work, True
         written = {t: sink.rows[t] - written0[t] for t in tables}
-        ckpt = 0
+        ckpt = replaced = 0
         if checkpoint_every and (index + 1) % checkpoint_every == 0:
-            before = sum(sink.rows.values())
+            before, replaced0 = sum(sink.rows.values()), sink.replaced
             if dirty:
                 for t, keys in resident.items():
                     if len(keys):
                         ram.put(t, keys, np.zeros((len(keys), 1), np.float32))
                 dirty = False
             ram.flush()
-            ckpt = sum(sink.rows.values()) - before
+            ckpt, replaced = sum(sink.rows.values()) - before, sink.replaced - replaced0
         ssd_read = sum(c["ssd_rows"] * read_bytes[t] for t, c in counts.items())
         out.append(
             PassCounts(
@@ -174,6 +183,7 @@ def replay(
                 new_rows=sum(c["new_rows"] for c in counts.values()),
                 rows_written=sum(written.values()),
                 checkpoint_rows=ckpt,
+                checkpoint_replaced=replaced,
                 device_bytes=ws_bytes,
                 ids=sum(len(np.asarray(batch.get(t, ()))) for t in tables),
                 ssd_bytes_read=float(ssd_read),

@@ -22,7 +22,7 @@ from hierps.config import TableSpec
 from hierps.rows import row_layout
 from hierps.storage import SegmentWriter
 from hierps.storage._filter import filter_bits
-from hierps.storage._segment import KEY_COLUMNS, chunk_rows_for
+from hierps.storage._segment import KEY_COLUMNS, TRAILER, chunk_rows_for
 from hierps.tiers import ram_row_bytes
 from hierps.tiers._device import ROW_OVERHEAD
 
@@ -49,6 +49,9 @@ class RowBytes:
     """Bytes the SSD tier counts per row read (``ssd_bytes_read``): the stored row."""
     ssd_written: int
     """Bytes the SSD tier counts per row written (``ssd_bytes_written``): the row and its key."""
+    chunk_pages: int
+    """4 KiB pages of the chunk a row lies in: what one row read fetches (one page, unless rows are
+    so wide that a chunk of the fewest rows spans several)."""
 
     def to_json(self) -> dict[str, float]:
         return {k: float(v) for k, v in self.__dict__.items()}
@@ -71,6 +74,7 @@ def row_bytes(dim: int, spec: TableSpec) -> RowBytes:
         index=8 / chunk + filter_bits(chunk) / 8,
         ssd_traffic=4 * words,
         ssd_written=4 * (words + KEY_COLUMNS),
+        chunk_pages=-(-(chunk * 4 * (words + KEY_COLUMNS) + TRAILER) // 4096),
     )
 
 

@@ -11,6 +11,7 @@
     checkpoint_every: 1           # passes between checkpoints (null: none)
     read_ahead: false             # each pass announced while the one before trains (store.prefetch);
                                   #   default true with a hierarchical_ps section (PassLoader does it)
+    restored: false               # the tables already hold their keys (a store opened at a checkpoint)
     traffic:                      # a sample of batches ...
       sample: ids.npz             #   .npz / .parquet, one array (column) of ids per table
       examples_per_pass: 100000
@@ -45,6 +46,7 @@ _KEYS = {
     "eviction",
     "checkpoint_every",
     "read_ahead",
+    "restored",
     "traffic",
     "machine",
     "hierarchical_ps",
@@ -102,6 +104,7 @@ def plan_from_spec(
         else _int(spec.get("checkpoint_every", 1), "checkpoint_every"),
         machine=machine,
         read_ahead=bool(spec.get("read_ahead", "hierarchical_ps" in spec)),
+        restored=bool(spec.get("restored", False)),
     )
 
 
