@@ -156,9 +156,10 @@ def test_cli_plans_a_deepspeed_config_with_a_sample_and_warns_of_a_small_device_
         "--examples-per-pass",
         str(BATCH),
     ]
-    assert (
-        cli.main([*argv, "--machine", str(tmp_path / "m.json"), "--world-size", "2", "--json", str(out)]) == 0
-    )
+    png = tmp_path / "plan.png"
+    extra = ["--world-size", "2", "--json", str(out), "--plot", str(png)]
+    assert cli.main([*argv, "--machine", str(tmp_path / "m.json"), *extra]) == 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
     text = capsys.readouterr().out
     assert "device_budget 64.0 KiB cannot hold a pass's working set" in text
     got = hp.Plan.from_json(json.loads(out.read_text()))

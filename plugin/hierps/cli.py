@@ -142,6 +142,10 @@ def _plan(args: argparse.Namespace) -> int:
     result = plan_from_spec(spec, base=Path(args.spec).parent, machine=machine)
     print(format_plan(result))
     _write_json(args.json, result.to_json())
+    if args.plot:
+        from hierps.planning import plot_plan
+
+        plot_plan(result, args.plot)
     return 0
 
 
@@ -252,6 +256,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     pln.add_argument("--tmp", help="with --machine measure: a directory on the store's disk")
     pln.add_argument("--json", help="also write the plan as JSON here")
+    pln.add_argument("--plot", help="also draw bytes per tier and hit rates per pass as a PNG here")
     pln.set_defaults(func=_plan)
 
     args = parser.parse_args(argv)

@@ -14,11 +14,13 @@ checkpoints and restores will go, before it trains (``hierps plan``).
 - :mod:`._traffic` — passes of ids: a sample of real batches, or a power law; spatial sampling;
 - :mod:`._simulate` — the passes replayed through the store's RAM tier on keys alone;
 - :mod:`._machine` — the machine's rates, from ``hierps bench`` JSON or measured now;
-- :mod:`._plan` — the plan itself and its text; :mod:`._spec` — inputs from a spec or DeepSpeed config.
+- :mod:`._plan` — the plan itself and its text; :mod:`._spec` — inputs from a spec or DeepSpeed config;
+- :mod:`._plot` — the plan as a PNG (``hierps plan --plot``).
 """
 
 from hierps.planning._machine import Machine, checkpoint_costs, load_machine, measure_machine
 from hierps.planning._plan import PassPlan, Plan, TableInput, TablePlan, format_plan, plan
+from hierps.planning._plot import plot_plan
 from hierps.planning._simulate import PassCounts, replay
 from hierps.planning._sizes import RowBytes, row_bytes
 from hierps.planning._spec import plan_from_spec, read_spec
@@ -43,6 +45,7 @@ __all__ = [
     "measure_machine",
     "plan",
     "plan_from_spec",
+    "plot_plan",
     "read_spec",
     "replay",
     "row_bytes",
