@@ -459,3 +459,47 @@ def test_the_pass_loader_finds_each_tables_offsets_and_announces_bags(make_store
         assert isinstance(announced[t], hierps.Bags)
         assert torch.equal(announced[t].ids, batches[0][0][k])
         assert torch.equal(announced[t].offsets, batches[0][1][k])
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+def test_embedding_lookups_of_a_mini_batch_are_one_call_and_train_as_one_by_one(
+    make_store, monkeypatch, optimizer
+):
+    """nn.Embedding tables of one width (ids (B, 1) each, as DeepFM-style models call them) are
+    looked up by one index_select and their gradient summed by one embedding_bag; rows and optimizer
+    state equal the generic path's. A table whose output no loss uses (c, in the last mini-batch)
+    is not stepped."""
+    from hierps.training import _trainer
+
+    calls: list[int] = []
+    real = _trainer.look_up
+
+    def spy(*args, **kwargs):
+        calls.append(len(args[2]))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(_trainer, "look_up", spy)
+    rng = np.random.default_rng(4)
+    names = ["a", "b", "c"]
+    passes = [
+        [{t: torch.from_numpy(KEYS[(rng.zipf(1.3, size=32) - 1) % 300]) for t in names} for _ in range(2)]
+        for _ in range(2)
+    ]
+    results = []
+    for planned in (False, True):
+        store = make_store(f"s{planned}", memory_budget="4KiB")
+        opt = {"type": optimizer, "params": {"lr": 0.05}}
+        mods = {t: hierps.Embedding(None, 8, store=store, name=t, optimizer=opt) for t in names}
+        for p, group in enumerate(passes):
+            store.begin_pass(group if planned else _unmatched(group))
+            for k, batch in enumerate(group):
+                outs = [mods[t](batch[t].view(-1, 1)) for t in names]
+                used = outs[:2] if (p, k) == (1, 1) else outs
+                sum((o * (j + 1)).square().sum() for j, o in enumerate(used)).backward()
+                store.step()
+            store.end_pass()
+        store.checkpoint()
+        results.append({t: store._core.whole_rows(t, KEYS[:300]) for t in names})
+    for t in names:
+        np.testing.assert_array_equal(results[1][t], results[0][t], err_msg=t)
+    assert calls == [3, 3, 3, 3]  # one lookup of all three tables per mini-batch

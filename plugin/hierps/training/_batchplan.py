@@ -38,6 +38,7 @@ __all__ = [
     "JoinedBags",
     "PassBatches",
     "RowGroup",
+    "look_up",
     "pool_bags",
     "same_batches",
     "table_rows",
@@ -93,6 +94,10 @@ class Batch:
     slots: torch.Tensor  # (sum U,) int64
     counts: torch.Tensor  # (sum U,) float32
     local: torch.Tensor  # (sum n,) int64
+    # Joined over the tables too, for one backward of all of them: each table's ``order`` shifted
+    # past the ids of the tables before it (sum n,), and its ``starts`` likewise (sum U,).
+    order: torch.Tensor | None = None
+    starts: torch.Tensor | None = None
     # When every table's bags were announced: the same joined, for one pooling of all of them
     # (:func:`pool_bags`), and None otherwise.
     bags: JoinedBags | None = None
@@ -102,13 +107,12 @@ class Batch:
 class JoinedBags:
     """The announced bags of a mini-batch's tables joined in their order: ``offsets`` (sum B,) into
     :attr:`Batch.local`, ``counts`` each table's B, and for the summed gradient ``ids_bags``
-    (sum n,), each id's bag with the ids sorted by row, and ``starts`` (sum U,), each row's first
-    entry there."""
+    (sum n,), each id's bag with the ids sorted by row (each row's first entry there:
+    :attr:`Batch.starts`)."""
 
     offsets: torch.Tensor
     counts: list[int]
     ids_bags: torch.Tensor
-    starts: torch.Tensor
 
 
 @dataclass
@@ -396,6 +400,45 @@ def pool_bags(
     return _PooledBags.apply(leaf, local, bags, mode, bag_count, members, backed, by_key)
 
 
+class _LookedUp(torch.autograd.Function):
+    """``nn.Embedding`` lookups of many tables at once: one ``index_select`` of their ids' rows,
+    split per table (each piece a table's (n_t, dim) rows, in the order of its ids). The backward
+    sums each row's gradient over its ids, in their order, by one ``embedding_bag`` over all tables
+    (``order`` / ``starts``: the ids sorted by row, joined), as each table's own backward does."""
+
+    @staticmethod
+    def forward(ctx, leaf, local, sizes, order, starts, backed):
+        ctx.set_materialize_grads(False)  # an output no loss uses comes back as None, not zeros
+        ctx.kept, ctx.sizes = (order, starts, backed), sizes
+        return tuple(leaf.index_select(0, local).split(sizes))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        order, starts, backed = ctx.kept
+        backed.update(i for i, g in enumerate(grads) if g is not None)
+        some = next(g for g in grads if g is not None)
+        # the pieces were handed out as views of the ids' shape: flatten each back to (n_t, dim)
+        flat = [
+            g.reshape(-1, some.shape[-1]) if g is not None else some.new_zeros(n, some.shape[-1])
+            for g, n in zip(grads, ctx.sizes)
+        ]
+        grad_ids = torch.cat(flat)
+        return F.embedding_bag(order, grad_ids, starts, mode="sum"), None, None, None, None, None
+
+
+def look_up(
+    leaf: torch.Tensor,
+    local: torch.Tensor,
+    sizes: list[int],
+    order: torch.Tensor,
+    starts: torch.Tensor,
+    backed: set[int],
+) -> tuple[torch.Tensor, ...]:
+    """The rows of every id of T tables at once -> T pieces (n_t, dim) (see :class:`_LookedUp`);
+    ``backed`` gets the index of each piece a backward reached."""
+    return _LookedUp.apply(leaf, local, sizes, order, starts, backed)
+
+
 @dataclass
 class PassBatches:
     """The translated mini-batches of the current pass and, per table, the next one expected.
@@ -541,8 +584,18 @@ def translate(
             np.concatenate([loc + s for loc, s in zip(local, firsts)] or [np.empty(0, np.int64)])
         ).to(device)
         joined = None
+        n_before = np.cumsum([0, *[len(i) for i in ids[:-1]]]).astype(np.int64)
+        j_order = torch.from_numpy(
+            np.concatenate([o + n0 for o, n0 in zip(orders, n_before)] or [np.empty(0, np.int64)]).astype(
+                np.int64
+            )
+        ).to(device)
+        j_starts = torch.from_numpy(
+            np.concatenate([st + n0 for st, n0 in zip(starts, n_before)] or [np.empty(0, np.int64)]).astype(
+                np.int64
+            )
+        ).to(device)
         if tables and all(b is not None for b in bags):
-            n_before = np.cumsum([0, *[len(i) for i in ids[:-1]]])
             b_counts = [len(b[0]) for b in bags if b is not None]
             b_before = np.cumsum([0, *b_counts[:-1]])
             joined = JoinedBags(
@@ -552,9 +605,6 @@ def translate(
                 counts=b_counts,
                 ids_bags=torch.from_numpy(
                     np.concatenate([b[1] + b0 for b, b0 in zip(bags, b_before) if b is not None])
-                ).to(device),
-                starts=torch.from_numpy(
-                    np.concatenate([st + n0 for st, n0 in zip(starts, n_before)]).astype(np.int64)
                 ).to(device),
             )
         plans = {
@@ -572,5 +622,5 @@ def translate(
                 zip(tables, j_slots.split(sizes), j_counts.split(sizes))
             )
         }
-        out.append(Batch(plans, j_slots, j_counts, j_local, joined))
+        out.append(Batch(plans, j_slots, j_counts, j_local, j_order, j_starts, joined))
     return out

@@ -44,7 +44,7 @@ from hierps.rows._counters import record_seen_rows
 from hierps.rows._layout import rounding_bits
 from hierps.rows._optim import apply_step
 from hierps.rows._table import TableInfo
-from hierps.training._batchplan import Batch, BatchPlan, RowGroup, pool_bags, table_rows
+from hierps.training._batchplan import Batch, BatchPlan, RowGroup, look_up, pool_bags, table_rows
 from hierps.training._passes import PassRunner
 from hierps.training._readahead import ReadAhead
 
@@ -86,6 +86,14 @@ def _pools_alike(lookup: Lookup) -> bool:
     )
 
 
+_LOOKUP = "lookup"  # RowGroup.mode of pieces looked up, not pooled
+
+
+def _looks_up(lookup: Lookup) -> bool:
+    """Whether ``lookup`` is a plain ``nn.Embedding`` lookup (no padding row)."""
+    return lookup.mode is None and lookup.padding_idx is None
+
+
 def _same_bags(group: RowGroup, table: str, lookup: Lookup) -> bool:
     """Whether ``lookup`` pools the bags ``table`` was pooled with, with the rest of ``group``."""
     mine = lookup.offsets
@@ -113,6 +121,8 @@ class SparseTrainer:
         self._warned = False
         # Pool the tables of a mini-batch at once while they bring one offsets tensor (until one does not).
         self._pool_alike = True
+        # Look up the tables of a mini-batch at once while they are plain nn.Embedding lookups.
+        self._look_alike = True
         self.read_ahead = ReadAhead(core)  # rows of announced evaluation mini-batches
 
     def _record(self, pending: _Pending) -> None:
@@ -200,8 +210,16 @@ class SparseTrainer:
             group = batches.groups[key] = self._gather_group(batch, table)
             if self._pool_alike and _pools_alike(lookup):
                 self._pool_members(group, batch, lookup)
+            elif self._look_alike and _looks_up(lookup) and len(group.start) == len(batch.plans) > 1:
+                self._look_up_members(group, batch)
         piece = None
-        if group.pieces is not None and table in group.pieces:
+        if group.pieces is not None and table in group.pieces and group.mode == _LOOKUP:
+            if _looks_up(lookup):
+                piece = group.pieces.pop(table).view(*ids.shape, info.dim)
+                group.pooled.add(table)
+            else:  # this model's tables are not all plain lookups: each looks up its own from now on
+                self._look_alike = False
+        elif group.pieces is not None and table in group.pieces:
             if _same_bags(group, table, lookup):
                 piece = group.pieces.pop(table)
                 group.pooled.add(table)
@@ -248,7 +266,8 @@ class SparseTrainer:
         announced = [p.offsets for p in plans]
         joined = batch.bags
         if joined is not None and len(members) == len(batch.plans):  # joined ahead, on the worker
-            by_key = (joined.ids_bags, joined.starts) if lookup.mode == "sum" else None
+            assert batch.starts is not None
+            by_key = (joined.ids_bags, batch.starts) if lookup.mode == "sum" else None
             pieces = pool_bags(
                 group.weights, local, joined.offsets, lookup.mode, joined.counts, parts, group.backed, by_key
             )
@@ -286,6 +305,16 @@ class SparseTrainer:
         bags = torch.cat([offsets_t + i * n for i in range(len(plans))])
         pieces = pool_bags(group.weights, local, bags, lookup.mode, offsets_t.numel(), parts, group.backed)
         group.pieces, group.offsets, group.mode = dict(zip(members, pieces)), offsets_t, lookup.mode
+
+    def _look_up_members(self, group: RowGroup, batch: Batch) -> None:
+        """Look up the rows of every id of every table of ``batch`` at once (one ``index_select``,
+        :func:`~hierps.training._batchplan.look_up`), their gradient summed per row by one
+        ``embedding_bag``: each member's forward then takes its piece if it is a plain lookup."""
+        assert batch.order is not None and batch.starts is not None
+        members = list(group.start)
+        sizes = [batch.plans[t].ids.numel() for t in members]
+        pieces = look_up(group.weights, batch.local, sizes, batch.order, batch.starts, group.backed)
+        group.pieces, group.mode = dict(zip(members, pieces)), _LOOKUP
 
     def _gather_group(self, batch: Batch, table: str) -> RowGroup:
         """The rows of the tables of ``batch`` that share ``table``'s arena, dim and weights dtype,
