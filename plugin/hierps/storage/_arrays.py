@@ -43,6 +43,7 @@ from zarr.storage import LocalStore
 
 from hierps._faults import fault_point
 from hierps.errors import CorruptStoreError
+from hierps.storage import _native
 from hierps.storage._files import OpenFiles
 
 __all__ = [
@@ -134,7 +135,7 @@ class Array:
 
 def identity_seed(identity: str) -> int:
     """The start of every binding tag of the array named ``identity``."""
-    return int(crc32c.crc32c(identity.encode("utf-8", "surrogatepass")))
+    return _native.crc32c(identity.encode("utf-8", "surrogatepass"))
 
 
 def binding_tags(chunks: np.ndarray, crcs: np.ndarray, seed: int) -> np.ndarray:
@@ -224,7 +225,7 @@ class ArrayWriter:
             return
         raw = np.ascontiguousarray(data, dtype=self._dtype).reshape(len(data), -1).view(np.uint8)
         if self._checksum:
-            self.crc = crc32c.crc32c(raw.data, self.crc)
+            self.crc = _native.crc32c(raw.data, self.crc)
         if len(self._partial):
             raw = np.concatenate([self._partial, raw])
         full = len(raw) // self._chunk_rows
@@ -242,11 +243,7 @@ class ArrayWriter:
                 folder = folder / part
                 make_dir(folder)
             self._fd = os.open(folder / "0", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        encoded = _encode_chunks(payloads, self._chunks, self._seed)
-        if self._stride != encoded.shape[1]:
-            padded = np.zeros((len(encoded), self._stride), np.uint8)
-            padded[:, : encoded.shape[1]] = encoded
-            encoded = padded
+        encoded = _encode_chunks(payloads, self._chunks, self._seed, self._stride)
         try:
             _write_all(self._fd, encoded)
         except BaseException:
@@ -319,19 +316,27 @@ def _with_crc(payloads: np.ndarray) -> np.ndarray:
     """(k, p) uint8 payloads -> (k, p + 4) uint8: each followed by its crc32c (little endian)."""
     out = np.empty((len(payloads), payloads.shape[1] + 4), dtype=np.uint8)
     out[:, :-4] = payloads
-    crcs = np.fromiter((crc32c.crc32c(p) for p in payloads), dtype="<u4", count=len(payloads))
+    crcs = np.fromiter((_native.crc32c(p) for p in payloads), dtype="<u4", count=len(payloads))
     out[:, -4:] = crcs.view(np.uint8).reshape(-1, 4)
     return out
 
 
-def _encode_chunks(payloads: np.ndarray, first: int, seed: int) -> np.ndarray:
-    """(k, p) uint8 payloads of chunks ``first``.. -> (k, p + 8) uint8: each followed by its crc32c
-    and its binding tag (little endian)."""
-    out = np.empty((len(payloads), payloads.shape[1] + TRAILER), dtype=np.uint8)
-    out[:, :-TAG_BYTES] = _with_crc(payloads)
-    crcs = out[:, -TAG_BYTES - 4 : -TAG_BYTES].copy().view("<u4").reshape(-1)
+def _encode_chunks(payloads: np.ndarray, first: int, seed: int, stride: int = 0) -> np.ndarray:
+    """(k, p) uint8 payloads of chunks ``first``.. -> (k, s) uint8 with ``s = max(stride, p + 8)``: each
+    followed by its crc32c and its binding tag (little endian), then zeros up to ``s`` bytes.
+
+    The compiled core encodes in one pass; the numpy code below it is the reference."""
+    size = payloads.shape[1]
+    width = max(stride, size + TRAILER)
+    if _native.enabled():
+        out = np.empty((len(payloads), width), np.uint8)
+        _native.encode_chunks(np.ascontiguousarray(payloads), size, first, seed, width, out)
+        return out
+    out = np.zeros((len(payloads), width), dtype=np.uint8)
+    out[:, : size + 4] = _with_crc(payloads)
+    crcs = out[:, size : size + 4].copy().view("<u4").reshape(-1)
     tags = binding_tags(np.arange(first, first + len(payloads)), crcs, seed).astype("<u4")
-    out[:, -TAG_BYTES:] = tags.view(np.uint8).reshape(-1, 4)
+    out[:, size + 4 : size + TRAILER] = tags.view(np.uint8).reshape(-1, 4)
     return out
 
 
@@ -491,7 +496,7 @@ def _shard_offsets(arr: Array, file: Path, chunks_left: int, open_files: OpenFil
             open_files.release(fd) if open_files is not None else os.close(fd)
     except OSError as exc:
         raise CorruptStoreError(f"{file}: the shard could not be read ({exc}).") from exc
-    if index_at < 0 or crc32c.crc32c(raw[:-4]) != int.from_bytes(raw[-4:], "little"):
+    if index_at < 0 or _native.crc32c(raw[:-4]) != int.from_bytes(raw[-4:], "little"):
         raise CorruptStoreError(
             f"{file}: the shard index failed its crc32c checksum (or the file is truncated: {size} bytes). "
             "Restore the store from a backup, or open an earlier checkpoint."

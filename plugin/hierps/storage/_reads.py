@@ -4,25 +4,32 @@ asked for, with plain file I/O.
 A read plans, per array, the inner chunks holding the wanted rows, merges neighbouring ones into
 runs (``_GAP_BYTES``), splits long runs (``_PIECE_BYTES``) and reads them with ``os.pread``: on the
 calling thread when there are few, else on a shared pool of ``_THREADS`` threads, all arrays of a
-request at once so that their I/O overlaps. Every chunk read is checked against its crc32c; a bad
-or missing one is reported with its file name. :class:`OpenFiles` keeps descriptors open between
-reads.
+request at once so that their I/O overlaps. Every chunk read is checked against its crc32c and its
+binding tag; a bad or missing one is reported with its file name. :class:`OpenFiles` keeps
+descriptors open between reads.
+
+With the compiled core (:mod:`hierps.storage._native`) each read thread checks the chunks it has
+just read and copies the wanted rows out of them in one pass, without the GIL, while they are in
+its cache: the check and the gather run on every core, beside the reads. Without it, the calling
+thread checks and gathers each request's buffer with numpy (:meth:`_Plan.decode`), the reference
+the compiled path is tested against.
 """
 
 from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as futures_wait
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
-import crc32c
 import numpy as np
 
 from hierps.errors import CorruptStoreError
+from hierps.storage import _native
 from hierps.storage._arrays import Array, binding_tags
 from hierps.storage._files import OpenFiles
 
@@ -36,6 +43,8 @@ _PIECE_BYTES = 512 << 10
 # Threads issuing reads: an SSD serves many outstanding random reads at once.
 _THREADS = 16
 _PARALLEL_RUNS = 4  # fewer runs are read by the calling thread
+# A read task's bytes at most (unless one run is longer): the compiled path's per-thread buffer.
+_TASK_BYTES = 1 << 20
 _pool: tuple[int, ThreadPoolExecutor] | None = None
 _pool_lock = threading.Lock()
 
@@ -72,7 +81,7 @@ def read_arrays(
     plans = [_plan(arr, positions) for arr, positions in requests]
     reader = _Reader(open_files)
     try:
-        marks = [reader.start(plan.place(), inline=len(plans) == 1) for plan in plans]
+        marks = [reader.start(plan, inline=len(plans) == 1) for plan in plans]
         for plan, mark in zip(plans, marks):
             reader.wait(mark)
             yield plan.decode()
@@ -80,41 +89,49 @@ def read_arrays(
         reader.close()
 
 
-@dataclass(frozen=True, eq=False)
-class _Run:
-    """One pread: bytes from ``start`` of ``file`` (a file of ``arr``) into all of ``into``."""
-
-    arr: Array
-    file: Path
-    start: int
-    into: memoryview
-
-
 @dataclass(eq=False)
 class _Plan:
-    """The chunks one request needs and, once placed, its buffer and where each chunk lies in it."""
+    """The chunks one request needs and, once placed, the reads that fetch them and where each chunk
+    lies in the request's buffer: ``at``, run ``i`` filling bytes ``run_dest[i]:run_dest[i + 1]`` of it."""
 
     arr: Array
     pos: np.ndarray  # (k,) int64 rows wanted
     chunks: np.ndarray  # (c,) sorted chunk numbers holding them
     slot: np.ndarray  # (k,) index into ``chunks`` of each row's chunk
     span: bool = False  # ``pos`` is a range of consecutive rows: copied chunk by chunk, not row by row
+    ordered: bool = True  # rows come in chunk order (``slot`` nondecreasing)
+    # Where chunk i lies in the request's buffer (c,); run j: (r,) its file (an index into
+    # arr.files), its offset there; (r + 1,) its offset in the buffer, its first chunk.
+    at: np.ndarray = field(default_factory=lambda: np.empty(0, np.int64))
+    run_file: np.ndarray = field(default_factory=lambda: np.empty(0, np.int64))
+    run_start: np.ndarray = field(default_factory=lambda: np.empty(0, np.int64))
+    run_dest: np.ndarray = field(default_factory=lambda: np.zeros(1, np.int64))
+    run_chunk: np.ndarray = field(default_factory=lambda: np.zeros(1, np.int64))
+    # The numpy path: the whole request's buffer, checked and gathered by :meth:`decode`.
     buf: np.ndarray = field(default_factory=lambda: np.empty(0, np.uint8))
-    at: np.ndarray = field(default_factory=lambda: np.empty(0, np.int64))  # (c,) offsets in buf
+    # The compiled path (rows in chunk order): each read task checks its runs' chunks and copies their
+    # rows (``run_row[i]:run_row[i + 1]`` for run i) into ``out``, keeping what it found in ``checks``
+    # (by its first run: the first chunk whose crc32c fails, their count, the same for binding tags).
+    fused: bool = False
+    out: np.ndarray = field(default_factory=lambda: np.empty(0, np.uint8))
+    run_row: np.ndarray = field(default_factory=lambda: np.zeros(1, np.int64))
+    checks: dict[int, tuple[int, int, int, int]] = field(default_factory=dict)  # first run -> check_gather's
 
     @property
     def file_of(self) -> np.ndarray:
         return self.chunks // self.arr.chunks_per_file
 
-    def place(self) -> list[_Run]:
-        """Allocate the buffer and return the reads that fill it.
+    @property
+    def n_runs(self) -> int:
+        return len(self.run_start)
 
-        Chunks are fetched in runs, one pread each: same file, in order, gaps below ``_GAP_BYTES``
-        read through, at most about ``_PIECE_BYTES`` long (so that a long run is read in parallel).
-        """
+    def place(self) -> None:
+        """Plan the reads: chunks are fetched in runs, one pread each: same file, in order, gaps below
+        ``_GAP_BYTES`` read through, at most about ``_PIECE_BYTES`` long (so that a long run is read
+        in parallel). The numpy path allocates the request's buffer, the compiled one its output."""
         arr, chunks, file_of = self.arr, self.chunks, self.file_of
         if len(chunks) == 0:
-            return []
+            return
         start = arr.chunk_offsets(chunks)
         cut = np.ones(len(chunks), bool)
         cut[1:] = (file_of[1:] != file_of[:-1]) | (start[1:] - start[:-1] - arr.chunk_bytes > _GAP_BYTES)
@@ -126,22 +143,76 @@ class _Plan:
         run_of = np.cumsum(cut) - 1
         run_last = np.append(run_first[1:], len(chunks)) - 1
         run_start, run_end = start[run_first], start[run_last] + arr.chunk_bytes
-        run_dest = np.concatenate([[0], np.cumsum(run_end - run_start)])
-        self.buf = np.empty(int(run_dest[-1]), dtype=np.uint8)
-        self.at = run_dest[run_of] + start - run_start[run_of]
-        view = memoryview(self.buf.data)
-        return [
-            _Run(arr, arr.files[f], lo, view[dest : dest + hi - lo])
-            for f, lo, hi, dest in zip(
-                file_of[run_first].tolist(), run_start.tolist(), run_end.tolist(), run_dest.tolist()
+        self.run_dest = np.concatenate([[0], np.cumsum(run_end - run_start)])
+        self.at = self.run_dest[run_of] + start - run_start[run_of]
+        self.run_file, self.run_start = file_of[run_first], run_start
+        self.run_chunk = np.append(run_first, len(chunks))
+        if _native.enabled() and self.ordered:
+            self.fused = True
+            self.out = np.empty((len(self.pos), *arr.shape[1:]), arr.dtype)
+            # Rows in chunk order: each run's rows follow those of the run before.
+            self.run_row = np.append(
+                np.searchsorted(self.pos, chunks[run_first] * arr.chunk_rows), len(self.pos)
             )
-        ]
+        else:
+            self.buf = np.empty(int(self.run_dest[-1]), dtype=np.uint8)
+
+    def tasks(self) -> list[tuple[int, int]]:
+        """The runs cut into tasks ``(first, stop)`` for the read threads: a thread's share of the bytes
+        each, at most ``_TASK_BYTES`` unless a run is longer. Each task reads its runs in turn, so
+        ``_THREADS`` tasks keep as many reads in flight; more tasks would only cost their handing over
+        (tens of microseconds each, the read threads taking the GIL in turn)."""
+        total = int(self.run_dest[-1])
+        target = max(1, min(_TASK_BYTES, -(-total // _THREADS)))
+        group = (self.run_dest[1:] - 1) // target
+        cuts = (np.flatnonzero(group[1:] != group[:-1]) + 1).tolist()
+        return list(zip([0, *cuts], [*cuts, self.n_runs]))
+
+    def read_fused(self, fds: np.ndarray, first: int, stop: int) -> None:
+        """The compiled path, on a read thread: read runs ``first:stop`` into this thread's scratch
+        buffer, then check their chunks and copy their rows to ``out``, in one call without the GIL."""
+        arr = self.arr
+        scratch = _scratch(int(self.run_dest[stop] - self.run_dest[first]))
+        failed, got, *found = _native.read_check_gather(
+            fds, self.run_start, self.run_dest, self.run_chunk, self.run_row, first, stop, scratch, self.at,
+            self.chunks, self.pos, arr.payload_bytes, arr.seed, arr.chunk_rows, arr.row_bytes, self.out,
+        )  # fmt: skip
+        if failed >= 0:
+            if got < 0:
+                raise _unreadable(arr, OSError(-got, os.strerror(-got)))
+            length = int(self.run_dest[failed + 1] - self.run_dest[failed])
+            raise _short_read(arr.files[int(self.run_file[failed])], int(self.run_start[failed]), got, length)
+        self.checks[first] = (found[0], found[1], found[2], found[3])
+
+    def read(self, fds: list[int], first: int, stop: int) -> None:
+        """The numpy path: read runs ``first:stop`` into the request's buffer."""
+        view = memoryview(self.buf.data)
+        dest = self.run_dest.tolist()
+        for i, fd, start in zip(range(first, stop), fds[first:stop], self.run_start[first:stop].tolist()):
+            into = view[dest[i] : dest[i + 1]]
+            try:
+                got = os.preadv(fd, [into], start)
+            except OSError as exc:
+                raise _unreadable(self.arr, exc) from exc
+            if got != len(into):
+                raise _short_read(self.arr.files[int(self.run_file[i])], start, got, len(into))
 
     def decode(self) -> np.ndarray:
         """Check this request's chunks (once read) and gather its rows: (k, ...) in native byte order."""
         arr, buf = self.arr, self.buf
         if len(self.pos) == 0:
             return np.empty((0, *arr.shape[1:]), dtype=arr.dtype.newbyteorder("="))
+        if self.fused:
+            self._raise_bad(self.checks.values())
+            return self.out.astype(arr.dtype.newbyteorder("="), copy=False)
+        if _native.enabled():  # rows out of chunk order: checked and gathered here, by their slots
+            out = np.empty((len(self.pos), *arr.shape[1:]), arr.dtype)
+            found = _native.check_gather(
+                buf, self.at, self.chunks, arr.payload_bytes, arr.seed, self.pos, arr.chunk_rows,
+                arr.row_bytes, out.reshape(len(self.pos), -1).view(np.uint8), self.slot,
+            )  # fmt: skip
+            self._raise_bad([found])
+            return out.astype(arr.dtype.newbyteorder("="), copy=False)
         _check_chunks(arr, buf, self.at, self.chunks)
         if self.span:
             return self._decode_span()
@@ -150,6 +221,18 @@ class _Plan:
         items = np.ndarray((len(buf) - arr.row_bytes + 1,), np.dtype((np.void, arr.row_bytes)), buf, 0, (1,))
         out = items[rows].view(arr.dtype).reshape(len(self.pos), *arr.shape[1:])
         return out.astype(arr.dtype.newbyteorder("="), copy=False)
+
+    def _raise_bad(self, checks: Iterable[tuple[int, int, int, int]]) -> None:
+        """Raise what :func:`_check_chunks` raises, from compiled checks (the first chunk whose crc32c
+        fails, their count, the first whose binding tag fails, their count)."""
+        n_crc = sum(found[1] for found in checks)
+        if n_crc:
+            bad = min(found[0] for found in checks if found[1])
+            raise _crc_error(self.arr, int(self.chunks[bad]), n_crc)
+        n_tag = sum(found[3] for found in checks)
+        if n_tag:
+            wrong = min(found[2] for found in checks if found[3])
+            raise _tag_error(self.arr, int(self.chunks[wrong]), n_tag)
 
     def _decode_span(self) -> np.ndarray:
         """The rows of a range of consecutive rows: each chunk's payload (every chunk is written whole,
@@ -160,6 +243,17 @@ class _Plan:
         rows = items[self.at].view(arr.dtype).reshape(-1, *arr.shape[1:])
         skip = int(self.pos[0] - self.chunks[0] * arr.chunk_rows)
         return rows[skip : skip + len(self.pos)].astype(arr.dtype.newbyteorder("="), copy=False)
+
+
+_local = threading.local()
+
+
+def _scratch(size: int) -> np.ndarray:
+    """This thread's read buffer, of at least ``size`` bytes (kept between reads: no page faults)."""
+    buf: np.ndarray | None = getattr(_local, "buf", None)
+    if buf is None or len(buf) < size:
+        buf = _local.buf = np.empty(max(size, _TASK_BYTES + (64 << 10)), np.uint8)
+    return buf
 
 
 def chunk_positions(chunks: np.ndarray, chunk_rows: int, n: int) -> np.ndarray:
@@ -194,7 +288,7 @@ def _plan(arr: Array, positions: np.ndarray | None) -> _Plan:
         slot[new] = 1
         return _Plan(arr, pos, chunk_of[np.append(0, new)], np.cumsum(slot))
     chunks, slot = np.unique(chunk_of, return_inverse=True)
-    return _Plan(arr, pos, chunks, slot)
+    return _Plan(arr, pos, chunks, slot, ordered=False)
 
 
 class _Reader:
@@ -207,28 +301,33 @@ class _Reader:
         self._tasks: list[Future[None]] = []
         self._waited = 0
 
-    def start(self, runs: list[_Run], inline: bool) -> int:
-        """Start reading ``runs``; returns the mark to :meth:`wait` for before using their bytes."""
-        for run in runs:
-            if run.file not in self._fds:
-                try:
-                    if self._files is not None:
-                        self._fds[run.file] = self._files.acquire(run.file)
-                    else:
-                        self._fds[run.file] = os.open(run.file, os.O_RDONLY)
-                        os.posix_fadvise(self._fds[run.file], 0, 0, os.POSIX_FADV_RANDOM)  # no read-ahead
-                except OSError as exc:
-                    raise _unreadable(run.arr, exc) from exc
-        if inline and len(runs) < _PARALLEL_RUNS:
-            self._read(runs)
+    def start(self, plan: _Plan, inline: bool) -> int:
+        """Start reading the runs of ``plan``; returns the mark to :meth:`wait` for before decoding it."""
+        plan.place()
+        files, which = np.unique(plan.run_file, return_inverse=True)
+        fds = np.array([self._open(plan.arr, plan.arr.files[f]) for f in files.tolist()], np.int64)[which]
+        read: Callable[[int, int], None] = (
+            partial(plan.read_fused, fds) if plan.fused else partial(plan.read, fds.tolist())
+        )
+        if inline and plan.n_runs < _PARALLEL_RUNS:
+            if plan.n_runs:
+                read(0, plan.n_runs)
             return len(self._tasks)
-        # Tasks of a few runs each: enough tasks to keep every thread busy, few enough that
-        # handing them over costs little next to the reads.
-        per_task = max(1, len(runs) // (4 * _THREADS))
         pool = _executor()
-        for first in range(0, len(runs), per_task):
-            self._tasks.append(pool.submit(self._read, runs[first : first + per_task]))
+        self._tasks.extend(pool.submit(read, first, stop) for first, stop in plan.tasks())
         return len(self._tasks)
+
+    def _open(self, arr: Array, file: Path) -> int:
+        if file not in self._fds:
+            try:
+                if self._files is not None:
+                    self._fds[file] = self._files.acquire(file)
+                else:
+                    self._fds[file] = os.open(file, os.O_RDONLY)
+                    os.posix_fadvise(self._fds[file], 0, 0, os.POSIX_FADV_RANDOM)  # no read-ahead
+            except OSError as exc:
+                raise _unreadable(arr, exc) from exc
+        return self._fds[file]
 
     def wait(self, mark: int) -> None:
         """Block until the tasks before ``mark`` are done; raise the first one's error, if any."""
@@ -243,17 +342,12 @@ class _Reader:
             self._files.release(fd) if self._files is not None else os.close(fd)
         self._fds.clear()
 
-    def _read(self, runs: list[_Run]) -> None:
-        for run in runs:
-            try:
-                got = os.preadv(self._fds[run.file], [run.into], run.start)
-            except OSError as exc:
-                raise _unreadable(run.arr, exc) from exc
-            if got != len(run.into):
-                raise CorruptStoreError(
-                    f"{run.file}: chunk could not be read (the file ends at {run.start + got} bytes, before "
-                    f"{run.start + len(run.into)}); the array was truncated. Restore the store from a backup."
-                )
+
+def _short_read(file: Path, start: int, got: int, length: int) -> CorruptStoreError:
+    return CorruptStoreError(
+        f"{file}: chunk could not be read (the file ends at {start + got} bytes, before "
+        f"{start + length}); the array was truncated. Restore the store from a backup."
+    )
 
 
 def _unreadable(arr: Array, exc: OSError) -> CorruptStoreError:
@@ -270,23 +364,32 @@ def _check_chunks(arr: Array, buf: np.ndarray, at: np.ndarray, chunks: np.ndarra
     view = memoryview(buf.data)
     words = np.lib.stride_tricks.as_strided(buf, (len(buf) - 3, 4), (1, 1))
     stored = words[at + size].view("<u4")[:, 0]
-    check: Callable[[memoryview], int] = crc32c.crc32c
+    check: Callable[[memoryview], int] = _native.crc32c
     actual = np.fromiter((check(view[a : a + size]) for a in at.tolist()), dtype=np.uint32, count=len(at))
     bad = np.flatnonzero(actual != stored)
     if len(bad):
-        raise CorruptStoreError(
-            f"{arr.files[int(chunks[bad[0]]) // arr.chunks_per_file]}: chunk failed its crc32c checksum "
-            f"({len(bad)} chunk(s) of {arr.path}). Restore the store from a backup, or open an earlier checkpoint."
-        )
+        raise _crc_error(arr, int(chunks[bad[0]]), len(bad))
     tags = words[at + size + 4].view("<u4")[:, 0]
     wrong = np.flatnonzero(binding_tags(chunks, actual, arr.seed) != tags)
     if len(wrong):
-        raise CorruptStoreError(
-            f"{arr.files[int(chunks[wrong[0]]) // arr.chunks_per_file]}: chunk {int(chunks[wrong[0]])} is "
-            f"intact but is not the chunk of {arr.identity!r} at that position ({len(wrong)} chunk(s)): a file "
-            "was copied over another, or chunks were moved. Restore the store from a backup, or open an "
-            "earlier checkpoint."
-        )
+        raise _tag_error(arr, int(chunks[wrong[0]]), len(wrong))
+
+
+def _crc_error(arr: Array, chunk: int, count: int) -> CorruptStoreError:
+    """The error of ``count`` chunks of ``arr`` whose crc32c fails, the first being ``chunk``."""
+    return CorruptStoreError(
+        f"{arr.files[chunk // arr.chunks_per_file]}: chunk failed its crc32c checksum ({count} chunk(s) of "
+        f"{arr.path}). Restore the store from a backup, or open an earlier checkpoint."
+    )
+
+
+def _tag_error(arr: Array, chunk: int, count: int) -> CorruptStoreError:
+    """The error of ``count`` intact chunks of ``arr`` that are not the chunk at their place, the first ``chunk``."""
+    return CorruptStoreError(
+        f"{arr.files[chunk // arr.chunks_per_file]}: chunk {chunk} is intact but is not the chunk of "
+        f"{arr.identity!r} at that position ({count} chunk(s)): a file was copied over another, or chunks "
+        "were moved. Restore the store from a backup, or open an earlier checkpoint."
+    )
 
 
 def _executor() -> ThreadPoolExecutor:

@@ -1,0 +1,135 @@
+"""The compiled core of the storage layer, or the numpy code it replaces.
+
+:mod:`._core` (``_core.c``, built by ``setup.py`` at install) runs the loops over bytes of the SSD
+tier: crc32c (with the CPU's crc32 instruction where it has one), checking a read buffer's chunks
+(crc32c and binding tag) while gathering the wanted rows out of it in one pass, and encoding chunks
+for writing. Each function computes exactly what the numpy code it replaces computes, and that code
+stays beside its caller (:mod:`hierps.storage._reads`, :mod:`hierps.storage._arrays`): it runs where
+the extension could not be built (a machine without a C compiler; hierps then warns once) or where
+``HIERPS_NATIVE=0`` is set, and the tests hold the two to the same results.
+
+Every compiled function releases the GIL while it loops, so the read threads check and gather on
+every core while training goes on.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import warnings
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+import crc32c as _crc32c
+
+if TYPE_CHECKING:
+    from hierps.storage._native._core import Buffer
+
+try:
+    from hierps.storage._native import _core
+except ImportError as exc:  # built without a C compiler: the numpy code serves
+    _core = None  # type: ignore[assignment]
+    _MISSING: str | None = str(exc)
+else:
+    _MISSING = None
+
+__all__ = [
+    "binding_tags",
+    "check_gather",
+    "crc32c",
+    "disabled",
+    "enabled",
+    "encode_chunks",
+    "hardware_crc",
+    "read_check_gather",
+]
+
+_on = _core is not None and os.environ.get("HIERPS_NATIVE", "1") != "0"
+
+if _MISSING is not None and os.environ.get("HIERPS_NATIVE", "1") != "0":
+    warnings.warn(
+        f"hierps: the compiled core of the SSD tier (hierps.storage._native._core) could not be imported "
+        f"({_MISSING}); its reads and writes run in numpy, several times slower. Reinstall hierps where a C "
+        "compiler is present (`pip install .`, or `make setup`), or set HIERPS_NATIVE=0 to silence this.",
+        RuntimeWarning,
+        stacklevel=2,
+    )
+
+
+def enabled() -> bool:
+    """Whether the compiled core serves (it is importable, and ``HIERPS_NATIVE`` is not ``0``)."""
+    return _on
+
+
+def hardware_crc() -> bool:
+    """Whether crc32c runs on the CPU's crc32 instruction (the compiled core's, or the crc32c package's)."""
+    return _core.hardware() if _on else bool(_crc32c.hardware_based)
+
+
+@contextlib.contextmanager
+def disabled() -> Iterator[None]:
+    """Run the numpy code inside the block (benchmarks and tests compare the two in one process)."""
+    global _on
+    was, _on = _on, False
+    try:
+        yield
+    finally:
+        _on = was
+
+
+def crc32c(data: Buffer, value: int = 0) -> int:
+    """The crc32c of ``data``'s bytes continuing ``value`` (``crc32c.crc32c(data, value)``)."""
+    if _on:
+        return _core.crc32c(data, value)
+    return int(_crc32c.crc32c(data, value))  # type: ignore[arg-type]  # an ndarray is a buffer
+
+
+def check_gather(
+    buf: Buffer,
+    at: Buffer,
+    chunks: Buffer,
+    payload: int,
+    seed: int,
+    pos: Buffer,
+    chunk_rows: int,
+    row_bytes: int,
+    out: Buffer | None,
+    slot: Buffer | None = None,
+) -> tuple[int, int, int, int]:
+    """:func:`._core.check_gather` (the compiled core only: callers check :func:`enabled` first)."""
+    return _core.check_gather(buf, at, chunks, payload, seed, pos, chunk_rows, row_bytes, out, slot)
+
+
+def read_check_gather(
+    fds: Buffer,
+    run_start: Buffer,
+    run_dest: Buffer,
+    run_chunk: Buffer,
+    run_row: Buffer,
+    first: int,
+    stop: int,
+    scratch: Buffer,
+    at: Buffer,
+    chunks: Buffer,
+    pos: Buffer,
+    payload: int,
+    seed: int,
+    chunk_rows: int,
+    row_bytes: int,
+    out: Buffer,
+) -> tuple[int, int, int, int, int, int]:
+    """:func:`._core.read_check_gather` (the compiled core only)."""
+    return _core.read_check_gather(
+        fds, run_start, run_dest, run_chunk, run_row, first, stop, scratch, at, chunks, pos, payload, seed,
+        chunk_rows, row_bytes, out,
+    )  # fmt: skip
+
+
+def encode_chunks(payloads: Buffer, payload: int, first: int, seed: int, stride: int, out: Buffer) -> None:
+    """:func:`._core.encode_chunks` (the compiled core only)."""
+    _core.encode_chunks(payloads, payload, first, seed, stride, out)
+
+
+def binding_tags(chunks: Buffer, crcs: Buffer, seed: int, out: Buffer) -> None:
+    """:func:`._core.binding_tags` (the compiled core only)."""
+    _core.binding_tags(chunks, crcs, seed, out)

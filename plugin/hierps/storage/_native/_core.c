@@ -1,0 +1,611 @@
+/* hierps.storage._native._core: the loops over bytes of the SSD tier, compiled.
+ *
+ * Every function takes and fills buffers (the buffer protocol: numpy arrays, bytes, memoryviews),
+ * checks every offset and length it is given before it touches a byte, and runs its loop with the
+ * GIL released, so that the read threads check and gather on every core while training goes on.
+ * Each one computes exactly what the numpy code beside it computes (hierps.storage._reads,
+ * _arrays, _filter); tests/test_native.py holds them to it.
+ *
+ * crc32c is the Castagnoli CRC of the `crc32c` package (crc32c(data, value) continues `value`):
+ * with SSE4.2's crc32 instruction, three streams at once, when the CPU has it (asked at run time),
+ * else a slice-by-8 table.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <errno.h>
+#include <stdint.h>
+#include <string.h>
+#include <unistd.h>
+
+#if (defined(__x86_64__) || defined(__i386__)) && defined(__GNUC__)
+#define HIERPS_X86 1
+#include <nmmintrin.h>
+#endif
+
+#define POLY 0x82f63b78u /* crc32c, reflected */
+#define TRAILER 8        /* after each chunk's payload: its crc32c, then its binding tag */
+
+static uint32_t table8[8][256];
+
+/* -- portable crc32c ------------------------------------------------------------------------ */
+static void init_tables(void) {
+    for (uint32_t n = 0; n < 256; n++) {
+        uint32_t c = n;
+        for (int k = 0; k < 8; k++) c = c & 1 ? (c >> 1) ^ POLY : c >> 1;
+        table8[0][n] = c;
+    }
+    for (uint32_t n = 0; n < 256; n++) {
+        uint32_t c = table8[0][n];
+        for (int k = 1; k < 8; k++) {
+            c = table8[0][c & 0xff] ^ (c >> 8);
+            table8[k][n] = c;
+        }
+    }
+}
+
+static inline uint64_t load64(const unsigned char *p) {
+    uint64_t v;
+    memcpy(&v, p, 8);
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_BIG_ENDIAN__
+    v = __builtin_bswap64(v);
+#endif
+    return v;
+}
+
+static inline uint32_t load32le(const unsigned char *p) {
+    return (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24;
+}
+
+static inline void store32le(unsigned char *p, uint32_t v) {
+    p[0] = (unsigned char)v;
+    p[1] = (unsigned char)(v >> 8);
+    p[2] = (unsigned char)(v >> 16);
+    p[3] = (unsigned char)(v >> 24);
+}
+
+static uint32_t crc_sw(uint32_t crc, const unsigned char *p, size_t len) {
+    crc = ~crc;
+    while (len && ((uintptr_t)p & 7)) {
+        crc = table8[0][(crc ^ *p++) & 0xff] ^ (crc >> 8);
+        len--;
+    }
+    while (len >= 8) {
+        uint64_t w = load64(p) ^ crc;
+        crc = table8[7][w & 0xff] ^ table8[6][(w >> 8) & 0xff] ^ table8[5][(w >> 16) & 0xff] ^
+              table8[4][(w >> 24) & 0xff] ^ table8[3][(w >> 32) & 0xff] ^ table8[2][(w >> 40) & 0xff] ^
+              table8[1][(w >> 48) & 0xff] ^ table8[0][w >> 56];
+        p += 8;
+        len -= 8;
+    }
+    while (len--) crc = table8[0][(crc ^ *p++) & 0xff] ^ (crc >> 8);
+    return ~crc;
+}
+
+/* -- hardware crc32c: three interleaved streams, joined by "append n zero bytes" operators ------ */
+#ifdef HIERPS_X86
+#define LONG_BLOCK 8192
+#define SHORT_BLOCK 256
+static uint32_t zeros_long[4][256], zeros_short[4][256];
+
+static uint32_t gf2_times(const uint32_t *mat, uint32_t vec) {
+    uint32_t sum = 0;
+    while (vec) {
+        if (vec & 1) sum ^= *mat;
+        vec >>= 1;
+        mat++;
+    }
+    return sum;
+}
+
+static void gf2_square(uint32_t *square, const uint32_t *mat) {
+    for (int n = 0; n < 32; n++) square[n] = gf2_times(mat, mat[n]);
+}
+
+/* The operator that appends `len` zero bytes (a power of two) to a crc, as four byte tables. */
+static void zeros_tables(uint32_t zeros[4][256], size_t len) {
+    uint32_t even[32], odd[32], row = 1;
+    odd[0] = POLY;
+    for (int n = 1; n < 32; n++) {
+        odd[n] = row;
+        row <<= 1;
+    }
+    gf2_square(even, odd); /* 2 zero bits */
+    gf2_square(odd, even); /* 4 zero bits */
+    const uint32_t *op = even;
+    for (;;) {
+        gf2_square(even, odd); /* 1, 4, 16, ... zero bytes */
+        op = even;
+        len >>= 1;
+        if (!len) break;
+        gf2_square(odd, even); /* 2, 8, 32, ... */
+        op = odd;
+        len >>= 1;
+        if (!len) break;
+    }
+    for (uint32_t n = 0; n < 256; n++) {
+        zeros[0][n] = gf2_times(op, n);
+        zeros[1][n] = gf2_times(op, n << 8);
+        zeros[2][n] = gf2_times(op, n << 16);
+        zeros[3][n] = gf2_times(op, n << 24);
+    }
+}
+
+static inline uint32_t shift_crc(uint32_t zeros[4][256], uint32_t crc) {
+    return zeros[0][crc & 0xff] ^ zeros[1][(crc >> 8) & 0xff] ^ zeros[2][(crc >> 16) & 0xff] ^
+           zeros[3][crc >> 24];
+}
+
+__attribute__((target("sse4.2"))) static uint32_t crc_hw(uint32_t crc, const unsigned char *p, size_t len) {
+    uint64_t c0 = ~crc & 0xffffffffu, c1, c2;
+    while (len && ((uintptr_t)p & 7)) {
+        c0 = _mm_crc32_u8((uint32_t)c0, *p++);
+        len--;
+    }
+    while (len >= 3 * LONG_BLOCK) {
+        c1 = c2 = 0;
+        const unsigned char *end = p + LONG_BLOCK;
+        do {
+            c0 = _mm_crc32_u64(c0, load64(p));
+            c1 = _mm_crc32_u64(c1, load64(p + LONG_BLOCK));
+            c2 = _mm_crc32_u64(c2, load64(p + 2 * LONG_BLOCK));
+            p += 8;
+        } while (p < end);
+        c0 = shift_crc(zeros_long, (uint32_t)c0) ^ (uint32_t)c1;
+        c0 = shift_crc(zeros_long, (uint32_t)c0) ^ (uint32_t)c2;
+        p += 2 * LONG_BLOCK;
+        len -= 3 * LONG_BLOCK;
+    }
+    while (len >= 3 * SHORT_BLOCK) {
+        c1 = c2 = 0;
+        const unsigned char *end = p + SHORT_BLOCK;
+        do {
+            c0 = _mm_crc32_u64(c0, load64(p));
+            c1 = _mm_crc32_u64(c1, load64(p + SHORT_BLOCK));
+            c2 = _mm_crc32_u64(c2, load64(p + 2 * SHORT_BLOCK));
+            p += 8;
+        } while (p < end);
+        c0 = shift_crc(zeros_short, (uint32_t)c0) ^ (uint32_t)c1;
+        c0 = shift_crc(zeros_short, (uint32_t)c0) ^ (uint32_t)c2;
+        p += 2 * SHORT_BLOCK;
+        len -= 3 * SHORT_BLOCK;
+    }
+    while (len >= 8) {
+        c0 = _mm_crc32_u64(c0, load64(p));
+        p += 8;
+        len -= 8;
+    }
+    while (len--) c0 = _mm_crc32_u8((uint32_t)c0, *p++);
+    return ~(uint32_t)c0;
+}
+#endif
+
+static int have_hw = 0;
+
+static inline uint32_t crc_update(uint32_t crc, const unsigned char *p, size_t len) {
+#ifdef HIERPS_X86
+    if (have_hw) return crc_hw(crc, p, len);
+#endif
+    return crc_sw(crc, p, len);
+}
+
+/* The binding tag of chunk `chunk` whose crc32c is `crc`, in an array of `seed`. */
+static inline uint32_t binding_tag(uint32_t seed, uint64_t chunk, uint32_t crc) {
+    unsigned char item[12];
+    for (int b = 0; b < 8; b++) item[b] = (unsigned char)(chunk >> (8 * b));
+    store32le(item + 8, crc);
+    return crc_update(seed, item, 12);
+}
+
+/* -- buffers -------------------------------------------------------------------------------- */
+typedef struct {
+    Py_buffer view;
+    int held;
+} Buf;
+
+static void release(Buf *b) {
+    if (b->held) PyBuffer_Release(&b->view);
+    b->held = 0;
+}
+
+/* A C-contiguous buffer of bytes (any format), writable when asked. */
+static int get_bytes(PyObject *obj, Buf *b, int writable, const char *what) {
+    if (PyObject_GetBuffer(obj, &b->view, PyBUF_C_CONTIGUOUS | (writable ? PyBUF_WRITABLE : 0)) < 0) {
+        PyErr_Format(PyExc_TypeError, "%s: expected a contiguous%s buffer", what, writable ? " writable" : "");
+        return -1;
+    }
+    b->held = 1;
+    return 0;
+}
+
+/* A C-contiguous buffer of 8-byte integers in native order (a numpy int64 / uint64 array). */
+static int get_words(PyObject *obj, Buf *b, int writable, const char *what) {
+    if (PyObject_GetBuffer(obj, &b->view,
+                           PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | (writable ? PyBUF_WRITABLE : 0)) < 0) {
+        PyErr_Format(PyExc_TypeError, "%s: expected a contiguous%s int64 array", what,
+                     writable ? " writable" : "");
+        return -1;
+    }
+    b->held = 1;
+    const char *f = b->view.format ? b->view.format : "B";
+    if (*f == '<' || *f == '=' || *f == '@') f++;
+    if (b->view.itemsize != 8 || strlen(f) != 1 || !strchr("qQlL", *f)) {
+        PyErr_Format(PyExc_TypeError, "%s: expected an int64 array, got format %s of %zd bytes", what,
+                     b->view.format ? b->view.format : "B", b->view.itemsize);
+        release(b);
+        return -1;
+    }
+    return 0;
+}
+
+#define NWORDS(b) ((b).view.len / 8)
+#define WORDS(b) ((const int64_t *)(b).view.buf)
+
+/* -- crc32c(data, value=0) ------------------------------------------------------------------ */
+static PyObject *py_crc32c(PyObject *self, PyObject *args) {
+    PyObject *obj;
+    unsigned long value = 0;
+    if (!PyArg_ParseTuple(args, "O|k", &obj, &value)) return NULL;
+    Buf b = {0};
+    if (get_bytes(obj, &b, 0, "crc32c data") < 0) return NULL;
+    uint32_t crc = (uint32_t)value;
+    const unsigned char *p = b.view.buf;
+    size_t len = (size_t)b.view.len;
+    if (len >= 4096) {
+        Py_BEGIN_ALLOW_THREADS crc = crc_update(crc, p, len);
+        Py_END_ALLOW_THREADS
+    } else {
+        crc = crc_update(crc, p, len);
+    }
+    release(&b);
+    return PyLong_FromUnsignedLong(crc);
+}
+
+/* -- check_gather ---------------------------------------------------------------------------- */
+typedef struct {
+    const unsigned char *buf;
+    Py_ssize_t buf_len;
+    const int64_t *at, *chunks, *pos, *slot;
+    int64_t at_base; /* subtracted from every offset in `at` */
+    Py_ssize_t n_chunks, n_rows;
+    Py_ssize_t payload, chunk_rows, row_bytes;
+    uint32_t seed;
+    unsigned char *out;
+    /* results: index of the first chunk whose crc fails (-1: none) and their count; likewise for the
+     * binding tags of chunks whose crc passes */
+    Py_ssize_t bad_crc, n_bad_crc, bad_tag, n_bad_tag;
+    const char *error;
+    Py_ssize_t error_at;
+} Gather;
+
+static inline void check_chunk(Gather *g, Py_ssize_t i) {
+    const unsigned char *c = g->buf + (g->at[i] - g->at_base);
+    uint32_t crc = crc_update(0, c, (size_t)g->payload);
+    if (crc != load32le(c + g->payload)) {
+        if (g->bad_crc < 0) g->bad_crc = i;
+        g->n_bad_crc++;
+    } else if (binding_tag(g->seed, (uint64_t)g->chunks[i], crc) != load32le(c + g->payload + 4)) {
+        if (g->bad_tag < 0) g->bad_tag = i;
+        g->n_bad_tag++;
+    }
+}
+
+/* Copies rows, joining copies of rows that follow each other in both source and output. */
+typedef struct {
+    const unsigned char *src;
+    unsigned char *dst;
+    size_t len;
+} Copy;
+
+static inline void copy_row(Copy *cp, const unsigned char *src, unsigned char *dst, size_t n) {
+    if (cp->len && cp->src + cp->len == src && cp->dst + cp->len == dst) {
+        cp->len += n;
+        return;
+    }
+    if (cp->len) memcpy(cp->dst, cp->src, cp->len);
+    cp->src = src;
+    cp->dst = dst;
+    cp->len = n;
+}
+
+static inline void flush(Copy *cp) {
+    if (cp->len) memcpy(cp->dst, cp->src, cp->len);
+    cp->len = 0;
+}
+
+/* Row j of chunk i: its bytes in buf, or NULL (and g->error) when it is not in that chunk. */
+static inline const unsigned char *row_in(Gather *g, Py_ssize_t i, Py_ssize_t j) {
+    int64_t r = g->pos[j] - g->chunks[i] * g->chunk_rows;
+    if (r < 0 || r >= g->chunk_rows) {
+        g->error = "a row asked for is not in the chunk given for it";
+        g->error_at = j;
+        return NULL;
+    }
+    return g->buf + (g->at[i] - g->at_base) + r * g->row_bytes;
+}
+
+static void run_gather(Gather *g) {
+    Copy cp = {0};
+    size_t rb = (size_t)g->row_bytes;
+    for (Py_ssize_t i = 0; i < g->n_chunks; i++) {
+        int64_t a = g->at[i] - g->at_base;
+        if (a < 0 || a > g->buf_len - g->payload - TRAILER) {
+            g->error = "a chunk lies outside the buffer";
+            g->error_at = i;
+            return;
+        }
+    }
+    if (g->slot == NULL) {
+        /* Sorted rows in sorted chunks: each chunk is checked, then its rows copied while in cache. */
+        Py_ssize_t j = 0;
+        for (Py_ssize_t i = 0; i < g->n_chunks; i++) {
+            check_chunk(g, i);
+            if (!g->out) continue;
+            int64_t end = (g->chunks[i] + 1) * g->chunk_rows;
+            for (; j < g->n_rows && g->pos[j] < end; j++) {
+                const unsigned char *src = row_in(g, i, j);
+                if (!src) return;
+                copy_row(&cp, src, g->out + j * rb, rb);
+            }
+        }
+        flush(&cp);
+        if (g->out && j < g->n_rows) {
+            g->error = "a row asked for lies after the last chunk given";
+            g->error_at = j;
+        }
+        return;
+    }
+    for (Py_ssize_t i = 0; i < g->n_chunks; i++) check_chunk(g, i);
+    if (!g->out) return;
+    for (Py_ssize_t j = 0; j < g->n_rows; j++) {
+        int64_t i = g->slot[j];
+        if (i < 0 || i >= g->n_chunks) {
+            g->error = "a row's slot names no chunk given";
+            g->error_at = j;
+            return;
+        }
+        const unsigned char *src = row_in(g, (Py_ssize_t)i, j);
+        if (!src) return;
+        copy_row(&cp, src, g->out + j * rb, rb);
+    }
+    flush(&cp);
+}
+
+static PyObject *py_check_gather(PyObject *self, PyObject *args, PyObject *kw) {
+    static char *names[] = {"buf",       "at",  "chunks", "payload", "seed", "pos", "chunk_rows",
+                            "row_bytes", "out", "slot",   NULL};
+    PyObject *o_buf, *o_at, *o_chunks, *o_pos, *o_out, *o_slot = Py_None;
+    Py_ssize_t payload, chunk_rows, row_bytes;
+    unsigned long seed;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOOnkOnnO|O", names, &o_buf, &o_at, &o_chunks, &payload,
+                                     &seed, &o_pos, &chunk_rows, &row_bytes, &o_out, &o_slot))
+        return NULL;
+    Buf buf = {0}, at = {0}, chunks = {0}, pos = {0}, out = {0}, slot = {0};
+    PyObject *result = NULL;
+    if (get_bytes(o_buf, &buf, 0, "buf") < 0 || get_words(o_at, &at, 0, "at") < 0 ||
+        get_words(o_chunks, &chunks, 0, "chunks") < 0 || get_words(o_pos, &pos, 0, "pos") < 0 ||
+        (o_out != Py_None && get_bytes(o_out, &out, 1, "out") < 0) ||
+        (o_slot != Py_None && get_words(o_slot, &slot, 0, "slot") < 0))
+        goto done;
+    if (payload < 0 || chunk_rows <= 0 || row_bytes <= 0 || chunk_rows * row_bytes > payload ||
+        NWORDS(at) != NWORDS(chunks)) {
+        PyErr_SetString(PyExc_ValueError,
+                        "check_gather: expected payload >= chunk_rows * row_bytes > 0 and one offset per chunk");
+        goto done;
+    }
+    if (out.held && (out.view.len != NWORDS(pos) * row_bytes || (slot.held && NWORDS(slot) != NWORDS(pos)))) {
+        PyErr_Format(PyExc_ValueError, "check_gather: out holds %zd bytes, not %zd rows of %zd bytes (and a slot each)",
+                     out.view.len, NWORDS(pos), row_bytes);
+        goto done;
+    }
+    Gather g = {buf.view.buf, buf.view.len, WORDS(at), WORDS(chunks), WORDS(pos),
+                slot.held ? WORDS(slot) : NULL, 0, NWORDS(at), NWORDS(pos), payload, chunk_rows, row_bytes,
+                (uint32_t)seed, out.held ? out.view.buf : NULL, -1, 0, -1, 0, NULL, 0};
+    Py_BEGIN_ALLOW_THREADS run_gather(&g);
+    Py_END_ALLOW_THREADS
+    if (g.error) {
+        PyErr_Format(PyExc_ValueError, "check_gather: %s (index %zd)", g.error, g.error_at);
+        goto done;
+    }
+    result = Py_BuildValue("nnnn", g.bad_crc, g.n_bad_crc, g.bad_tag, g.n_bad_tag);
+done:
+    release(&buf);
+    release(&at);
+    release(&chunks);
+    release(&pos);
+    release(&out);
+    release(&slot);
+    return result;
+}
+
+/* -- read_check_gather ---------------------------------------------------------------------- */
+/* pread runs first..stop-1 (run i: bytes run_dest[i + 1] - run_dest[i] at run_start[i] of fds[i]) into
+ * `scratch`, one after the other, retrying short reads and EINTR; then check_gather their chunks
+ * (run_chunk[first]..run_chunk[stop]) and rows (run_row[first]..run_row[stop]) into `out`. */
+static PyObject *py_read_check_gather(PyObject *self, PyObject *args) {
+    PyObject *o_fds, *o_start, *o_dest, *o_chunk, *o_row, *o_scratch, *o_at, *o_chunks, *o_pos, *o_out;
+    Py_ssize_t first, stop, payload, chunk_rows, row_bytes;
+    unsigned long seed;
+    if (!PyArg_ParseTuple(args, "OOOOOnnOOOOnknnO", &o_fds, &o_start, &o_dest, &o_chunk, &o_row, &first, &stop,
+                          &o_scratch, &o_at, &o_chunks, &o_pos, &payload, &seed, &chunk_rows, &row_bytes, &o_out))
+        return NULL;
+    Buf fds = {0}, start = {0}, dest = {0}, chunk = {0}, row = {0}, scratch = {0}, at = {0}, chunks = {0},
+        pos = {0}, out = {0};
+    PyObject *result = NULL;
+    if (get_words(o_fds, &fds, 0, "fds") < 0 || get_words(o_start, &start, 0, "run_start") < 0 ||
+        get_words(o_dest, &dest, 0, "run_dest") < 0 || get_words(o_chunk, &chunk, 0, "run_chunk") < 0 ||
+        get_words(o_row, &row, 0, "run_row") < 0 || get_bytes(o_scratch, &scratch, 1, "scratch") < 0 ||
+        get_words(o_at, &at, 0, "at") < 0 || get_words(o_chunks, &chunks, 0, "chunks") < 0 ||
+        get_words(o_pos, &pos, 0, "pos") < 0 || get_bytes(o_out, &out, 1, "out") < 0)
+        goto done;
+    Py_ssize_t n_runs = NWORDS(fds);
+    const int64_t *fd = WORDS(fds), *st = WORDS(start), *ds = WORDS(dest), *rc = WORDS(chunk), *rr = WORDS(row);
+    if (NWORDS(start) != n_runs || NWORDS(dest) != n_runs + 1 || NWORDS(chunk) != n_runs + 1 ||
+        NWORDS(row) != n_runs + 1 || first < 0 || first >= stop || stop > n_runs || NWORDS(at) != NWORDS(chunks) ||
+        rc[first] < 0 || rc[first] > rc[stop] || rc[stop] > NWORDS(chunks) || rr[first] < 0 ||
+        rr[first] > rr[stop] || rr[stop] > NWORDS(pos) || chunk_rows <= 0 || row_bytes <= 0 ||
+        chunk_rows * row_bytes > payload || out.view.len != NWORDS(pos) * row_bytes) {
+        PyErr_SetString(PyExc_ValueError, "read_check_gather: runs, chunks and rows do not match");
+        goto done;
+    }
+    for (Py_ssize_t i = first; i < stop; i++) {
+        if (st[i] < 0 || ds[i] < ds[first] || ds[i + 1] < ds[i] || ds[i + 1] - ds[first] > scratch.view.len ||
+            fd[i] < 0 || fd[i] > INT32_MAX) {
+            PyErr_Format(PyExc_ValueError, "read_check_gather: run %zd does not fit the buffer", i);
+            goto done;
+        }
+    }
+    unsigned char *b = scratch.view.buf;
+    Py_ssize_t failed = -1;
+    int64_t got = 0;
+    Gather g = {b, ds[stop] - ds[first], WORDS(at) + rc[first], WORDS(chunks) + rc[first], WORDS(pos) + rr[first],
+                NULL, ds[first], rc[stop] - rc[first], rr[stop] - rr[first], payload, chunk_rows, row_bytes,
+                (uint32_t)seed, (unsigned char *)out.view.buf + rr[first] * row_bytes, -1, 0, -1, 0, NULL, 0};
+    Py_BEGIN_ALLOW_THREADS for (Py_ssize_t i = first; i < stop && failed < 0; i++) {
+        int64_t len = ds[i + 1] - ds[i];
+        unsigned char *into = b + (ds[i] - ds[first]);
+        got = 0;
+        while (got < len) {
+            ssize_t r = pread((int)fd[i], into + got, (size_t)(len - got), (off_t)(st[i] + got));
+            if (r < 0 && errno == EINTR) continue;
+            if (r <= 0) {
+                if (r < 0) got = -(int64_t)errno;
+                break;
+            }
+            got += r;
+        }
+        if (got != len) failed = i;
+    }
+    if (failed < 0) run_gather(&g);
+    Py_END_ALLOW_THREADS if (g.error) {
+        PyErr_Format(PyExc_ValueError, "read_check_gather: %s (index %zd)", g.error, g.error_at);
+        goto done;
+    }
+    Py_ssize_t base = (Py_ssize_t)rc[first];
+    result = Py_BuildValue("nLnnnn", failed, (long long)(failed < 0 ? 0 : got), g.bad_crc < 0 ? -1 : base + g.bad_crc,
+                           g.n_bad_crc, g.bad_tag < 0 ? -1 : base + g.bad_tag, g.n_bad_tag);
+done:
+    release(&fds);
+    release(&start);
+    release(&dest);
+    release(&chunk);
+    release(&row);
+    release(&scratch);
+    release(&at);
+    release(&chunks);
+    release(&pos);
+    release(&out);
+    return result;
+}
+
+/* -- encode_chunks ---------------------------------------------------------------------------- */
+static PyObject *py_encode_chunks(PyObject *self, PyObject *args) {
+    PyObject *o_src, *o_out;
+    Py_ssize_t payload, stride;
+    unsigned long long first;
+    unsigned long seed;
+    if (!PyArg_ParseTuple(args, "OnKknO", &o_src, &payload, &first, &seed, &stride, &o_out)) return NULL;
+    Buf src = {0}, out = {0};
+    PyObject *result = NULL;
+    if (get_bytes(o_src, &src, 0, "payloads") < 0 || get_bytes(o_out, &out, 1, "out") < 0) goto done;
+    if (payload <= 0 || stride < payload + TRAILER || src.view.len % payload ||
+        out.view.len != src.view.len / payload * stride) {
+        PyErr_SetString(PyExc_ValueError,
+                        "encode_chunks: expected whole payloads and an output of one stride (>= payload + 8) each");
+        goto done;
+    }
+    Py_ssize_t n = src.view.len / payload;
+    const unsigned char *s = src.view.buf;
+    unsigned char *o = out.view.buf;
+    uint32_t seed32 = (uint32_t)seed;
+    Py_BEGIN_ALLOW_THREADS for (Py_ssize_t i = 0; i < n; i++) {
+        const unsigned char *p = s + i * payload;
+        unsigned char *c = o + i * stride;
+        memcpy(c, p, (size_t)payload);
+        uint32_t crc = crc_update(0, p, (size_t)payload);
+        store32le(c + payload, crc);
+        store32le(c + payload + 4, binding_tag(seed32, first + (uint64_t)i, crc));
+        memset(c + payload + TRAILER, 0, (size_t)(stride - payload - TRAILER));
+    }
+    Py_END_ALLOW_THREADS result = Py_NewRef(Py_None);
+done:
+    release(&src);
+    release(&out);
+    return result;
+}
+
+/* -- binding_tags ----------------------------------------------------------------------------- */
+static PyObject *py_binding_tags(PyObject *self, PyObject *args) {
+    PyObject *o_chunks, *o_crcs, *o_out;
+    unsigned long seed;
+    if (!PyArg_ParseTuple(args, "OOkO", &o_chunks, &o_crcs, &seed, &o_out)) return NULL;
+    Buf chunks = {0}, crcs = {0}, out = {0};
+    PyObject *result = NULL;
+    if (get_words(o_chunks, &chunks, 0, "chunks") < 0 || get_bytes(o_crcs, &crcs, 0, "crcs") < 0 ||
+        get_bytes(o_out, &out, 1, "out") < 0)
+        goto done;
+    Py_ssize_t n = NWORDS(chunks);
+    if (crcs.view.len != 4 * n || out.view.len != 4 * n) {
+        PyErr_SetString(PyExc_ValueError, "binding_tags: expected one uint32 crc and one uint32 tag per chunk");
+        goto done;
+    }
+    const int64_t *ch = WORDS(chunks);
+    const unsigned char *cr = crcs.view.buf;
+    unsigned char *o = out.view.buf;
+    uint32_t seed32 = (uint32_t)seed;
+    Py_BEGIN_ALLOW_THREADS for (Py_ssize_t i = 0; i < n; i++) {
+        uint32_t crc;
+        memcpy(&crc, cr + 4 * i, 4); /* native order, as numpy's uint32 */
+        uint32_t tag = binding_tag(seed32, (uint64_t)ch[i], crc);
+        memcpy(o + 4 * i, &tag, 4);
+    }
+    Py_END_ALLOW_THREADS result = Py_NewRef(Py_None);
+done:
+    release(&chunks);
+    release(&crcs);
+    release(&out);
+    return result;
+}
+
+/* -- module ----------------------------------------------------------------------------------- */
+static PyObject *py_hardware(PyObject *self, PyObject *unused) { return PyBool_FromLong(have_hw); }
+
+static PyObject *py_set_hardware(PyObject *self, PyObject *arg) {
+    int want = PyObject_IsTrue(arg);
+    if (want < 0) return NULL;
+    int prev = have_hw;
+#ifdef HIERPS_X86
+    have_hw = want && __builtin_cpu_supports("sse4.2");
+#else
+    have_hw = 0;
+#endif
+    return PyBool_FromLong(prev);
+}
+
+static PyMethodDef methods[] = {
+    {"crc32c", py_crc32c, METH_VARARGS, "crc32c(data, value=0) -> int: the crc32c of data, continuing value."},
+    {"check_gather", (PyCFunction)(void (*)(void))py_check_gather, METH_VARARGS | METH_KEYWORDS,
+     "Check chunks (crc32c, binding tag) and copy rows out of them; see _core.pyi."},
+    {"read_check_gather", py_read_check_gather, METH_VARARGS,
+     "Read runs into a scratch buffer, then check their chunks and gather their rows; see _core.pyi."},
+    {"encode_chunks", py_encode_chunks, METH_VARARGS,
+     "encode_chunks(payloads, payload, first, seed, stride, out): chunks with crc32c and binding tag."},
+    {"binding_tags", py_binding_tags, METH_VARARGS, "binding_tags(chunks, crcs, seed, out)."},
+    {"hardware", py_hardware, METH_NOARGS, "Whether crc32c runs on the CPU's crc32 instruction."},
+    {"set_hardware", py_set_hardware, METH_O,
+     "Use the CPU's crc32 instruction (when it has one) or the table; returns the previous setting."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_core", "hierps' compiled loops over bytes.", -1,
+                                    methods};
+
+PyMODINIT_FUNC PyInit__core(void) {
+    init_tables();
+#ifdef HIERPS_X86
+    __builtin_cpu_init();
+    have_hw = __builtin_cpu_supports("sse4.2");
+    zeros_tables(zeros_long, LONG_BLOCK);
+    zeros_tables(zeros_short, SHORT_BLOCK);
+#endif
+    return PyModule_Create(&module);
+}

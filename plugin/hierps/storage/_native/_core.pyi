@@ -1,0 +1,81 @@
+"""hierps' compiled loops over bytes (``_core.c``); the Python side is :mod:`hierps.storage._native`.
+
+Buffers are anything with the buffer protocol (numpy arrays, bytes, memoryviews), C-contiguous;
+"int64 array" means a contiguous numpy int64 (or uint64) array. Every function checks the offsets
+and lengths it is given (``ValueError``) and releases the GIL while it loops.
+"""
+
+from typing import TypeAlias
+
+from numpy import ndarray
+from typing_extensions import Buffer as _Buffer
+
+Buffer: TypeAlias = _Buffer | ndarray  # numpy's stubs give arrays __buffer__ only from Python 3.12
+
+def crc32c(data: Buffer, value: int = 0) -> int:
+    """The crc32c of ``data`` continuing ``value``: ``crc32c.crc32c(data, value)``."""
+
+def check_gather(
+    buf: Buffer,
+    at: Buffer,
+    chunks: Buffer,
+    payload: int,
+    seed: int,
+    pos: Buffer,
+    chunk_rows: int,
+    row_bytes: int,
+    out: Buffer | None,
+    slot: Buffer | None = None,
+) -> tuple[int, int, int, int]:
+    """Check the chunks at byte offsets ``at`` (c,) int64 of ``buf`` (each ``payload`` bytes, its
+    crc32c, its binding tag for chunk number ``chunks[i]`` in an array of ``seed``), and copy row
+    ``pos[j]`` (k,) int64 of its chunk (``chunk_rows`` rows of ``row_bytes``) to row ``j`` of ``out``
+    (k * row_bytes bytes, or None: check only). The chunk of a row is ``slot[j]``, or, without
+    ``slot``, the chunk of ``chunks`` (sorted) that holds it, rows given in chunk order.
+
+    Returns (first chunk whose crc32c fails or -1, their count, first chunk whose crc32c passes and
+    binding tag fails or -1, their count); rows are copied either way.
+    """
+
+def read_check_gather(
+    fds: Buffer,
+    run_start: Buffer,
+    run_dest: Buffer,
+    run_chunk: Buffer,
+    run_row: Buffer,
+    first: int,
+    stop: int,
+    scratch: Buffer,
+    at: Buffer,
+    chunks: Buffer,
+    pos: Buffer,
+    payload: int,
+    seed: int,
+    chunk_rows: int,
+    row_bytes: int,
+    out: Buffer,
+) -> tuple[int, int, int, int, int, int]:
+    """Runs ``first:stop`` of a request, all in one call without the GIL: ``pread`` run ``i``
+    (``run_dest[i + 1] - run_dest[i]`` bytes at ``run_start[i]`` of descriptor ``fds[i]``; (r,) and
+    (r + 1,) int64) into ``scratch``, one after the other (chunk ``c`` then lies at ``at[c] -
+    run_dest[first]``), retrying short reads and EINTR; then :func:`check_gather` of their chunks
+    ``run_chunk[first]:run_chunk[stop]`` and rows ``run_row[first]:run_row[stop]`` of ``pos`` into the
+    same rows of ``out`` (every row of the request, ``len(pos) * row_bytes`` bytes).
+
+    Returns (the first run that failed or -1, the bytes it got before its file ended or ``-errno``,
+    then :func:`check_gather`'s four numbers, chunk indices counted in ``chunks``), or, when a run
+    failed, no check (-1, 0, -1, 0).
+    """
+
+def encode_chunks(payloads: Buffer, payload: int, first: int, seed: int, stride: int, out: Buffer) -> None:
+    """Chunks ``first``.. of an array of ``seed``: each ``payload`` bytes of ``payloads`` to ``out``
+    at a step of ``stride`` bytes, followed by its crc32c and binding tag (little endian) and zeros."""
+
+def binding_tags(chunks: Buffer, crcs: Buffer, seed: int, out: Buffer) -> None:
+    """The binding tags (c,) uint32 into ``out`` of chunks ``chunks`` (c,) int64 with crc32c ``crcs`` (c,) uint32."""
+
+def hardware() -> bool:
+    """Whether crc32c runs on the CPU's crc32 instruction (SSE4.2), not on the table."""
+
+def set_hardware(on: bool) -> bool:
+    """Use the crc32 instruction (where the CPU has it) or the table; returns the previous setting."""

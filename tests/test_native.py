@@ -1,0 +1,345 @@
+"""The compiled core of the storage layer (hierps.storage._native) computes what the numpy code does.
+
+- crc32c equals the crc32c package's bit for bit: random buffers of every length 0..N, unaligned
+  starts, continued values, with the CPU's crc32 instruction and with the table;
+- reads (check + binding tag + gather in one pass, on the read threads) return the rows the numpy
+  path returns, for sorted, unsorted, repeated, consecutive and sparse positions, 1-d and 2-d arrays,
+  many requests at once, and raise the same ``CorruptStoreError`` for every damaged chunk;
+- chunks are encoded byte for byte as the numpy code encodes them;
+- the compiled loops release the GIL; without the extension hierps warns once and runs numpy.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import crc32c
+import numpy as np
+import pytest
+from zarr.storage import LocalStore
+
+from hierps.errors import CorruptStoreError
+from hierps.storage import _native
+from hierps.storage._arrays import TRAILER, ArrayWriter, _encode_chunks, binding_tags, open_array
+from hierps.storage._reads import read_arrays
+
+core = pytest.importorskip("hierps.storage._native._core", reason="the compiled core was not built")
+pytestmark = pytest.mark.skipif(not _native.enabled(), reason="HIERPS_NATIVE=0")
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+# -- crc32c ----------------------------------------------------------------------------------------
+@pytest.fixture(params=[True, False], ids=["crc32-instruction", "table"])
+def crc_kind(request):
+    if request.param and not core.set_hardware(True) and not core.hardware():
+        pytest.skip("this CPU has no crc32 instruction")
+    was = core.set_hardware(request.param)
+    yield request.param
+    core.set_hardware(was)
+
+
+def test_crc32c_equals_the_package_bit_for_bit(crc_kind):
+    rng = np.random.default_rng(1)
+    data = rng.integers(0, 256, 3 * 8192 * 3 + 64, dtype=np.uint8).tobytes()
+    view = memoryview(data)
+    lengths = [*range(0, 1100), 4088, 4096, 3 * 256 * 2 + 5, 3 * 8192, 3 * 8192 + 7, 3 * 8192 * 3 + 1]
+    for n in lengths:
+        start = int(rng.integers(0, 64))  # unaligned starts
+        piece = view[start : start + n]
+        value = int(rng.integers(0, 1 << 32))
+        assert core.crc32c(piece) == crc32c.crc32c(piece), (n, start)
+        assert core.crc32c(piece, value) == crc32c.crc32c(piece, value), (n, start, value)
+    # Continuing a crc over pieces gives the crc of the whole.
+    assert core.crc32c(view[1000:], core.crc32c(view[:1000])) == crc32c.crc32c(data)
+    # Any contiguous buffer: bytes, bytearray, numpy arrays of any dtype.
+    arr = rng.random((37, 5)).astype(np.float32)
+    assert core.crc32c(arr) == crc32c.crc32c(arr.tobytes()) == _native.crc32c(arr)
+    assert core.crc32c(bytearray(data[:77])) == crc32c.crc32c(data[:77])
+
+
+def test_crc32c_refuses_a_strided_buffer():
+    with pytest.raises(TypeError, match="contiguous"):
+        core.crc32c(np.arange(10, dtype=np.uint8)[::2])
+
+
+def test_binding_tags_equal_the_numpy_code():
+    rng = np.random.default_rng(2)
+    chunks = rng.integers(0, 1 << 40, 500)
+    crcs = rng.integers(0, 1 << 32, 500).astype(np.uint32)
+    out = np.empty(500, np.uint32)
+    core.binding_tags(chunks, crcs, 12345, out)
+    assert np.array_equal(out, binding_tags(chunks, crcs, 12345))
+
+
+# -- writing ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize("stride", [0, 4096, 5000])
+def test_encoded_chunks_equal_the_numpy_code(stride):
+    payloads = np.random.default_rng(3).integers(0, 256, (40, 4088 - 8 * (stride == 5000)), dtype=np.uint8)
+    compiled = _encode_chunks(payloads, 17, 99, stride)
+    with _native.disabled():
+        reference = _encode_chunks(payloads, 17, 99, stride)
+    assert compiled.shape == reference.shape == (40, max(stride, payloads.shape[1] + TRAILER))
+    assert np.array_equal(compiled, reference)
+
+
+def test_arrays_are_written_byte_for_byte_as_numpy_writes_them(tmp_path):
+    data = np.random.default_rng(4).random((5000, 7)).astype(np.float32)
+    for name, ctx in (("compiled", None), ("numpy", _native.disabled())):
+        writer = ArrayWriter(LocalStore(str(tmp_path)), name, (7,), "float32", 33, align=4096, identity="a")
+        if ctx is None:
+            writer.append(data)
+            writer.close()
+        else:
+            with ctx:
+                writer.append(data)
+                writer.close()
+    shard = Path("c", "0", "0")
+    assert (tmp_path / "compiled" / shard).read_bytes() == (tmp_path / "numpy" / shard).read_bytes()
+
+
+# -- reading ---------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def arrays(tmp_path_factory):
+    """A 2-d array of page-aligned chunks (as a segment's rows) and a 1-d one (as its fences)."""
+    root = tmp_path_factory.mktemp("arrays")
+    zstore = LocalStore(str(root))
+    rng = np.random.default_rng(5)
+    rows = rng.random((20_011, 9)).astype(np.float32)
+    keys = np.cumsum(rng.integers(1, 1000, 30_000)).astype(np.int64)
+    for name, data, chunk_rows, align in (("rows", rows, 113, 4096), ("keys", keys, 500, 1)):
+        writer = ArrayWriter(
+            zstore, name, data.shape[1:], data.dtype.name, chunk_rows, align=align, identity=name
+        )
+        writer.append(data)
+        writer.close()
+    opened = {
+        "rows": open_array(zstore, root, "rows", "float32", 2, identity="rows"),
+        "keys": open_array(zstore, root, "keys", "int64", 1, identity="keys"),
+    }
+    return root, opened, {"rows": rows, "keys": keys}
+
+
+def _positions(n: int) -> dict[str, np.ndarray | None]:
+    rng = np.random.default_rng(6)
+    reversed_in_chunks = np.arange(n) // 113 * 113 + 112 - np.arange(n) % 113
+    return {
+        "all": None,
+        "range": np.arange(n // 3, n // 3 + 2000),
+        "one": np.array([n - 1]),
+        "sparse": np.arange(0, n, 997),
+        "quarter": np.sort(rng.choice(n, n // 4, replace=False)),
+        "repeated": np.sort(rng.integers(0, n, 3000)),
+        "unsorted": rng.integers(0, n, 3000),
+        # In chunk order (of 113 rows) but not sorted within each chunk.
+        "reversed within chunks": reversed_in_chunks[reversed_in_chunks < n],
+        "empty": np.empty(0, np.int64),
+    }
+
+
+@pytest.mark.parametrize("name", ["rows", "keys"])
+def test_reads_return_the_rows_numpy_returns(arrays, name):
+    _, opened, data = arrays
+    arr, expected = opened[name], data[name]
+    for label, pos in _positions(len(expected)).items():
+        got = next(read_arrays([(arr, pos)]))
+        with _native.disabled():
+            reference = next(read_arrays([(arr, pos)]))
+        want = expected if pos is None else expected[pos]
+        assert got.dtype == reference.dtype == want.dtype, label
+        assert got.shape == reference.shape == want.shape, label
+        assert np.array_equal(got, want) and np.array_equal(reference, want), label
+
+
+def test_many_requests_at_once(arrays):
+    _, opened, data = arrays
+    requests = [(opened["rows"], p) for p in _positions(len(data["rows"])).values()]
+    requests += [(opened["keys"], p) for p in _positions(len(data["keys"])).values()]
+    got = list(read_arrays(requests))
+    with _native.disabled():
+        reference = list(read_arrays(requests))
+    assert all(np.array_equal(a, b) for a, b in zip(got, reference, strict=True))
+
+
+def _damaged(tmp_path: Path, arrays, damage) -> tuple[str | None, str | None]:
+    """The error messages (compiled, numpy) reading every row of a copy of ``rows`` after ``damage``."""
+    root, opened, _ = arrays
+    arr = opened["rows"]
+    copy = tmp_path / "copy"
+    copy.mkdir(exist_ok=True)
+    shard = copy / "0"
+    shard.write_bytes(arr.files[0].read_bytes())
+    damage(shard, arr)
+    moved = dataclasses.replace(arr, files=(shard,))
+    messages = []
+    for numpy in (False, True):
+        for pos in (None, np.arange(0, arr.shape[0], 50)):
+            try:
+                with _native.disabled() if numpy else contextlib.nullcontext():
+                    next(read_arrays([(moved, pos)]))
+            except CorruptStoreError as exc:
+                messages.append(str(exc))
+            else:
+                messages.append(None)
+    assert messages[0] == messages[2] and messages[1] == messages[3], messages
+    return messages[0], messages[1]
+
+
+def _flip(at: int):
+    def damage(path: Path, arr) -> None:
+        raw = bytearray(path.read_bytes())
+        raw[at] ^= 0x40
+        path.write_bytes(bytes(raw))
+
+    return damage
+
+
+def test_a_damaged_chunk_raises_the_same_error(tmp_path, arrays):
+    _, opened, _ = arrays
+    arr = opened["rows"]
+    # A payload byte of chunk 3, the crc of chunk 10, and the binding tag of chunk 120.
+    for at, what in (
+        (3 * arr.stride + 100, "crc32c"),
+        (10 * arr.stride + arr.payload_bytes + 1, "crc32c"),
+        (120 * arr.stride + arr.payload_bytes + 5, "is not the chunk"),
+    ):
+        whole, sparse = _damaged(tmp_path, arrays, _flip(at))
+        assert whole is not None and what in whole and str(tmp_path / "copy" / "0") in whole
+
+
+def test_several_damaged_chunks_name_the_first_and_the_count(tmp_path, arrays):
+    _, opened, _ = arrays
+    arr = opened["rows"]
+
+    def damage(path: Path, _arr) -> None:
+        for chunk in (150, 7, 80):
+            _flip(chunk * arr.stride + 9)(path, arr)
+        _flip(2 * arr.stride + arr.payload_bytes + 6)(path, arr)  # a tag: reported only without crc errors
+
+    whole, _ = _damaged(tmp_path, arrays, damage)
+    assert whole is not None and "(3 chunk(s) of" in whole
+
+
+def test_swapped_chunks_fail_their_binding_tags(tmp_path, arrays):
+    _, opened, _ = arrays
+    arr = opened["rows"]
+
+    def swap(path: Path, _arr) -> None:
+        raw = bytearray(path.read_bytes())
+        a, b, n = 5 * arr.stride, 40 * arr.stride, arr.chunk_bytes
+        raw[a : a + n], raw[b : b + n] = raw[b : b + n], raw[a : a + n]
+        path.write_bytes(bytes(raw))
+
+    whole, _ = _damaged(tmp_path, arrays, swap)
+    assert whole is not None and "chunk 5 is intact but is not the chunk of 'rows'" in whole
+    assert "(2 chunk(s))" in whole
+
+
+def test_a_truncated_file_raises_the_same_error(tmp_path, arrays):
+    def truncate(path: Path, arr) -> None:
+        with open(path, "r+b") as f:
+            f.truncate(100 * arr.stride + 10)
+
+    whole, sparse = _damaged(tmp_path, arrays, truncate)
+    assert whole is not None and "the array was truncated" in whole and "the file ends at" in whole
+
+
+def test_check_gather_refuses_offsets_outside_its_buffers():
+    buf = np.zeros(4096, np.uint8)
+    ok = dict(payload=4000, seed=0, chunk_rows=10, row_bytes=400)
+    with pytest.raises(ValueError, match="outside the buffer"):
+        core.check_gather(buf, np.array([100]), np.array([0]), pos=np.array([0]), out=None, **ok)
+    with pytest.raises(ValueError, match="after the last chunk"):
+        core.check_gather(buf, np.array([0]), np.array([0]), pos=np.array([10]), out=bytearray(400), **ok)
+    with pytest.raises(ValueError, match="not in the chunk"):
+        core.check_gather(
+            buf,
+            np.array([0]),
+            np.array([0]),
+            pos=np.array([10]),
+            out=bytearray(400),
+            slot=np.array([0]),
+            **ok,
+        )
+    with pytest.raises(ValueError, match="out holds"):
+        core.check_gather(buf, np.array([0]), np.array([0]), pos=np.array([1]), out=bytearray(10), **ok)
+    with pytest.raises(TypeError, match="int64"):
+        core.check_gather(buf, np.array([0], np.int32), np.array([0]), pos=np.array([1]), out=None, **ok)
+    # A chunk of zeros fails its crc32c; reported, not raised.
+    assert core.check_gather(buf, np.array([0]), np.array([0]), pos=np.array([3]), out=bytearray(400), **ok)[
+        :2
+    ] == (
+        0,
+        1,
+    )
+
+
+# -- the GIL ---------------------------------------------------------------------------------------
+def test_the_compiled_loops_release_the_gil():
+    """Another Python thread runs while a long crc32c and a long check run in C."""
+    big = np.zeros(1 << 28, np.uint8)
+    chunks = np.arange(0, len(big) // 4096 - 1, dtype=np.int64)
+    at = chunks * 4096
+
+    def work() -> None:
+        for _ in range(3):
+            core.crc32c(big)
+            core.check_gather(big, at, chunks, 4000, 0, np.empty(0, np.int64), 10, 400, None)
+
+    ticks = 0
+    worker = threading.Thread(target=work)
+    t0 = time.perf_counter()
+    worker.start()
+    while worker.is_alive():
+        ticks += 1
+    seconds = time.perf_counter() - t0
+    # Holding the GIL, the C calls would leave this thread a few ticks between them at most.
+    assert seconds < 0.05 or ticks > 1000, (ticks, seconds)
+
+
+# -- without the extension -------------------------------------------------------------------------
+_WITHOUT = """
+import importlib.abc, sys, warnings
+
+class NoCore(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name == "hierps.storage._native._core":
+            raise ImportError("no compiled core in this test")
+
+sys.meta_path.insert(0, NoCore())
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    import hierps.storage._reads
+    import hierps.storage._arrays
+    import hierps.storage._native as native
+print(native.enabled(), len([w for w in caught if "compiled core" in str(w.message)]))
+import numpy as np, tempfile
+from pathlib import Path
+from zarr.storage import LocalStore
+from hierps.storage._arrays import create_array, open_array
+from hierps.storage._reads import read_arrays
+root = Path(tempfile.mkdtemp())
+data = np.arange(1000, dtype=np.int64)
+create_array(LocalStore(str(root)), "a", data, 100, identity="a")
+arr = open_array(LocalStore(str(root)), root, "a", "int64", 1, identity="a")
+print(np.array_equal(next(read_arrays([(arr, np.arange(0, 1000, 3))])), data[::3]))
+"""
+
+
+def test_without_the_extension_numpy_serves_and_hierps_warns_once():
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(REPO / "plugin"), os.environ.get("PYTHONPATH", "")]),
+    }
+    env.pop("HIERPS_NATIVE", None)
+    out = subprocess.run(
+        [sys.executable, "-c", _WITHOUT], env=env, capture_output=True, text=True, check=True
+    )
+    assert out.stdout.split() == ["False", "1", "True"], out.stdout + out.stderr
