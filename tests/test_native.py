@@ -26,7 +26,7 @@ import pytest
 from zarr.storage import LocalStore
 
 from hierps.errors import CorruptStoreError
-from hierps.storage import _native
+from hierps.storage import _native, _reads
 from hierps.storage._arrays import TRAILER, ArrayWriter, _encode_chunks, binding_tags, open_array
 from hierps.storage._reads import read_arrays
 
@@ -324,6 +324,7 @@ import numpy as np, tempfile
 from pathlib import Path
 from zarr.storage import LocalStore
 from hierps.storage._arrays import create_array, open_array
+from hierps.storage import _reads
 from hierps.storage._reads import read_arrays
 root = Path(tempfile.mkdtemp())
 data = np.arange(1000, dtype=np.int64)
@@ -343,3 +344,29 @@ def test_without_the_extension_numpy_serves_and_hierps_warns_once():
         [sys.executable, "-c", _WITHOUT], env=env, capture_output=True, text=True, check=True
     )
     assert out.stdout.split() == ["False", "1", "True"], out.stdout + out.stderr
+
+
+def test_runs_are_planned_as_numpy_plans_them(arrays):
+    """The compiled planner cuts the same runs as the numpy one: gaps, pieces, file boundaries, chunks
+    out of order."""
+    _, opened, _ = arrays
+    base = opened["rows"]
+    rng = np.random.default_rng(7)
+    n_chunks = base.n_chunks
+    # Chunks of 7 to a file, at irregular offsets (gaps below and above _GAP_BYTES, one step back).
+    offsets = np.cumsum(rng.choice([4096, 8192, 40 << 10, 300 << 10], n_chunks)) - 4096
+    offsets[n_chunks // 2] = 0
+    irregular = dataclasses.replace(base, chunks_per_file=7, offsets=offsets, stride=0)
+    for arr in (base, irregular):
+        for label, pos in _positions(arr.shape[0]).items():
+            compiled = _reads._plan(arr, pos)
+            compiled.place()
+            with _native.disabled():
+                reference = _reads._plan(arr, pos)
+                reference.place()
+            for name in ("at", "run_chunk", "run_file", "run_start", "run_dest"):
+                assert np.array_equal(getattr(compiled, name), getattr(reference, name)), (label, name)
+            if compiled.fused:
+                rows = compiled.pos // arr.chunk_rows
+                first_chunk = compiled.chunks[compiled.run_chunk[:-1]]
+                assert np.array_equal(compiled.run_row[:-1], np.searchsorted(rows, first_chunk)), label

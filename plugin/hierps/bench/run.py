@@ -319,6 +319,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="with --scale: also the planner's pass and checkpoint times against it",
     )
     a(
+        "--core",
+        action="store_true",
+        help="instead: the CPU per 4 KiB chunk the SSD tier spends reading (lookups, scans, a quarter of the "
+        "rows) from the page cache, compiled core against numpy, beside the bare reads (hierps.bench.core)",
+    )
+    a(
         "--serving",
         action="store_true",
         help="instead: serving an export at 10^6 and 10^7 rows (--full: also 10^8): open time, lookup latency "
@@ -417,6 +423,10 @@ def run_from_args(args: argparse.Namespace) -> int:
         from hierps.bench import plan, scale
 
         return (plan if args.plan else scale).run_from_args(args)
+    if args.core:
+        from hierps.bench.core import run_from_args as run_core
+
+        return run_core(args)
     if args.serving:
         from hierps.bench.serving import run_from_args as run_serving
 

@@ -133,6 +133,9 @@ class _Plan:
         if len(chunks) == 0:
             return
         start = arr.chunk_offsets(chunks)
+        if _native.enabled():
+            self._place_compiled(start, file_of)
+            return
         cut = np.ones(len(chunks), bool)
         cut[1:] = (file_of[1:] != file_of[:-1]) | (start[1:] - start[:-1] - arr.chunk_bytes > _GAP_BYTES)
         cut[1:] |= start[1:] < start[:-1]
@@ -147,13 +150,27 @@ class _Plan:
         self.at = self.run_dest[run_of] + start - run_start[run_of]
         self.run_file, self.run_start = file_of[run_first], run_start
         self.run_chunk = np.append(run_first, len(chunks))
-        if _native.enabled() and self.ordered:
-            self.fused = True
+        self.buf = np.empty(int(self.run_dest[-1]), dtype=np.uint8)
+
+    def _place_compiled(self, start: np.ndarray, file_of: np.ndarray) -> None:
+        """:meth:`place` by the compiled core: the same runs, cut in one loop. Rows in chunk order are
+        read fused (each run's rows follow those of the run before); others are gathered by
+        :meth:`decode`, from the request's buffer."""
+        arr, c = self.arr, len(self.chunks)
+        at, run_chunk, run_dest, run_row = (np.empty(n, np.int64) for n in (c, c + 1, c + 1, c + 1))
+        run_file, run_start = np.empty(c, np.int64), np.empty(c, np.int64)
+        ordered = self.ordered
+        r = _native.plan_runs(
+            np.ascontiguousarray(start, np.int64), np.ascontiguousarray(file_of, np.int64), arr.chunk_bytes,
+            _GAP_BYTES, _PIECE_BYTES, at, run_chunk, run_file, run_start, run_dest,
+            self.pos if ordered else None, self.chunks if ordered else None, arr.chunk_rows,
+            run_row if ordered else None,
+        )  # fmt: skip
+        self.at, self.run_chunk, self.run_file = at, run_chunk[: r + 1], run_file[:r]
+        self.run_start, self.run_dest = run_start[:r], run_dest[: r + 1]
+        if ordered:
+            self.fused, self.run_row = True, run_row[: r + 1]
             self.out = np.empty((len(self.pos), *arr.shape[1:]), arr.dtype)
-            # Rows in chunk order: each run's rows follow those of the run before.
-            self.run_row = np.append(
-                np.searchsorted(self.pos, chunks[run_first] * arr.chunk_rows), len(self.pos)
-            )
         else:
             self.buf = np.empty(int(self.run_dest[-1]), dtype=np.uint8)
 
@@ -304,8 +321,12 @@ class _Reader:
     def start(self, plan: _Plan, inline: bool) -> int:
         """Start reading the runs of ``plan``; returns the mark to :meth:`wait` for before decoding it."""
         plan.place()
-        files, which = np.unique(plan.run_file, return_inverse=True)
-        fds = np.array([self._open(plan.arr, plan.arr.files[f]) for f in files.tolist()], np.int64)[which]
+        arr = plan.arr
+        if len(arr.files) == 1:
+            fds = np.full(plan.n_runs, self._open(arr, arr.files[0]) if plan.n_runs else -1, np.int64)
+        else:
+            files, which = np.unique(plan.run_file, return_inverse=True)
+            fds = np.array([self._open(arr, arr.files[f]) for f in files.tolist()], np.int64)[which]
         read: Callable[[int, int], None] = (
             partial(plan.read_fused, fds) if plan.fused else partial(plan.read, fds.tolist())
         )

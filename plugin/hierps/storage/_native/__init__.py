@@ -22,9 +22,6 @@ from typing import TYPE_CHECKING
 
 import crc32c as _crc32c
 
-if TYPE_CHECKING:
-    from hierps.storage._native._core import Buffer
-
 try:
     from hierps.storage._native import _core
 except ImportError as exc:  # built without a C compiler: the numpy code serves
@@ -32,6 +29,9 @@ except ImportError as exc:  # built without a C compiler: the numpy code serves
     _MISSING: str | None = str(exc)
 else:
     _MISSING = None
+
+if TYPE_CHECKING:
+    Buffer = _core.Buffer  # what the compiled functions take (the buffer protocol)
 
 __all__ = [
     "binding_tags",
@@ -41,6 +41,7 @@ __all__ = [
     "enabled",
     "encode_chunks",
     "hardware_crc",
+    "plan_runs",
     "read_check_gather",
 ]
 
@@ -98,6 +99,29 @@ def check_gather(
 ) -> tuple[int, int, int, int]:
     """:func:`._core.check_gather` (the compiled core only: callers check :func:`enabled` first)."""
     return _core.check_gather(buf, at, chunks, payload, seed, pos, chunk_rows, row_bytes, out, slot)
+
+
+def plan_runs(
+    start: Buffer,
+    file: Buffer,
+    chunk_bytes: int,
+    gap: int,
+    piece: int,
+    at: Buffer,
+    run_chunk: Buffer,
+    run_file: Buffer,
+    run_start: Buffer,
+    run_dest: Buffer,
+    pos: Buffer | None,
+    chunks: Buffer | None,
+    chunk_rows: int,
+    run_row: Buffer | None,
+) -> int:
+    """:func:`._core.plan_runs` (the compiled core only)."""
+    return _core.plan_runs(
+        start, file, chunk_bytes, gap, piece, at, run_chunk, run_file, run_start, run_dest, pos, chunks,
+        chunk_rows, run_row,
+    )  # fmt: skip
 
 
 def read_check_gather(

@@ -417,6 +417,85 @@ done:
     return result;
 }
 
+/* -- plan_runs ------------------------------------------------------------------------------ */
+/* Chunks at offsets `start` (c,) of files `file` (c,), each `chunk_bytes` long, into runs of one pread:
+ * same file, in order, gaps up to `gap` bytes read through, cut where the offset from the first chunk
+ * of such a group crosses a multiple of `piece`. Fills at (c,): where each chunk lies in the request's
+ * buffer; run_chunk (r + 1,): each run's first chunk, then c; run_file, run_start (r,); run_dest (r + 1,):
+ * each run's offset in the buffer, then its size; with `pos` (k,) rows in chunk order of chunks
+ * `chunks` (c,) of `chunk_rows` rows, run_row (r + 1,): each run's first row, then k. Returns r. */
+static PyObject *py_plan_runs(PyObject *self, PyObject *args) {
+    PyObject *o_start, *o_file, *o_at, *o_chunk, *o_rfile, *o_rstart, *o_dest, *o_pos, *o_chunks, *o_row;
+    Py_ssize_t chunk_bytes, gap, piece, chunk_rows;
+    if (!PyArg_ParseTuple(args, "OOnnnOOOOOOOnO", &o_start, &o_file, &chunk_bytes, &gap, &piece, &o_at, &o_chunk,
+                          &o_rfile, &o_rstart, &o_dest, &o_pos, &o_chunks, &chunk_rows, &o_row))
+        return NULL;
+    Buf start = {0}, file = {0}, at = {0}, chunk = {0}, rfile = {0}, rstart = {0}, dest = {0}, pos = {0},
+        chunks = {0}, row = {0};
+    PyObject *result = NULL;
+    int with_rows = o_pos != Py_None;
+    if (get_words(o_start, &start, 0, "start") < 0 || get_words(o_file, &file, 0, "file") < 0 ||
+        get_words(o_at, &at, 1, "at") < 0 || get_words(o_chunk, &chunk, 1, "run_chunk") < 0 ||
+        get_words(o_rfile, &rfile, 1, "run_file") < 0 || get_words(o_rstart, &rstart, 1, "run_start") < 0 ||
+        get_words(o_dest, &dest, 1, "run_dest") < 0 ||
+        (with_rows && (get_words(o_pos, &pos, 0, "pos") < 0 || get_words(o_chunks, &chunks, 0, "chunks") < 0 ||
+                       get_words(o_row, &row, 1, "run_row") < 0)))
+        goto done;
+    Py_ssize_t c = NWORDS(start);
+    if (c < 1 || NWORDS(file) != c || NWORDS(at) != c || NWORDS(chunk) != c + 1 || NWORDS(rfile) != c ||
+        NWORDS(rstart) != c || NWORDS(dest) != c + 1 || chunk_bytes <= 0 || gap < 0 || piece <= 0 ||
+        (with_rows && (NWORDS(chunks) != c || NWORDS(row) != c + 1 || chunk_rows <= 0))) {
+        PyErr_SetString(PyExc_ValueError, "plan_runs: expected c >= 1 chunks and room for c runs");
+        goto done;
+    }
+    const int64_t *st = WORDS(start), *fl = WORDS(file);
+    int64_t *a = (int64_t *)at.view.buf, *rc = (int64_t *)chunk.view.buf, *rf = (int64_t *)rfile.view.buf,
+            *rs = (int64_t *)rstart.view.buf, *rd = (int64_t *)dest.view.buf;
+    Py_ssize_t r = 0;
+    Py_BEGIN_ALLOW_THREADS int64_t group = 0, prev_piece = 0;
+    rd[0] = 0;
+    for (Py_ssize_t i = 0; i < c; i++) {
+        int new_group = i == 0 || fl[i] != fl[i - 1] || st[i] - st[i - 1] - chunk_bytes > gap || st[i] < st[i - 1];
+        if (new_group) group = st[i];
+        int64_t p = (st[i] - group) / piece;
+        if (new_group || p != prev_piece) {
+            if (r) rd[r] = rd[r - 1] + (st[i - 1] + chunk_bytes - rs[r - 1]);
+            rc[r] = i;
+            rs[r] = st[i];
+            rf[r] = fl[i];
+            r++;
+        }
+        prev_piece = p;
+        a[i] = rd[r - 1] + st[i] - rs[r - 1];
+    }
+    rd[r] = rd[r - 1] + (st[c - 1] + chunk_bytes - rs[r - 1]);
+    rc[r] = c;
+    if (with_rows) {
+        const int64_t *ps = WORDS(pos), *ch = WORDS(chunks);
+        int64_t *rr = (int64_t *)row.view.buf;
+        Py_ssize_t k = NWORDS(pos), j = 0;
+        for (Py_ssize_t i = 0; i < r; i++) {
+            int64_t first_row = ch[rc[i]] * chunk_rows;
+            while (j < k && ps[j] < first_row) j++;
+            rr[i] = j;
+        }
+        rr[r] = k;
+    }
+    Py_END_ALLOW_THREADS result = PyLong_FromSsize_t(r);
+done:
+    release(&start);
+    release(&file);
+    release(&at);
+    release(&chunk);
+    release(&rfile);
+    release(&rstart);
+    release(&dest);
+    release(&pos);
+    release(&chunks);
+    release(&row);
+    return result;
+}
+
 /* -- read_check_gather ---------------------------------------------------------------------- */
 /* pread runs first..stop-1 (run i: bytes run_dest[i + 1] - run_dest[i] at run_start[i] of fds[i]) into
  * `scratch`, one after the other, retrying short reads and EINTR; then check_gather their chunks
@@ -585,6 +664,7 @@ static PyMethodDef methods[] = {
     {"crc32c", py_crc32c, METH_VARARGS, "crc32c(data, value=0) -> int: the crc32c of data, continuing value."},
     {"check_gather", (PyCFunction)(void (*)(void))py_check_gather, METH_VARARGS | METH_KEYWORDS,
      "Check chunks (crc32c, binding tag) and copy rows out of them; see _core.pyi."},
+    {"plan_runs", py_plan_runs, METH_VARARGS, "Cut a request's chunks into runs of one pread; see _core.pyi."},
     {"read_check_gather", py_read_check_gather, METH_VARARGS,
      "Read runs into a scratch buffer, then check their chunks and gather their rows; see _core.pyi."},
     {"encode_chunks", py_encode_chunks, METH_VARARGS,

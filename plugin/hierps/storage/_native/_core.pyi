@@ -37,6 +37,29 @@ def check_gather(
     binding tag fails or -1, their count); rows are copied either way.
     """
 
+def plan_runs(
+    start: Buffer,
+    file: Buffer,
+    chunk_bytes: int,
+    gap: int,
+    piece: int,
+    at: Buffer,
+    run_chunk: Buffer,
+    run_file: Buffer,
+    run_start: Buffer,
+    run_dest: Buffer,
+    pos: Buffer | None,
+    chunks: Buffer | None,
+    chunk_rows: int,
+    run_row: Buffer | None,
+) -> int:
+    """Cut chunks at offsets ``start`` (c,) int64 of files ``file`` (c,), each ``chunk_bytes`` long, into
+    runs of one pread, as :meth:`hierps.storage._reads._Plan.place` does in numpy: same file, in order,
+    gaps up to ``gap`` read through, cut where the offset from the group's first chunk crosses a
+    multiple of ``piece``. Fills ``at`` (c,), ``run_chunk`` (c + 1,: the first r + 1 used), ``run_file``,
+    ``run_start`` (c,: r used), ``run_dest`` (c + 1,: r + 1 used), and, given rows ``pos`` (k,) in chunk
+    order of ``chunks`` (c,) of ``chunk_rows`` rows, ``run_row`` (c + 1,: r + 1 used). Returns r."""
+
 def read_check_gather(
     fds: Buffer,
     run_start: Buffer,
