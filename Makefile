@@ -23,7 +23,7 @@ setup: $(STAMP)
 # transformers and spacy. torchrec (hierps.integrations.torchrec) likewise: it asks for the CUDA
 # fbgemm-gpu, so its CPU build fbgemm-gpu-cpu goes in beside it; its other requirements are the
 # `torchrec` extra.
-$(STAMP): setup.cfg pyproject.toml constraints.txt
+$(STAMP): setup.cfg setup.py pyproject.toml constraints.txt plugin/hierps/storage/_native/_core.c
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install --upgrade pip setuptools wheel
 	$(BIN)/pip install torch==2.13.0

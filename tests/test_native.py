@@ -26,7 +26,7 @@ import pytest
 from zarr.storage import LocalStore
 
 from hierps.errors import CorruptStoreError
-from hierps.storage import _native, _reads
+from hierps.storage import _filter, _merge, _native, _reads
 from hierps.storage._arrays import TRAILER, ArrayWriter, _encode_chunks, binding_tags, open_array
 from hierps.storage._reads import read_arrays
 
@@ -370,3 +370,56 @@ def test_runs_are_planned_as_numpy_plans_them(arrays):
                 rows = compiled.pos // arr.chunk_rows
                 first_chunk = compiled.chunks[compiled.run_chunk[:-1]]
                 assert np.array_equal(compiled.run_row[:-1], np.searchsorted(rows, first_chunk)), label
+
+
+# -- key filters -----------------------------------------------------------------------------------
+def test_filters_are_built_and_probed_as_numpy_does():
+    rng = np.random.default_rng(8)
+    keys = rng.integers(-(1 << 63), 1 << 62, 50_000)
+    probes = np.concatenate([keys[::3], rng.integers(-(1 << 63), 1 << 62, 50_000)])
+    for n_words in (1, 7, 9_375):
+        built = _filter.bloom_build(keys, n_words)
+        with _native.disabled():
+            reference = _filter.bloom_build(keys, n_words)
+            want = _filter.bloom_may_contain(reference, probes)
+        assert np.array_equal(built, reference), n_words
+        assert np.array_equal(_filter.bloom_may_contain(built, probes), want), n_words
+        assert want[: len(keys[::3])].all()  # no false negatives
+    # A filter of blocks of 512 words, the last one shorter.
+    filt = rng.integers(0, 1 << 63, 512 * 6 + 100).astype(np.uint64) | rng.integers(0, 1 << 63, 3172).astype(
+        np.uint64
+    )
+    block = rng.integers(0, 7, len(probes))
+    got = _filter.blocks_may_contain(filt, probes, block, 512)
+    with _native.disabled():
+        assert np.array_equal(got, _filter.blocks_may_contain(filt, probes, block, 512))
+    assert 0 < got.mean() < 1
+    with pytest.raises(ValueError, match="outside the filter"):
+        _filter.blocks_may_contain(filt, probes[:3], np.array([0, 9, 1]), 512)
+
+
+# -- merging sorted runs ---------------------------------------------------------------------------
+def _sources(seed: int, k: int, width: int) -> list[list[tuple[np.ndarray, np.ndarray]]]:
+    """k sorted sources of (keys, rows) batches over shared keys (duplicates across sources), some
+    batches empty, rows as strided views (as a segment's scan gives them)."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(k):
+        keys = np.unique(rng.integers(-500, 5000, int(rng.integers(0, 3000))))
+        block = rng.random((len(keys), width + 2)).astype(np.float32)
+        cuts = np.sort(rng.integers(0, len(keys) + 1, 4))
+        out.append([(keys[a:b], block[a:b, 2:]) for a, b in zip([0, *cuts], [*cuts, len(keys)])])
+    return out
+
+
+@pytest.mark.parametrize("k", [1, 2, 5, 17])
+def test_runs_are_merged_as_numpy_merges_them(k):
+    for seed in range(4):
+        for newest_only in (False, True):
+            got = list(_merge._merged([iter(s) for s in _sources(seed, k, 5)], 5, newest_only))
+            with _native.disabled():
+                want = list(_merge._merged([iter(s) for s in _sources(seed, k, 5)], 5, newest_only))
+            assert len(got) == len(want)
+            for (gk, gr, gs), (wk, wr, ws) in zip(got, want):
+                assert np.array_equal(gk, wk) and np.array_equal(gs, ws) and gr.dtype == wr.dtype
+                assert np.array_equal(gr.view(np.uint32), wr.view(np.uint32))

@@ -363,6 +363,7 @@ def _train_phase(spec: dict[str, Any]) -> dict[str, Any]:
         opened = time.perf_counter() - t0
         passes = [_train_pass(store, group) for group in keys]
         index = store.usage().index_ram_bytes
+        row_bytes = 4 * store.info("t").width
     pass_seconds = sum(p["seconds"] for p in passes)
     ssd_rows = sum(p["ssd_rows"] for p in passes)
     return {
@@ -374,6 +375,7 @@ def _train_phase(spec: dict[str, Any]) -> dict[str, Any]:
         "first_load_seconds": passes[0]["load_seconds"],
         "pass_rows_per_s": ssd_rows / pass_seconds,
         "index_ram_bytes": index,
+        "row_bytes": row_bytes,
     }
 
 
@@ -668,14 +670,43 @@ def _train_line(rows: int, r: dict[str, Any], rate: float | None) -> str:
         f"{r['ssd_rows_per_s']:,.0f} rows/s from SSD while loading a pass (median; the first, which also "
         f"loads the segments' filters, {r['first_load_seconds']:.2f} s){vs} "
         f"({r['pass_rows_per_s']:,.0f} rows/s over whole passes)"
+        + _amplification(
+            statistics.median(p["io"]["read_bytes"] / max(p["ssd_rows"], 1) for p in ps),
+            1,
+            r.get("row_bytes"),
+        )
     )
 
 
-def _wide_line(rows: int, w: dict[str, Any]) -> str:
+def _amplification(device_bytes: float, rows: float, row_bytes: int | None) -> str:
+    """Read amplification: device bytes per byte of the rows asked for."""
+    if not row_bytes or not rows:
+        return ""
+    return f"; read amplification {device_bytes / (rows * row_bytes):.2f} device bytes per row byte"
+
+
+def _wide_line(rows: int, w: dict[str, Any], seq: float | None = None) -> str:
+    rate = w["read_io"]["read_bytes"] / w["seconds"]
+    vs = f" = {rate / seq:.2f}x the sequential read" if seq else ""
     return (
         f"wide, {rows:,} rows: a quarter of the rows ({w['keys']:,}) read in {w['seconds']:.2f} s: "
-        f"{w['read_io']['read_bytes'] / w['seconds'] / 1e6:,.0f} MB/s from the device, "
-        f"{w['keys'] * w['row_bytes'] / w['seconds'] / 1e6:,.0f} MB/s of rows"
+        f"{rate / 1e6:,.0f} MB/s from the device{vs}, {w['keys'] * w['row_bytes'] / w['seconds'] / 1e6:,.0f} "
+        f"MB/s of rows" + _amplification(w["read_io"]["read_bytes"], w["keys"], w["row_bytes"])
+    )
+
+
+def _export_line(rows: int, e: dict[str, Any], disk: dict[str, Any]) -> str:
+    seq = disk.get("sequential", {})
+    read, write = e["io"]["read_bytes"] / e["seconds"], e["io"]["write_bytes"] / e["seconds"]
+    vs_read = f" = {read / seq['bytes_per_s']:.2f}x the sequential read" if seq.get("bytes_per_s") else ""
+    vs_write = (
+        f" = {write / seq['write_bytes_per_s']:.2f}x the sequential write"
+        if seq.get("write_bytes_per_s")
+        else ""
+    )
+    return (
+        f"export, {rows:,} rows in {e['seconds']:.2f} s: reads {read / 1e6:,.0f} MB/s from the device{vs_read}, "
+        f"writes {write / 1e6:,.0f} MB/s{vs_write}"
     )
 
 
@@ -687,7 +718,8 @@ def _disk_lines(results: dict[str, Any]) -> list[str]:
     return [
         f"disk random 4 KiB reads, {r['threads']} in flight: {r['reads_per_s']:,.0f} reads/s "
         f"({r['bytes_per_s'] / 1e6:.0f} MB/s; {r['device_bytes_per_read'] / 1024:.1f} KiB from the device per read)",
-        f"disk sequential read (cold): {s['bytes_per_s'] / 1e9:.2f} GB/s",
+        f"disk sequential read (cold): {s['bytes_per_s'] / 1e9:.2f} GB/s; sequential write (with fsync): "
+        f"{s['write_bytes_per_s'] / 1e9:.2f} GB/s",
     ]
 
 
@@ -709,8 +741,11 @@ def format_report(results: dict[str, Any], out: Callable[[str], Any] = print) ->
     out("")
     for rows, record in _finished(results, "train"):
         out(_train_line(rows, record, _random_rate(results)))
+    seq = results.get("disk", {}).get("sequential", {}).get("bytes_per_s")
     for rows, record in _finished(results, "wide"):
-        out(_wide_line(rows, record))
+        out(_wide_line(rows, record, seq))
+    for rows, record in _finished(results, "export"):
+        out(_export_line(rows, record, results.get("disk", {})))
     for g in results.get("goals", []):
         state = {True: "MET    ", False: "NOT MET", None: "n/a    "}[g["met"]]
         value = "-" if g["value"] is None else f"{g['value']:.2f}"

@@ -10,6 +10,9 @@ follows from its chunk (which the fences give), and a block is built and written
 rows are, so a segment of any size is written in bounded memory (:func:`block_words`,
 :func:`blocks_may_contain`). A one-block filter is the same with a single block (:func:`bloom_build`,
 :func:`bloom_add`, :func:`bloom_may_contain`).
+
+The compiled core (:mod:`hierps.storage._native`) sets and probes the bits in one loop; the numpy
+code here is the reference it is tested against, and serves without it.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from __future__ import annotations
 import numpy as np
 
 from hierps.rows._initializers import splitmix64
+from hierps.storage import _native
 
 __all__ = [
     "FILTER_BLOCK_CHUNKS",
@@ -72,14 +76,22 @@ def bloom_build(keys: np.ndarray, n_words: int | None = None) -> np.ndarray:
 
 
 def bloom_add(words: np.ndarray, keys: np.ndarray) -> None:
-    """Set the bits of ``keys`` in the one-block filter ``words``."""
-    if len(keys):
+    """Set the bits of ``keys`` in the one-block filter ``words`` ((w,) uint64, contiguous)."""
+    if len(keys) and _native.enabled() and words.flags.c_contiguous and words.dtype == np.uint64:
+        _native.bloom_add(words, np.ascontiguousarray(keys, np.int64))
+    elif len(keys):
         word, mask = _probes(keys, 0, len(words))
         np.bitwise_or.at(words, word, mask)
 
 
 def bloom_may_contain(words: np.ndarray, keys: np.ndarray) -> np.ndarray:
     """keys (n,) int64 -> (n,) bool: False where the one-block filter ``words`` proves a key absent."""
+    if _native.enabled():
+        out = np.empty(len(keys), bool)
+        _native.bloom_may_contain(
+            np.ascontiguousarray(words, np.uint64), np.ascontiguousarray(keys, np.int64), None, 1, out
+        )
+        return out
     word, mask = _probes(keys, 0, len(words))
     return (words[word] & mask) == mask
 
@@ -87,6 +99,16 @@ def bloom_may_contain(words: np.ndarray, keys: np.ndarray) -> np.ndarray:
 def blocks_may_contain(filt: np.ndarray, keys: np.ndarray, block: np.ndarray, full_words: int) -> np.ndarray:
     """keys (n,) int64 in blocks ``block`` (n,) of ``full_words`` words each (the last block: what is
     left of ``filt``) -> (n,) bool: False where the filter proves a key absent."""
+    if _native.enabled():
+        out = np.empty(len(keys), bool)
+        _native.bloom_may_contain(
+            np.ascontiguousarray(filt, np.uint64),
+            np.ascontiguousarray(keys, np.int64),
+            np.ascontiguousarray(block, np.int64),
+            full_words,
+            out,
+        )
+        return out
     first = block * full_words
     last_first = (len(filt) - 1) // full_words * full_words
     words = np.where(first >= last_first, len(filt) - first, full_words)

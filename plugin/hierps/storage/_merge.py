@@ -4,6 +4,10 @@ A table's segments are sorted runs of keys; a key may lie in several of them, an
 the highest segment id holds its newest row. :func:`merged` streams the union of some segments in
 key order, the newest row of each key once, holding one buffer of each input at a time: the
 compaction, the scans (shrink, export, resharding, inspection) and the readers all go through it.
+
+Each batch of the inputs' buffered rows is merged in one pass by the compiled core
+(:mod:`hierps.storage._native`), or, without it, sorted with ``np.lexsort`` (the reference it is
+tested against).
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ from collections.abc import Iterator, Sequence
 
 import numpy as np
 
+from hierps.storage import _native
 from hierps.storage._segment import Segment
 
 __all__ = ["BUFFER_BYTES", "first_of_each", "merged", "merged_sources"]
@@ -66,21 +71,61 @@ def merged_sources(
 
     Memory: one batch of each source, plus the batch yielded.
     """
+    return _merged(sources, width, newest_only=False)
+
+
+def _merged(
+    sources: Sequence[Iterator[tuple[np.ndarray, np.ndarray]]], width: int, newest_only: bool
+) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    """:func:`merged_sources`, or with ``newest_only`` only the first entry of each key (its newest)."""
     if len(sources) == 1:  # nothing to merge: the source's batches as they come
         for keys, rows in sources[0]:
             if len(keys):
-                yield keys, rows, np.zeros(len(keys), np.int64)
+                # (merged's rows are its own, contiguous, whatever the source's are)
+                yield keys, np.ascontiguousarray(rows) if newest_only else rows, np.zeros(len(keys), np.int64)
         return
     inputs = [i for i in (_Input(src, r, width) for r, src in enumerate(sources)) if not i.done]
     while inputs:
         bound = min(i.last for i in inputs)  # every input's keys up to here are buffered
-        parts = [(i.rank, *i.take(bound)) for i in inputs]
-        keys = np.concatenate([k for _, k, _ in parts])
-        rows = np.concatenate([r for _, _, r in parts])
-        src = np.concatenate([np.full(len(k), r, np.int64) for r, k, _ in parts])
-        order = np.lexsort((-src, keys))
-        yield keys[order], rows[order], src[order]
+        yield _combine([(i.rank, *i.take(bound)) for i in inputs], newest_only)
         inputs = [i for i in inputs if not i.done]
+
+
+def _combine(
+    parts: list[tuple[int, np.ndarray, np.ndarray]], newest_only: bool
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Parts ``(rank, keys, rows)`` (keys strictly increasing in each) -> their entries sorted by key,
+    then rank descending (``newest_only``: the first of each key)."""
+    rows0 = parts[0][2]
+    if _native.enabled() and all(
+        r.ndim == 2 and r.dtype == rows0.dtype and r.shape[1] == rows0.shape[1] and k.dtype == np.int64
+        for _, k, r in parts
+    ):
+        total = sum(len(k) for _, k, _ in parts)
+        keys, src = np.empty(total, np.int64), np.empty(total, np.int64)
+        rows = np.empty((total, rows0.shape[1]), rows0.dtype)
+        n = _native.merge_runs(
+            [np.ascontiguousarray(k) for _, k, _ in parts],
+            [
+                r if r.strides[1] == r.itemsize and r.strides[0] >= 0 else np.ascontiguousarray(r)
+                for _, _, r in parts
+            ],
+            np.array([rank for rank, _, _ in parts], np.int64),
+            newest_only,
+            keys,
+            rows,
+            src,
+        )
+        return keys[:n], rows[:n], src[:n]
+    keys = np.concatenate([k for _, k, _ in parts])
+    rows = np.concatenate([r for _, _, r in parts])
+    src = np.concatenate([np.full(len(k), r, np.int64) for r, k, _ in parts])
+    order = np.lexsort((-src, keys))
+    keys, rows, src = keys[order], rows[order], src[order]
+    if newest_only:
+        first = first_of_each(keys)
+        return keys[first], rows[first], src[first]
+    return keys, rows, src
 
 
 def first_of_each(keys: np.ndarray) -> np.ndarray:
@@ -101,6 +146,5 @@ def merged(
     batch_rows = max(1, buffer_bytes // (4 * (width + 2)))
     ordered = sorted(segments, key=lambda s: s.seg)  # a higher source index is a newer segment
     ids = np.array([s.seg for s in ordered], np.int64)
-    for keys, rows, src in merged_sources([s.scan(batch_rows) for s in ordered], width):
-        first = first_of_each(keys)
-        yield keys[first], rows[first], ids[src[first]]
+    for keys, rows, src in _merged([s.scan(batch_rows) for s in ordered], width, newest_only=True):
+        yield keys, rows, ids[src]

@@ -72,8 +72,9 @@ def read_arrays(
 
     Only the chunks holding wanted rows are read, nearby ones in one read. The reads of every
     request are handed to the read threads at once, in request order (so reads of different arrays
-    overlap on the device), and each result is checked (crc32c of its chunks) and decoded as it is
-    taken from the iterator, while the reads of later requests go on. An error surfaces at the
+    overlap on the device), and each result is checked (crc32c and binding tag of its chunks) and
+    gathered by the read threads as its reads come in (compiled core), or as it is taken from the
+    iterator (numpy), while the reads of later requests go on. An error surfaces at the
     request it concerns: ``CorruptStoreError`` names a damaged, short or vanished file. Positions
     outside an array are refused before any read. Sorted positions (as every caller asks) need no sort.
     Files are opened through ``open_files`` when given (and stay open), else opened and closed here.

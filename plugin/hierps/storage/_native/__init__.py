@@ -1,10 +1,11 @@
 """The compiled core of the storage layer, or the numpy code it replaces.
 
 :mod:`._core` (``_core.c``, built by ``setup.py`` at install) runs the loops over bytes of the SSD
-tier: crc32c (with the CPU's crc32 instruction where it has one), checking a read buffer's chunks
-(crc32c and binding tag) while gathering the wanted rows out of it in one pass, and encoding chunks
-for writing. Each function computes exactly what the numpy code it replaces computes, and that code
-stays beside its caller (:mod:`hierps.storage._reads`, :mod:`hierps.storage._arrays`): it runs where
+tier: crc32c (with the CPU's crc32 instruction where it has one), planning reads and checking what they
+bring (crc32c and binding tag of every chunk) while gathering the wanted rows out of it in one pass,
+encoding chunks for writing, building and probing the key filters, and merging sorted runs. Each function computes exactly what the numpy code it replaces computes, and that code
+stays beside its caller (:mod:`hierps.storage._reads`, :mod:`hierps.storage._arrays`,
+:mod:`hierps.storage._filter`, :mod:`hierps.storage._merge`): it runs where
 the extension could not be built (a machine without a C compiler; hierps then warns once) or where
 ``HIERPS_NATIVE=0`` is set, and the tests hold the two to the same results.
 
@@ -35,12 +36,15 @@ if TYPE_CHECKING:
 
 __all__ = [
     "binding_tags",
+    "bloom_add",
+    "bloom_may_contain",
     "check_gather",
     "crc32c",
     "disabled",
     "enabled",
     "encode_chunks",
     "hardware_crc",
+    "merge_runs",
     "plan_runs",
     "read_check_gather",
 ]
@@ -147,6 +151,29 @@ def read_check_gather(
         fds, run_start, run_dest, run_chunk, run_row, first, stop, scratch, at, chunks, pos, payload, seed,
         chunk_rows, row_bytes, out,
     )  # fmt: skip
+
+
+def bloom_add(filt: Buffer, keys: Buffer) -> None:
+    """:func:`._core.bloom_add` (the compiled core only)."""
+    _core.bloom_add(filt, keys)
+
+
+def bloom_may_contain(filt: Buffer, keys: Buffer, block: Buffer | None, full_words: int, out: Buffer) -> None:
+    """:func:`._core.bloom_may_contain` (the compiled core only)."""
+    _core.bloom_may_contain(filt, keys, block, full_words, out)
+
+
+def merge_runs(
+    keys: list[Buffer],
+    rows: list[Buffer],
+    ranks: Buffer,
+    newest_only: bool,
+    out_keys: Buffer,
+    out_rows: Buffer,
+    out_src: Buffer,
+) -> int:
+    """:func:`._core.merge_runs` (the compiled core only)."""
+    return _core.merge_runs(keys, rows, ranks, newest_only, out_keys, out_rows, out_src)
 
 
 def encode_chunks(payloads: Buffer, payload: int, first: int, seed: int, stride: int, out: Buffer) -> None:

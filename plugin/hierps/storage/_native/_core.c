@@ -645,6 +645,204 @@ done:
     return result;
 }
 
+/* -- blocked Bloom filters (hierps.storage._filter) ------------------------------------------- */
+#define PROBES 6 /* bits set per key, all in one 64-bit word */
+
+static inline uint64_t splitmix64(uint64_t z) {
+    z += 0x9E3779B97F4A7C15ull;
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+}
+
+/* The word (of `words` from `first`) and the bits of `key`. */
+static inline uint64_t probe(uint64_t key, uint64_t words, uint64_t *mask) {
+    uint64_t h = splitmix64(key), h2 = splitmix64(h), m = 0;
+    for (int i = 0; i < PROBES; i++) m |= 1ull << ((h2 >> (6 * i)) & 63);
+    *mask = m;
+    return ((h >> 32) * words) >> 32;
+}
+
+/* bloom_add(filt, keys): set the bits of keys in the one-block filter filt. */
+static PyObject *py_bloom_add(PyObject *self, PyObject *args) {
+    PyObject *o_filt, *o_keys;
+    if (!PyArg_ParseTuple(args, "OO", &o_filt, &o_keys)) return NULL;
+    Buf filt = {0}, keys = {0};
+    PyObject *result = NULL;
+    if (get_words(o_filt, &filt, 1, "filter") < 0 || get_words(o_keys, &keys, 0, "keys") < 0) goto done;
+    Py_ssize_t w = NWORDS(filt), n = NWORDS(keys);
+    if (w < 1) {
+        PyErr_SetString(PyExc_ValueError, "bloom_add: a filter has at least one word");
+        goto done;
+    }
+    uint64_t *f = filt.view.buf;
+    const uint64_t *k = keys.view.buf;
+    /* In groups of 32 keys: their words fetched (prefetched) together, then their bits set, so that
+     * the cache misses of a large filter overlap instead of following one another. */
+    Py_BEGIN_ALLOW_THREADS uint64_t word[32], mask[32];
+    for (Py_ssize_t i = 0; i < n; i += 32) {
+        int m = n - i < 32 ? (int)(n - i) : 32;
+        for (int j = 0; j < m; j++) {
+            word[j] = probe(k[i + j], (uint64_t)w, &mask[j]);
+            __builtin_prefetch(f + word[j], 1);
+        }
+        for (int j = 0; j < m; j++) f[word[j]] |= mask[j];
+    }
+    Py_END_ALLOW_THREADS result = Py_NewRef(Py_None);
+done:
+    release(&filt);
+    release(&keys);
+    return result;
+}
+
+/* bloom_may_contain(filt, keys, block, full_words, out): out[i] = 0 where the filter proves keys[i]
+ * absent. block None: one block (all of filt); else key i is in block block[i] of full_words words
+ * (the last block: what is left of filt). */
+static PyObject *py_bloom_may_contain(PyObject *self, PyObject *args) {
+    PyObject *o_filt, *o_keys, *o_block, *o_out;
+    Py_ssize_t full;
+    if (!PyArg_ParseTuple(args, "OOOnO", &o_filt, &o_keys, &o_block, &full, &o_out)) return NULL;
+    Buf filt = {0}, keys = {0}, block = {0}, out = {0};
+    PyObject *result = NULL;
+    if (get_words(o_filt, &filt, 0, "filter") < 0 || get_words(o_keys, &keys, 0, "keys") < 0 ||
+        (o_block != Py_None && get_words(o_block, &block, 0, "block") < 0) || get_bytes(o_out, &out, 1, "out") < 0)
+        goto done;
+    Py_ssize_t w = NWORDS(filt), n = NWORDS(keys);
+    if (w < 1 || out.view.len != n || (block.held && (NWORDS(block) != n || full < 1))) {
+        PyErr_SetString(PyExc_ValueError, "bloom_may_contain: expected a filter, one block and one bool per key");
+        goto done;
+    }
+    const uint64_t *f = filt.view.buf, *k = keys.view.buf;
+    const int64_t *b = block.held ? WORDS(block) : NULL;
+    unsigned char *o = out.view.buf;
+    Py_ssize_t bad = -1;
+    Py_BEGIN_ALLOW_THREADS int64_t last_first = b ? (w - 1) / full * full : 0;
+    uint64_t at[32], mask[32];
+    for (Py_ssize_t i = 0; i < n && bad < 0; i += 32) { /* in groups, prefetched as bloom_add's */
+        int m = n - i < 32 ? (int)(n - i) : 32;
+        for (int j = 0; j < m; j++) {
+            int64_t first = 0, words = w;
+            if (b) {
+                first = b[i + j] * full;
+                words = first >= last_first ? w - first : full;
+                if (b[i + j] < 0 || words < 1) {
+                    bad = i + j;
+                    break;
+                }
+            }
+            at[j] = (uint64_t)first + probe(k[i + j], (uint64_t)words, &mask[j]);
+            __builtin_prefetch(f + at[j], 0);
+        }
+        if (bad >= 0) break;
+        for (int j = 0; j < m; j++) o[i + j] = (f[at[j]] & mask[j]) == mask[j];
+    }
+    Py_END_ALLOW_THREADS if (bad >= 0) {
+        PyErr_Format(PyExc_ValueError, "bloom_may_contain: key %zd's block %lld lies outside the filter", bad,
+                     (long long)b[bad]);
+        goto done;
+    }
+    result = Py_NewRef(Py_None);
+done:
+    release(&filt);
+    release(&keys);
+    release(&block);
+    release(&out);
+    return result;
+}
+
+/* -- merging sorted runs (hierps.storage._merge) ---------------------------------------------- */
+/* merge_runs(keys, rows, ranks, newest_only, out_keys, out_rows, out_src) -> n: the entries of k parts
+ * (keys[i] (n_i,) int64 strictly increasing, rows[i] (n_i, ...) rows of equal bytes, each row
+ * contiguous, any row stride), in key order and, within a key, by rank descending; with newest_only
+ * only the first (highest rank) entry of each key. Fills the first n entries of out_keys (N,),
+ * out_rows (N rows, contiguous) and out_src (N,: the rank of each), N the parts' total. */
+static PyObject *py_merge_runs(PyObject *self, PyObject *args) {
+    PyObject *o_keys, *o_rows, *o_ranks, *o_ok, *o_orows, *o_osrc;
+    int newest_only;
+    if (!PyArg_ParseTuple(args, "O!O!OpOOO", &PyList_Type, &o_keys, &PyList_Type, &o_rows, &o_ranks, &newest_only,
+                          &o_ok, &o_orows, &o_osrc))
+        return NULL;
+    Py_ssize_t k = PyList_GET_SIZE(o_keys);
+    if (PyList_GET_SIZE(o_rows) != k || k < 1 || k > 4096) {
+        PyErr_SetString(PyExc_ValueError, "merge_runs: expected 1 to 4096 parts, as many keys as rows");
+        return NULL;
+    }
+    Buf *bufs = PyMem_Calloc((size_t)(2 * k), sizeof(Buf));
+    Py_ssize_t *head = PyMem_Calloc((size_t)k, sizeof(Py_ssize_t));
+    Buf ranks = {0}, ok = {0}, orows = {0}, osrc = {0};
+    PyObject *result = NULL;
+    if (!bufs || !head) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    if (get_words(o_ranks, &ranks, 0, "ranks") < 0 || get_words(o_ok, &ok, 1, "out_keys") < 0 ||
+        get_bytes(o_orows, &orows, 1, "out_rows") < 0 || get_words(o_osrc, &osrc, 1, "out_src") < 0)
+        goto done;
+    Py_ssize_t total = 0, row_bytes = -1;
+    for (Py_ssize_t i = 0; i < k; i++) {
+        Buf *kb = &bufs[2 * i], *rb = &bufs[2 * i + 1];
+        if (get_words(PyList_GET_ITEM(o_keys, i), kb, 0, "keys") < 0) goto done;
+        if (PyObject_GetBuffer(PyList_GET_ITEM(o_rows, i), &rb->view, PyBUF_STRIDES) < 0) goto done;
+        rb->held = 1;
+        Py_buffer *v = &rb->view;
+        Py_ssize_t n = NWORDS(*kb), rb_bytes = v->ndim >= 1 && v->shape[0] ? v->len / v->shape[0] : 0;
+        int row_contiguous = v->ndim == 1 ? v->strides[0] == v->itemsize : 1;
+        for (int d = v->ndim - 1, step = (int)v->itemsize; d >= 1; d--) {
+            if (v->shape[d] > 1 && v->strides[d] != step) row_contiguous = 0;
+            step *= (int)v->shape[d];
+        }
+        if (v->ndim < 1 || v->shape[0] != n || !row_contiguous || (n && v->strides[0] < rb_bytes) ||
+            (n && row_bytes >= 0 && rb_bytes != row_bytes)) {
+            PyErr_Format(PyExc_ValueError, "merge_runs: part %zd's rows do not match its keys or the others", i);
+            goto done;
+        }
+        if (n) row_bytes = rb_bytes;
+        total += n;
+    }
+    if (row_bytes < 0) row_bytes = 0;
+    if (NWORDS(ranks) != k || NWORDS(ok) != total || NWORDS(osrc) != total || orows.view.len != total * row_bytes) {
+        PyErr_SetString(PyExc_ValueError, "merge_runs: expected one rank a part and outputs of every entry");
+        goto done;
+    }
+    const int64_t *rk = WORDS(ranks);
+    int64_t *out_k = (int64_t *)ok.view.buf, *out_s = (int64_t *)osrc.view.buf;
+    unsigned char *out_r = orows.view.buf;
+    Py_ssize_t n_out = 0;
+    Py_BEGIN_ALLOW_THREADS for (;;) {
+        Py_ssize_t best = -1;
+        int64_t key = 0;
+        for (Py_ssize_t i = 0; i < k; i++) {
+            if (head[i] >= NWORDS(bufs[2 * i])) continue;
+            int64_t ki = WORDS(bufs[2 * i])[head[i]];
+            if (best < 0 || ki < key || (ki == key && rk[i] > rk[best])) {
+                best = i;
+                key = ki;
+            }
+        }
+        if (best < 0) break;
+        Py_buffer *v = &bufs[2 * best + 1].view;
+        out_k[n_out] = key;
+        out_s[n_out] = rk[best];
+        memcpy(out_r + n_out * row_bytes, (const char *)v->buf + head[best] * v->strides[0], (size_t)row_bytes);
+        n_out++;
+        head[best]++;
+        if (newest_only)
+            for (Py_ssize_t i = 0; i < k; i++)
+                if (head[i] < NWORDS(bufs[2 * i]) && WORDS(bufs[2 * i])[head[i]] == key) head[i]++;
+    }
+    Py_END_ALLOW_THREADS result = PyLong_FromSsize_t(n_out);
+done:
+    if (bufs)
+        for (Py_ssize_t i = 0; i < 2 * k; i++) release(&bufs[i]);
+    PyMem_Free(bufs);
+    PyMem_Free(head);
+    release(&ranks);
+    release(&ok);
+    release(&orows);
+    release(&osrc);
+    return result;
+}
+
 /* -- module ----------------------------------------------------------------------------------- */
 static PyObject *py_hardware(PyObject *self, PyObject *unused) { return PyBool_FromLong(have_hw); }
 
@@ -667,6 +865,10 @@ static PyMethodDef methods[] = {
     {"plan_runs", py_plan_runs, METH_VARARGS, "Cut a request's chunks into runs of one pread; see _core.pyi."},
     {"read_check_gather", py_read_check_gather, METH_VARARGS,
      "Read runs into a scratch buffer, then check their chunks and gather their rows; see _core.pyi."},
+    {"bloom_add", py_bloom_add, METH_VARARGS, "bloom_add(filter, keys): set the keys' bits in a one-block filter."},
+    {"bloom_may_contain", py_bloom_may_contain, METH_VARARGS,
+     "bloom_may_contain(filter, keys, block, full_words, out): False where the filter proves a key absent."},
+    {"merge_runs", py_merge_runs, METH_VARARGS, "Merge sorted parts by key, then rank descending; see _core.pyi."},
     {"encode_chunks", py_encode_chunks, METH_VARARGS,
      "encode_chunks(payloads, payload, first, seed, stride, out): chunks with crc32c and binding tag."},
     {"binding_tags", py_binding_tags, METH_VARARGS, "binding_tags(chunks, crcs, seed, out)."},

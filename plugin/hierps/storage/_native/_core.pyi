@@ -97,6 +97,31 @@ def encode_chunks(payloads: Buffer, payload: int, first: int, seed: int, stride:
 def binding_tags(chunks: Buffer, crcs: Buffer, seed: int, out: Buffer) -> None:
     """The binding tags (c,) uint32 into ``out`` of chunks ``chunks`` (c,) int64 with crc32c ``crcs`` (c,) uint32."""
 
+def bloom_add(filt: Buffer, keys: Buffer) -> None:
+    """Set the bits of ``keys`` (n,) int64 in the one-block filter ``filt`` (w,) uint64 (w >= 1), as
+    :func:`hierps.storage._filter.bloom_add` does."""
+
+def bloom_may_contain(filt: Buffer, keys: Buffer, block: Buffer | None, full_words: int, out: Buffer) -> None:
+    """``out`` (n,) bool: False where the filter ``filt`` proves ``keys[i]`` absent; with ``block`` (n,)
+    int64, key i is in block ``block[i]`` of ``full_words`` words (the last block: the rest of ``filt``),
+    as :func:`hierps.storage._filter.blocks_may_contain`; without, one block."""
+
+def merge_runs(
+    keys: list[Buffer],
+    rows: list[Buffer],
+    ranks: Buffer,
+    newest_only: bool,
+    out_keys: Buffer,
+    out_rows: Buffer,
+    out_src: Buffer,
+) -> int:
+    """Merge k sorted parts: ``keys[i]`` (n_i,) int64 strictly increasing, ``rows[i]`` (n_i, ...) of
+    equal row bytes (each row contiguous, any row stride), part i of rank ``ranks[i]``. Entries in key
+    order and, within a key, by rank descending (``newest_only``: only the first of each key) into
+    ``out_keys`` (N,) int64, ``out_rows`` (N rows, contiguous) and ``out_src`` (N,) int64 (their ranks),
+    N the parts' total; returns how many were written. As :func:`hierps.storage._merge.merged_sources`
+    sorts them with ``np.lexsort``."""
+
 def hardware() -> bool:
     """Whether crc32c runs on the CPU's crc32 instruction (SSE4.2), not on the table."""
 
