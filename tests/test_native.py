@@ -423,3 +423,16 @@ def test_runs_are_merged_as_numpy_merges_them(k):
             for (gk, gr, gs), (wk, wr, ws) in zip(got, want):
                 assert np.array_equal(gk, wk) and np.array_equal(gs, ws) and gr.dtype == wr.dtype
                 assert np.array_equal(gr.view(np.uint32), wr.view(np.uint32))
+
+
+def test_rows_outside_an_array_are_refused_alike(arrays):
+    _, opened, data = arrays
+    arr = opened["keys"]
+    for pos in (np.array([3, len(data["keys"])]), np.array([-1, 5, 2]), np.array([7, 2, 40_000])):
+        messages = []
+        for numpy in (False, True):
+            with _native.disabled() if numpy else contextlib.nullcontext():
+                with pytest.raises(CorruptStoreError, match="asked of an array of") as err:
+                    next(read_arrays([(arr, pos)]))
+            messages.append(str(err.value))
+        assert messages[0] == messages[1]

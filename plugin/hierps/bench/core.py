@@ -9,7 +9,9 @@ that reads cost CPU only. It is read as the store reads its segments:
   asks them of a large table, 2,520 rows a request;
 - **scan**: every row, in requests of 512 KiB (a merge's buffer: compaction, export, scans);
 - **quarter**: a sorted quarter of the rows of each 2^20, in requests of 2^18 (the scale bench's wide
-  phase).
+  phase);
+- **whole**: every row in one request, where the cost of a request (planning it, handing its tasks
+  to the threads) is spread over 40,000 chunks: what is left is the check and the gather.
 
 For each, with the compiled core and with the numpy code (:func:`hierps.storage.numpy_kernels`):
 the process's CPU time (every thread) per chunk read, and the wall time. The reads themselves are
@@ -35,7 +37,7 @@ from typing import Any
 import numpy as np
 from zarr.storage import LocalStore
 
-from hierps.storage import ArrayWriter, compiled_core, numpy_kernels, open_array, read_arrays
+from hierps.storage import ArrayWriter, OpenFiles, compiled_core, numpy_kernels, open_array, read_arrays
 
 __all__ = ["run_core_bench", "run_from_args"]
 
@@ -57,7 +59,7 @@ def _patterns(n: int) -> dict[str, list[np.ndarray]]:
         size = min(1 << 20, n - start)
         batch = start + np.sort(rng.choice(size, size // 4, replace=False)).astype(np.int64)
         quarter += np.array_split(batch, max(1, len(batch) >> 18))
-    return {"lookup": [lookup], "scan": scan, "quarter": quarter}
+    return {"lookup": [lookup], "scan": scan, "quarter": quarter, "whole": [np.arange(n, dtype=np.int64)]}
 
 
 def _bare_reads(path: Path, requests: list[np.ndarray], stride: int) -> Callable[[], None]:
@@ -137,23 +139,25 @@ def run_core_bench(rows: int = 1 << 20, repeats: int = 7, tmp: str | None = None
                 "rows_read": int(sum(len(p) for p in requests)),
                 "bare_read_cpu_us_per_chunk": bare_cpu / chunks * 1e6,
             }
+            files = OpenFiles()  # descriptors kept open between reads, as the store keeps them
             for kernel in kernels:
 
-                def read(requests: list[np.ndarray] = requests) -> None:
+                def read(requests: list[np.ndarray] = requests, files: OpenFiles = files) -> None:
                     for pos in requests:
-                        next(read_arrays([(arr, pos)]))
+                        next(read_arrays([(arr, pos)], files))
 
                 with numpy_kernels() if kernel == "numpy" else contextlib.nullcontext():
                     got = next(read_arrays([(arr, requests[0])]))
                     if not np.array_equal(got, data[requests[0]]):
                         raise AssertionError(f"{name}, {kernel}: the rows read differ from the rows written")
                     cpu, wall = _timed(read, repeats)
-                record[kernel] = {
+                record[kernel] = {  # (files stay open: the bare reads open the file once too)
                     "cpu_us_per_chunk": cpu / chunks * 1e6,
                     "added_cpu_us_per_chunk": (cpu - bare_cpu) / chunks * 1e6,
                     "wall_us_per_chunk": wall / chunks * 1e6,
                     "read_gb_per_s": chunks * _PAGE / wall / 1e9,
                 }
+            files.close()
             results["patterns"][name] = record
         return results
     finally:

@@ -16,6 +16,7 @@
 
 from hierps.storage._arrays import ArrayWriter, open_array
 from hierps.storage._checkpoint import CheckpointCatalog
+from hierps.storage._files import OpenFiles
 from hierps.storage._format import FORMAT_VERSION
 from hierps.storage._manifest import Manifest, SegmentRef, TableEntry
 from hierps.storage._marker import MARKER
@@ -30,6 +31,7 @@ __all__ = [
     "ArrayWriter",
     "CheckpointCatalog",
     "Manifest",
+    "OpenFiles",
     "Segment",
     "SegmentRef",
     "SegmentWriter",

@@ -98,7 +98,7 @@ class _Plan:
     arr: Array
     pos: np.ndarray  # (k,) int64 rows wanted
     chunks: np.ndarray  # (c,) sorted chunk numbers holding them
-    slot: np.ndarray  # (k,) index into ``chunks`` of each row's chunk
+    slot: np.ndarray  # (k,) index into ``chunks`` of each row's chunk (compiled, rows in chunk order: unused)
     span: bool = False  # ``pos`` is a range of consecutive rows: copied chunk by chunk, not row by row
     ordered: bool = True  # rows come in chunk order (``slot`` nondecreasing)
     # Where chunk i lies in the request's buffer (c,); run j: (r,) its file (an index into
@@ -176,10 +176,16 @@ class _Plan:
             self.buf = np.empty(int(self.run_dest[-1]), dtype=np.uint8)
 
     def tasks(self) -> list[tuple[int, int]]:
-        """The runs cut into tasks ``(first, stop)`` for the read threads: a thread's share of the bytes
-        each, at most ``_TASK_BYTES`` unless a run is longer. Each task reads its runs in turn, so
-        ``_THREADS`` tasks keep as many reads in flight; more tasks would only cost their handing over
-        (tens of microseconds each, the read threads taking the GIL in turn)."""
+        """The runs cut into tasks ``(first, stop)`` for the read threads.
+
+        Compiled: a thread's share of the bytes each, at most ``_TASK_BYTES`` unless a run is longer.
+        Each task reads its runs in turn without the GIL, so ``_THREADS`` tasks keep as many reads in
+        flight; more would only cost their handing over (tens of microseconds each). numpy: a quarter
+        of a thread's share of the runs each, their reads in a Python loop (as before the compiled core).
+        """
+        if not self.fused:
+            per_task = max(1, self.n_runs // (4 * _THREADS))
+            return [(first, min(first + per_task, self.n_runs)) for first in range(0, self.n_runs, per_task)]
         total = int(self.run_dest[-1])
         target = max(1, min(_TASK_BYTES, -(-total // _THREADS)))
         group = (self.run_dest[1:] - 1) // target
@@ -205,9 +211,9 @@ class _Plan:
     def read(self, fds: list[int], first: int, stop: int) -> None:
         """The numpy path: read runs ``first:stop`` into the request's buffer."""
         view = memoryview(self.buf.data)
-        dest = self.run_dest.tolist()
+        dest = self.run_dest[first : stop + 1].tolist()
         for i, fd, start in zip(range(first, stop), fds[first:stop], self.run_start[first:stop].tolist()):
-            into = view[dest[i] : dest[i + 1]]
+            into = view[dest[i - first] : dest[i - first + 1]]
             try:
                 got = os.preadv(fd, [into], start)
             except OSError as exc:
@@ -291,11 +297,16 @@ def _plan(arr: Array, positions: np.ndarray | None) -> _Plan:
     pos = np.arange(n, dtype=np.int64) if positions is None else np.asarray(positions, dtype=np.int64)
     if len(pos) == 0:
         return _Plan(arr, pos, np.empty(0, np.int64), np.empty(0, np.int64))
+    if _native.enabled():  # the same checks and chunks in one loop (rows out of chunk order: below)
+        pos = np.ascontiguousarray(pos)
+        chunks = np.empty(len(pos), np.int64)
+        c, kind, lo, hi = _native.plan_chunks(pos, arr.chunk_rows, n, chunks)
+        if kind == 0:
+            raise _outside(arr, lo, hi)
+        if kind in (1, 2):
+            return _Plan(arr, pos, chunks[:c], np.empty(0, np.int64), span=kind == 1)
     if pos.min() < 0 or pos.max() >= n:
-        raise CorruptStoreError(
-            f"{arr.path}: rows {int(pos.min())}..{int(pos.max())} asked of an array of {n} rows; the key "
-            "index does not match the segment. Open an earlier checkpoint or restore from a backup."
-        )
+        raise _outside(arr, int(pos.min()), int(pos.max()))
     if pos[-1] - pos[0] == len(pos) - 1 and (len(pos) == 1 or np.all(pos[1:] > pos[:-1])):
         first, last = int(pos[0]) // arr.chunk_rows, int(pos[-1]) // arr.chunk_rows
         return _Plan(arr, pos, np.arange(first, last + 1, dtype=np.int64), np.empty(0, np.int64), span=True)
@@ -307,6 +318,13 @@ def _plan(arr: Array, positions: np.ndarray | None) -> _Plan:
         return _Plan(arr, pos, chunk_of[np.append(0, new)], np.cumsum(slot))
     chunks, slot = np.unique(chunk_of, return_inverse=True)
     return _Plan(arr, pos, chunks, slot, ordered=False)
+
+
+def _outside(arr: Array, lo: int, hi: int) -> CorruptStoreError:
+    return CorruptStoreError(
+        f"{arr.path}: rows {lo}..{hi} asked of an array of {arr.shape[0]} rows; the key index does not "
+        "match the segment. Open an earlier checkpoint or restore from a backup."
+    )
 
 
 class _Reader:

@@ -45,6 +45,7 @@ __all__ = [
     "encode_chunks",
     "hardware_crc",
     "merge_runs",
+    "plan_chunks",
     "plan_runs",
     "read_check_gather",
 ]
@@ -103,6 +104,11 @@ def check_gather(
 ) -> tuple[int, int, int, int]:
     """:func:`._core.check_gather` (the compiled core only: callers check :func:`enabled` first)."""
     return _core.check_gather(buf, at, chunks, payload, seed, pos, chunk_rows, row_bytes, out, slot)
+
+
+def plan_chunks(pos: Buffer, chunk_rows: int, n: int, chunks: Buffer) -> tuple[int, int, int, int]:
+    """:func:`._core.plan_chunks` (the compiled core only)."""
+    return _core.plan_chunks(pos, chunk_rows, n, chunks)
 
 
 def plan_runs(

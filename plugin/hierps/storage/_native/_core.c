@@ -417,6 +417,53 @@ done:
     return result;
 }
 
+/* -- plan_chunks ---------------------------------------------------------------------------- */
+/* plan_chunks(pos, chunk_rows, n, chunks) -> (c, kind, min, max): the rows `pos` (k,) of an array of n
+ * rows in chunks of chunk_rows. kind 0: a row lies outside the array (min, max say which); 1: a range of
+ * consecutive rows; 2: rows in chunk order; 3: rows out of chunk order (nothing filled). For 1 and 2,
+ * chunks[:c] holds the chunks holding them, in order, each once. */
+static PyObject *py_plan_chunks(PyObject *self, PyObject *args) {
+    PyObject *o_pos, *o_chunks;
+    Py_ssize_t chunk_rows, n;
+    if (!PyArg_ParseTuple(args, "OnnO", &o_pos, &chunk_rows, &n, &o_chunks)) return NULL;
+    Buf pos = {0}, chunks = {0};
+    PyObject *result = NULL;
+    if (get_words(o_pos, &pos, 0, "pos") < 0 || get_words(o_chunks, &chunks, 1, "chunks") < 0) goto done;
+    Py_ssize_t k = NWORDS(pos);
+    if (k < 1 || NWORDS(chunks) < k || chunk_rows < 1) {
+        PyErr_SetString(PyExc_ValueError, "plan_chunks: expected rows and room for a chunk each");
+        goto done;
+    }
+    const int64_t *p = WORDS(pos);
+    int64_t *ch = (int64_t *)chunks.view.buf, lo = p[0], hi = p[0];
+    Py_ssize_t c = 0;
+    int kind = 1;
+    Py_BEGIN_ALLOW_THREADS for (Py_ssize_t j = 0; j < k; j++) {
+        if (p[j] < lo) lo = p[j];
+        if (p[j] > hi) hi = p[j];
+    }
+    if (lo < 0 || hi >= n) kind = 0;
+    for (Py_ssize_t j = 1; kind == 1 && j < k; j++)
+        if (p[j] != p[j - 1] + 1) kind = 2;
+    if (kind == 1) {
+        for (int64_t q = p[0] / chunk_rows; q <= p[k - 1] / chunk_rows; q++) ch[c++] = q;
+    } else if (kind == 2) {
+        for (Py_ssize_t j = 0; j < k && kind == 2; j++) {
+            int64_t q = p[j] / chunk_rows;
+            if (c == 0 || q > ch[c - 1])
+                ch[c++] = q;
+            else if (q < ch[c - 1])
+                kind = 3;
+        }
+    }
+    Py_END_ALLOW_THREADS result = Py_BuildValue("niLL", kind == 1 || kind == 2 ? c : 0, kind, (long long)lo,
+                                                 (long long)hi);
+done:
+    release(&pos);
+    release(&chunks);
+    return result;
+}
+
 /* -- plan_runs ------------------------------------------------------------------------------ */
 /* Chunks at offsets `start` (c,) of files `file` (c,), each `chunk_bytes` long, into runs of one pread:
  * same file, in order, gaps up to `gap` bytes read through, cut where the offset from the first chunk
@@ -862,6 +909,7 @@ static PyMethodDef methods[] = {
     {"crc32c", py_crc32c, METH_VARARGS, "crc32c(data, value=0) -> int: the crc32c of data, continuing value."},
     {"check_gather", (PyCFunction)(void (*)(void))py_check_gather, METH_VARARGS | METH_KEYWORDS,
      "Check chunks (crc32c, binding tag) and copy rows out of them; see _core.pyi."},
+    {"plan_chunks", py_plan_chunks, METH_VARARGS, "The chunks holding rows, and how the rows lie; see _core.pyi."},
     {"plan_runs", py_plan_runs, METH_VARARGS, "Cut a request's chunks into runs of one pread; see _core.pyi."},
     {"read_check_gather", py_read_check_gather, METH_VARARGS,
      "Read runs into a scratch buffer, then check their chunks and gather their rows; see _core.pyi."},

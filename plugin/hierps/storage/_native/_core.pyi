@@ -37,6 +37,12 @@ def check_gather(
     binding tag fails or -1, their count); rows are copied either way.
     """
 
+def plan_chunks(pos: Buffer, chunk_rows: int, n: int, chunks: Buffer) -> tuple[int, int, int, int]:
+    """The rows ``pos`` (k,) int64 (k >= 1) of an array of ``n`` rows in chunks of ``chunk_rows``:
+    (c, kind, min row, max row). kind 0: a row lies outside the array; 1: a range of consecutive
+    rows; 2: rows in chunk order; 3: rows out of chunk order. For 1 and 2, ``chunks[:c]`` ((>= k,)
+    int64) holds the chunks holding them, in order, each once."""
+
 def plan_runs(
     start: Buffer,
     file: Buffer,
