@@ -196,6 +196,18 @@ static inline uint32_t binding_tag(uint32_t seed, uint64_t chunk, uint32_t crc) 
     return crc_update(seed, item, 12);
 }
 
+/* -- the GIL -------------------------------------------------------------------------------- */
+/* A loop lets the GIL go (other threads run Python meanwhile) when its work is large: for a short one,
+ * taking the GIL back (up to the interpreter's switch interval while other threads run Python) would
+ * cost more than it frees. `work` counts bytes touched, about. Reads let it go always (they wait). */
+#define BIG_WORK (256 * 1024)
+#define UNLOCK_IF(work) \
+    {               \
+        PyThreadState *_save = (work) >= BIG_WORK ? PyEval_SaveThread() : NULL;
+#define RELOCK                                \
+    if (_save) PyEval_RestoreThread(_save); \
+    }
+
 /* -- buffers -------------------------------------------------------------------------------- */
 typedef struct {
     Py_buffer view;
@@ -250,12 +262,8 @@ static PyObject *py_crc32c(PyObject *self, PyObject *args) {
     uint32_t crc = (uint32_t)value;
     const unsigned char *p = b.view.buf;
     size_t len = (size_t)b.view.len;
-    if (len >= 4096) {
-        Py_BEGIN_ALLOW_THREADS crc = crc_update(crc, p, len);
-        Py_END_ALLOW_THREADS
-    } else {
-        crc = crc_update(crc, p, len);
-    }
+    UNLOCK_IF((Py_ssize_t)len) crc = crc_update(crc, p, len);
+    RELOCK
     release(&b);
     return PyLong_FromUnsignedLong(crc);
 }
@@ -400,8 +408,8 @@ static PyObject *py_check_gather(PyObject *self, PyObject *args, PyObject *kw) {
     Gather g = {buf.view.buf, buf.view.len, WORDS(at), WORDS(chunks), WORDS(pos),
                 slot.held ? WORDS(slot) : NULL, 0, NWORDS(at), NWORDS(pos), payload, chunk_rows, row_bytes,
                 (uint32_t)seed, out.held ? out.view.buf : NULL, -1, 0, -1, 0, NULL, 0};
-    Py_BEGIN_ALLOW_THREADS run_gather(&g);
-    Py_END_ALLOW_THREADS
+    UNLOCK_IF(g.n_chunks * payload + g.n_rows * row_bytes) run_gather(&g);
+    RELOCK
     if (g.error) {
         PyErr_Format(PyExc_ValueError, "check_gather: %s (index %zd)", g.error, g.error_at);
         goto done;
@@ -438,7 +446,7 @@ static PyObject *py_plan_chunks(PyObject *self, PyObject *args) {
     int64_t *ch = (int64_t *)chunks.view.buf, lo = p[0], hi = p[0];
     Py_ssize_t c = 0;
     int kind = 1;
-    Py_BEGIN_ALLOW_THREADS for (Py_ssize_t j = 0; j < k; j++) {
+    UNLOCK_IF(16 * k) for (Py_ssize_t j = 0; j < k; j++) {
         if (p[j] < lo) lo = p[j];
         if (p[j] > hi) hi = p[j];
     }
@@ -456,7 +464,7 @@ static PyObject *py_plan_chunks(PyObject *self, PyObject *args) {
                 kind = 3;
         }
     }
-    Py_END_ALLOW_THREADS result = Py_BuildValue("niLL", kind == 1 || kind == 2 ? c : 0, kind, (long long)lo,
+    RELOCK result = Py_BuildValue("niLL", kind == 1 || kind == 2 ? c : 0, kind, (long long)lo,
                                                  (long long)hi);
 done:
     release(&pos);
@@ -499,7 +507,7 @@ static PyObject *py_plan_runs(PyObject *self, PyObject *args) {
     int64_t *a = (int64_t *)at.view.buf, *rc = (int64_t *)chunk.view.buf, *rf = (int64_t *)rfile.view.buf,
             *rs = (int64_t *)rstart.view.buf, *rd = (int64_t *)dest.view.buf;
     Py_ssize_t r = 0;
-    Py_BEGIN_ALLOW_THREADS int64_t group = 0, prev_piece = 0;
+    UNLOCK_IF(48 * c + (with_rows ? 8 * NWORDS(pos) : 0)) int64_t group = 0, prev_piece = 0;
     rd[0] = 0;
     for (Py_ssize_t i = 0; i < c; i++) {
         int new_group = i == 0 || fl[i] != fl[i - 1] || st[i] - st[i - 1] - chunk_bytes > gap || st[i] < st[i - 1];
@@ -528,7 +536,7 @@ static PyObject *py_plan_runs(PyObject *self, PyObject *args) {
         }
         rr[r] = k;
     }
-    Py_END_ALLOW_THREADS result = PyLong_FromSsize_t(r);
+    RELOCK result = PyLong_FromSsize_t(r);
 done:
     release(&start);
     release(&file);
@@ -643,7 +651,7 @@ static PyObject *py_encode_chunks(PyObject *self, PyObject *args) {
     const unsigned char *s = src.view.buf;
     unsigned char *o = out.view.buf;
     uint32_t seed32 = (uint32_t)seed;
-    Py_BEGIN_ALLOW_THREADS for (Py_ssize_t i = 0; i < n; i++) {
+    UNLOCK_IF(n * stride) for (Py_ssize_t i = 0; i < n; i++) {
         const unsigned char *p = s + i * payload;
         unsigned char *c = o + i * stride;
         memcpy(c, p, (size_t)payload);
@@ -652,7 +660,7 @@ static PyObject *py_encode_chunks(PyObject *self, PyObject *args) {
         store32le(c + payload + 4, binding_tag(seed32, first + (uint64_t)i, crc));
         memset(c + payload + TRAILER, 0, (size_t)(stride - payload - TRAILER));
     }
-    Py_END_ALLOW_THREADS result = Py_NewRef(Py_None);
+    RELOCK result = Py_NewRef(Py_None);
 done:
     release(&src);
     release(&out);
@@ -678,13 +686,13 @@ static PyObject *py_binding_tags(PyObject *self, PyObject *args) {
     const unsigned char *cr = crcs.view.buf;
     unsigned char *o = out.view.buf;
     uint32_t seed32 = (uint32_t)seed;
-    Py_BEGIN_ALLOW_THREADS for (Py_ssize_t i = 0; i < n; i++) {
+    UNLOCK_IF(16 * n) for (Py_ssize_t i = 0; i < n; i++) {
         uint32_t crc;
         memcpy(&crc, cr + 4 * i, 4); /* native order, as numpy's uint32 */
         uint32_t tag = binding_tag(seed32, (uint64_t)ch[i], crc);
         memcpy(o + 4 * i, &tag, 4);
     }
-    Py_END_ALLOW_THREADS result = Py_NewRef(Py_None);
+    RELOCK result = Py_NewRef(Py_None);
 done:
     release(&chunks);
     release(&crcs);
@@ -726,7 +734,7 @@ static PyObject *py_bloom_add(PyObject *self, PyObject *args) {
     const uint64_t *k = keys.view.buf;
     /* In groups of 32 keys: their words fetched (prefetched) together, then their bits set, so that
      * the cache misses of a large filter overlap instead of following one another. */
-    Py_BEGIN_ALLOW_THREADS uint64_t word[32], mask[32];
+    UNLOCK_IF(64 * n) uint64_t word[32], mask[32];
     for (Py_ssize_t i = 0; i < n; i += 32) {
         int m = n - i < 32 ? (int)(n - i) : 32;
         for (int j = 0; j < m; j++) {
@@ -735,7 +743,7 @@ static PyObject *py_bloom_add(PyObject *self, PyObject *args) {
         }
         for (int j = 0; j < m; j++) f[word[j]] |= mask[j];
     }
-    Py_END_ALLOW_THREADS result = Py_NewRef(Py_None);
+    RELOCK result = Py_NewRef(Py_None);
 done:
     release(&filt);
     release(&keys);
@@ -763,7 +771,7 @@ static PyObject *py_bloom_may_contain(PyObject *self, PyObject *args) {
     const int64_t *b = block.held ? WORDS(block) : NULL;
     unsigned char *o = out.view.buf;
     Py_ssize_t bad = -1;
-    Py_BEGIN_ALLOW_THREADS int64_t last_first = b ? (w - 1) / full * full : 0;
+    UNLOCK_IF(64 * n) int64_t last_first = b ? (w - 1) / full * full : 0;
     uint64_t at[32], mask[32];
     for (Py_ssize_t i = 0; i < n && bad < 0; i += 32) { /* in groups, prefetched as bloom_add's */
         int m = n - i < 32 ? (int)(n - i) : 32;
@@ -783,7 +791,7 @@ static PyObject *py_bloom_may_contain(PyObject *self, PyObject *args) {
         if (bad >= 0) break;
         for (int j = 0; j < m; j++) o[i + j] = (f[at[j]] & mask[j]) == mask[j];
     }
-    Py_END_ALLOW_THREADS if (bad >= 0) {
+    RELOCK if (bad >= 0) {
         PyErr_Format(PyExc_ValueError, "bloom_may_contain: key %zd's block %lld lies outside the filter", bad,
                      (long long)b[bad]);
         goto done;
@@ -855,7 +863,7 @@ static PyObject *py_merge_runs(PyObject *self, PyObject *args) {
     int64_t *out_k = (int64_t *)ok.view.buf, *out_s = (int64_t *)osrc.view.buf;
     unsigned char *out_r = orows.view.buf;
     Py_ssize_t n_out = 0;
-    Py_BEGIN_ALLOW_THREADS for (;;) {
+    UNLOCK_IF(total * (row_bytes + 16)) for (;;) {
         Py_ssize_t best = -1;
         int64_t key = 0;
         for (Py_ssize_t i = 0; i < k; i++) {
@@ -877,7 +885,7 @@ static PyObject *py_merge_runs(PyObject *self, PyObject *args) {
             for (Py_ssize_t i = 0; i < k; i++)
                 if (head[i] < NWORDS(bufs[2 * i]) && WORDS(bufs[2 * i])[head[i]] == key) head[i]++;
     }
-    Py_END_ALLOW_THREADS result = PyLong_FromSsize_t(n_out);
+    RELOCK result = PyLong_FromSsize_t(n_out);
 done:
     if (bufs)
         for (Py_ssize_t i = 0; i < 2 * k; i++) release(&bufs[i]);
