@@ -319,6 +319,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="with --scale: also the planner's pass and checkpoint times against it",
     )
     a(
+        "--numpy-too",
+        action="store_true",
+        help="with --scale: also the wide and export phases with the numpy kernels instead of the compiled "
+        "core, on the same store and disk",
+    )
+    a(
         "--core",
         action="store_true",
         help="instead: the CPU per 4 KiB chunk the SSD tier spends reading (lookups, scans, a quarter of the "

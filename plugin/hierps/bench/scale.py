@@ -23,6 +23,7 @@ from SSD per second are reported against the random read rate.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
@@ -116,6 +117,9 @@ class ScaleConfig(StoreBenchConfig):
     batch_keys: int = 4096  # distinct keys per mini-batch
     lookups: int = 16_384  # random ids looked up in the serving phase
     phases: tuple[str, ...] = PHASES  # which phases run (write first: the others read its store)
+    # Also the wide and export phases with the numpy kernels instead of the compiled core, each right
+    # after its compiled run, on the same store and disk: "wide-numpy", "export-numpy".
+    numpy_too: bool = False
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -470,12 +474,14 @@ def run_phase(spec: dict[str, Any], runners: dict[str, Runner] | None = None) ->
     """Run one phase of ``runners`` (default :data:`RUNNERS`) in this process (the worker's ``"scale"``
     task): its record with what it cost."""
     from hierps.bench.machine import drop_from_page_cache
+    from hierps.storage import numpy_kernels
 
     body, cold = (RUNNERS if runners is None else runners)[spec["phase"]]
     if cold is not None:
         drop_from_page_cache(Path(spec[cold]))
     io0 = io_counters()
-    record = body(spec)
+    with numpy_kernels() if spec["config"].get("kernels") == "numpy" else contextlib.nullcontext():
+        record = body(spec)
     record["io"] = _io_delta(io0, io_counters())
     record["peak_rss_bytes"] = peak_rss()
     record["store"] = _tree(spec.get("store"))
@@ -512,6 +518,16 @@ def _run_size(conf: dict[str, Any], rows: int, root: Path, out: Callable[[str], 
             out(f"  {rows:,} rows, {phase}: {state} ({time.perf_counter() - t0:.0f} s with the process)")
             if "error" in phases[phase]:
                 break
+            if conf.get("numpy_too") and phase in ("wide", "export"):
+                t0 = time.perf_counter()
+                again = {**paths, "export": str(root / "export-numpy")}
+                numpy_conf = {**conf, "kernels": "numpy"}
+                record = _judge(spawn_phase(phase, numpy_conf, root / f"{i}-{phase}-numpy", **again), limit)
+                phases[f"{phase}-numpy"] = record
+                state = "failed" if "error" in record else f"{record['seconds']:.1f} s"
+                out(
+                    f"  {rows:,} rows, {phase} with the numpy kernels: {state} ({time.perf_counter() - t0:.0f} s)"
+                )
     finally:
         if not conf["keep"]:
             shutil.rmtree(root, ignore_errors=True)
@@ -742,10 +758,12 @@ def format_report(results: dict[str, Any], out: Callable[[str], Any] = print) ->
     for rows, record in _finished(results, "train"):
         out(_train_line(rows, record, _random_rate(results)))
     seq = results.get("disk", {}).get("sequential", {}).get("bytes_per_s")
-    for rows, record in _finished(results, "wide"):
-        out(_wide_line(rows, record, seq))
-    for rows, record in _finished(results, "export"):
-        out(_export_line(rows, record, results.get("disk", {})))
+    for phase in ("wide", "wide-numpy"):
+        for rows, record in _finished(results, phase):
+            out(_wide_line(rows, record, seq).replace("wide,", f"{phase},", 1))
+    for phase in ("export", "export-numpy"):
+        for rows, record in _finished(results, phase):
+            out(_export_line(rows, record, results.get("disk", {})).replace("export,", f"{phase},", 1))
     for g in results.get("goals", []):
         state = {True: "MET    ", False: "NOT MET", None: "n/a    "}[g["met"]]
         value = "-" if g["value"] is None else f"{g['value']:.2f}"
@@ -829,6 +847,7 @@ def config_from_args(args: argparse.Namespace) -> ScaleConfig:
         "keep": args.keep or None,
         "phases": _phases(args.phases) if args.phases else None,
         "disk_bytes": parse_size(args.disk_bytes, "--disk-bytes") if args.disk_bytes else None,
+        "numpy_too": getattr(args, "numpy_too", False) or None,
     }
     return ScaleConfig(**{k: v for k, v in given.items() if v is not None})
 
