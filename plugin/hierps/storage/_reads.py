@@ -43,8 +43,11 @@ _PIECE_BYTES = 512 << 10
 # Threads issuing reads: an SSD serves many outstanding random reads at once.
 _THREADS = 16
 _PARALLEL_RUNS = 4  # fewer runs are read by the calling thread
-# A read task's bytes at most (unless one run is longer): the compiled path's per-thread buffer.
-_TASK_BYTES = 1 << 20
+# A read task's bytes at most (unless one run is longer).
+_TASK_BYTES = 4 << 20
+# A read thread keeps a buffer of up to this many bytes for the next run it reads (a run is at most
+# _PIECE_BYTES and a chunk); a run longer than this (of an array of huge chunks) gets one of its own.
+_SCRATCH_BYTES = 1 << 20
 _pool: tuple[int, ThreadPoolExecutor] | None = None
 _pool_lock = threading.Lock()
 
@@ -193,10 +196,11 @@ class _Plan:
         return list(zip([0, *cuts], [*cuts, self.n_runs]))
 
     def read_fused(self, fds: np.ndarray, first: int, stop: int) -> None:
-        """The compiled path, on a read thread: read runs ``first:stop`` into this thread's scratch
-        buffer, then check their chunks and copy their rows to ``out``, in one call without the GIL."""
+        """The compiled path, on a read thread: read runs ``first:stop`` one by one into this thread's
+        scratch buffer, each checked and its rows copied to ``out`` right after its read, while its
+        bytes are in the cache; one call without the GIL."""
         arr = self.arr
-        scratch = _scratch(int(self.run_dest[stop] - self.run_dest[first]))
+        scratch = _scratch(int(np.diff(self.run_dest[first : stop + 1]).max()))
         failed, got, *found = _native.read_check_gather(
             fds, self.run_start, self.run_dest, self.run_chunk, self.run_row, first, stop, scratch, self.at,
             self.chunks, self.pos, arr.payload_bytes, arr.seed, arr.chunk_rows, arr.row_bytes, self.out,
@@ -273,10 +277,13 @@ _local = threading.local()
 
 
 def _scratch(size: int) -> np.ndarray:
-    """This thread's read buffer, of at least ``size`` bytes (kept between reads: no page faults)."""
+    """This thread's read buffer, of at least ``size`` bytes: kept between reads (no page faults, in
+    the cache), or, past ``_SCRATCH_BYTES``, one for this read alone."""
+    if size > _SCRATCH_BYTES:
+        return np.empty(size, np.uint8)
     buf: np.ndarray | None = getattr(_local, "buf", None)
-    if buf is None or len(buf) < size:
-        buf = _local.buf = np.empty(max(size, _TASK_BYTES + (64 << 10)), np.uint8)
+    if buf is None:
+        buf = _local.buf = np.empty(_SCRATCH_BYTES, np.uint8)
     return buf
 
 

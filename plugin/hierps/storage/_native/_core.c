@@ -273,7 +273,8 @@ typedef struct {
     const unsigned char *buf;
     Py_ssize_t buf_len;
     const int64_t *at, *chunks, *pos, *slot;
-    int64_t at_base; /* subtracted from every offset in `at` */
+    int64_t at_base;    /* subtracted from every offset in `at` */
+    Py_ssize_t base;    /* added to the chunk indices reported */
     Py_ssize_t n_chunks, n_rows;
     Py_ssize_t payload, chunk_rows, row_bytes;
     uint32_t seed;
@@ -289,10 +290,10 @@ static inline void check_chunk(Gather *g, Py_ssize_t i) {
     const unsigned char *c = g->buf + (g->at[i] - g->at_base);
     uint32_t crc = crc_update(0, c, (size_t)g->payload);
     if (crc != load32le(c + g->payload)) {
-        if (g->bad_crc < 0) g->bad_crc = i;
+        if (g->bad_crc < 0) g->bad_crc = g->base + i;
         g->n_bad_crc++;
     } else if (binding_tag(g->seed, (uint64_t)g->chunks[i], crc) != load32le(c + g->payload + 4)) {
-        if (g->bad_tag < 0) g->bad_tag = i;
+        if (g->bad_tag < 0) g->bad_tag = g->base + i;
         g->n_bad_tag++;
     }
 }
@@ -406,7 +407,7 @@ static PyObject *py_check_gather(PyObject *self, PyObject *args, PyObject *kw) {
         goto done;
     }
     Gather g = {buf.view.buf, buf.view.len, WORDS(at), WORDS(chunks), WORDS(pos),
-                slot.held ? WORDS(slot) : NULL, 0, NWORDS(at), NWORDS(pos), payload, chunk_rows, row_bytes,
+                slot.held ? WORDS(slot) : NULL, 0, 0, NWORDS(at), NWORDS(pos), payload, chunk_rows, row_bytes,
                 (uint32_t)seed, out.held ? out.view.buf : NULL, -1, 0, -1, 0, NULL, 0};
     UNLOCK_IF(g.n_chunks * payload + g.n_rows * row_bytes) run_gather(&g);
     RELOCK
@@ -552,9 +553,10 @@ done:
 }
 
 /* -- read_check_gather ---------------------------------------------------------------------- */
-/* pread runs first..stop-1 (run i: bytes run_dest[i + 1] - run_dest[i] at run_start[i] of fds[i]) into
- * `scratch`, one after the other, retrying short reads and EINTR; then check_gather their chunks
- * (run_chunk[first]..run_chunk[stop]) and rows (run_row[first]..run_row[stop]) into `out`. */
+/* Runs first..stop-1, one after the other: pread run i (bytes run_dest[i + 1] - run_dest[i] at
+ * run_start[i] of fds[i]) into `scratch` (retrying short reads and EINTR), then at once, while its bytes
+ * are in the cache, check_gather its chunks (run_chunk[i]..run_chunk[i + 1]) and rows
+ * (run_row[i]..run_row[i + 1]) into `out`. */
 static PyObject *py_read_check_gather(PyObject *self, PyObject *args) {
     PyObject *o_fds, *o_start, *o_dest, *o_chunk, *o_row, *o_scratch, *o_at, *o_chunks, *o_pos, *o_out;
     Py_ssize_t first, stop, payload, chunk_rows, row_bytes;
@@ -575,31 +577,30 @@ static PyObject *py_read_check_gather(PyObject *self, PyObject *args) {
     const int64_t *fd = WORDS(fds), *st = WORDS(start), *ds = WORDS(dest), *rc = WORDS(chunk), *rr = WORDS(row);
     if (NWORDS(start) != n_runs || NWORDS(dest) != n_runs + 1 || NWORDS(chunk) != n_runs + 1 ||
         NWORDS(row) != n_runs + 1 || first < 0 || first >= stop || stop > n_runs || NWORDS(at) != NWORDS(chunks) ||
-        rc[first] < 0 || rc[first] > rc[stop] || rc[stop] > NWORDS(chunks) || rr[first] < 0 ||
-        rr[first] > rr[stop] || rr[stop] > NWORDS(pos) || chunk_rows <= 0 || row_bytes <= 0 ||
-        chunk_rows * row_bytes > payload || out.view.len != NWORDS(pos) * row_bytes) {
+        chunk_rows <= 0 || row_bytes <= 0 || chunk_rows * row_bytes > payload ||
+        out.view.len != NWORDS(pos) * row_bytes) {
         PyErr_SetString(PyExc_ValueError, "read_check_gather: runs, chunks and rows do not match");
         goto done;
     }
     for (Py_ssize_t i = first; i < stop; i++) {
-        if (st[i] < 0 || ds[i] < ds[first] || ds[i + 1] < ds[i] || ds[i + 1] - ds[first] > scratch.view.len ||
-            fd[i] < 0 || fd[i] > INT32_MAX) {
-            PyErr_Format(PyExc_ValueError, "read_check_gather: run %zd does not fit the buffer", i);
+        if (st[i] < 0 || ds[i + 1] < ds[i] || ds[i + 1] - ds[i] > scratch.view.len || fd[i] < 0 ||
+            fd[i] > INT32_MAX || rc[i] < 0 || rc[i + 1] < rc[i] || rc[i + 1] > NWORDS(chunks) || rr[i] < 0 ||
+            rr[i + 1] < rr[i] || rr[i + 1] > NWORDS(pos)) {
+            PyErr_Format(PyExc_ValueError, "read_check_gather: run %zd does not fit the buffers", i);
             goto done;
         }
     }
     unsigned char *b = scratch.view.buf;
     Py_ssize_t failed = -1;
     int64_t got = 0;
-    Gather g = {b, ds[stop] - ds[first], WORDS(at) + rc[first], WORDS(chunks) + rc[first], WORDS(pos) + rr[first],
-                NULL, ds[first], rc[stop] - rc[first], rr[stop] - rr[first], payload, chunk_rows, row_bytes,
-                (uint32_t)seed, (unsigned char *)out.view.buf + rr[first] * row_bytes, -1, 0, -1, 0, NULL, 0};
-    Py_BEGIN_ALLOW_THREADS for (Py_ssize_t i = first; i < stop && failed < 0; i++) {
+    Gather g = {b, 0, WORDS(at), WORDS(chunks), WORDS(pos), NULL, 0, 0, 0, 0, payload, chunk_rows, row_bytes,
+                (uint32_t)seed, NULL, -1, 0, -1, 0, NULL, 0};
+    const int64_t *all_at = WORDS(at), *all_chunks = WORDS(chunks), *all_pos = WORDS(pos);
+    Py_BEGIN_ALLOW_THREADS for (Py_ssize_t i = first; i < stop; i++) {
         int64_t len = ds[i + 1] - ds[i];
-        unsigned char *into = b + (ds[i] - ds[first]);
         got = 0;
         while (got < len) {
-            ssize_t r = pread((int)fd[i], into + got, (size_t)(len - got), (off_t)(st[i] + got));
+            ssize_t r = pread((int)fd[i], b + got, (size_t)(len - got), (off_t)(st[i] + got));
             if (r < 0 && errno == EINTR) continue;
             if (r <= 0) {
                 if (r < 0) got = -(int64_t)errno;
@@ -607,16 +608,28 @@ static PyObject *py_read_check_gather(PyObject *self, PyObject *args) {
             }
             got += r;
         }
-        if (got != len) failed = i;
+        if (got != len) {
+            failed = i;
+            break;
+        }
+        g.buf_len = len;
+        g.at_base = ds[i];
+        g.base = (Py_ssize_t)rc[i];
+        g.at = all_at + rc[i];
+        g.chunks = all_chunks + rc[i];
+        g.n_chunks = rc[i + 1] - rc[i];
+        g.pos = all_pos + rr[i];
+        g.n_rows = rr[i + 1] - rr[i];
+        g.out = (unsigned char *)out.view.buf + rr[i] * row_bytes;
+        run_gather(&g);
+        if (g.error) break;
     }
-    if (failed < 0) run_gather(&g);
     Py_END_ALLOW_THREADS if (g.error) {
         PyErr_Format(PyExc_ValueError, "read_check_gather: %s (index %zd)", g.error, g.error_at);
         goto done;
     }
-    Py_ssize_t base = (Py_ssize_t)rc[first];
-    result = Py_BuildValue("nLnnnn", failed, (long long)(failed < 0 ? 0 : got), g.bad_crc < 0 ? -1 : base + g.bad_crc,
-                           g.n_bad_crc, g.bad_tag < 0 ? -1 : base + g.bad_tag, g.n_bad_tag);
+    result = Py_BuildValue("nLnnnn", failed, (long long)(failed < 0 ? 0 : got), g.bad_crc, g.n_bad_crc, g.bad_tag,
+                           g.n_bad_tag);
 done:
     release(&fds);
     release(&start);
