@@ -39,7 +39,15 @@ from typing import Any
 import numpy as np
 from zarr.storage import LocalStore
 
-from hierps.storage import ArrayWriter, OpenFiles, compiled_core, numpy_kernels, open_array, read_arrays
+from hierps.storage import (
+    ArrayWriter,
+    OpenFiles,
+    compiled_core,
+    crc32c,
+    numpy_kernels,
+    open_array,
+    read_arrays,
+)
 
 __all__ = ["run_core_bench", "run_from_args"]
 
@@ -90,7 +98,7 @@ def _bare_reads(path: Path, requests: list[np.ndarray], stride: int) -> Callable
     return read
 
 
-def _timed(fn: Callable[[], None], repeats: int) -> tuple[float, float]:
+def _timed(fn: Callable[[], object], repeats: int) -> tuple[float, float]:
     """(median CPU seconds of the process, median wall seconds) of ``fn`` over ``repeats`` runs."""
     fn()  # warm: page cache, threads, allocator
     cpu, wall = [], []
@@ -100,6 +108,20 @@ def _timed(fn: Callable[[], None], repeats: int) -> tuple[float, float]:
         cpu.append(time.process_time() - c0)
         wall.append(time.perf_counter() - t0)
     return statistics.median(cpu), statistics.median(wall)
+
+
+def _crc_rates(repeats: int) -> dict[str, Any]:
+    """crc32c (the store's, :func:`hierps.storage.crc32c`) of one chunk's payload, a call each, and of
+    1 MiB at once (in the cache), with each kernel: microseconds a chunk, GB/s."""
+    rng = np.random.default_rng(2)
+    chunk, big = rng.integers(0, 256, 4088, np.uint8), rng.integers(0, 256, 1 << 20, np.uint8)
+    out: dict[str, Any] = {}
+    for kernel in ["compiled", "numpy"] if compiled_core() else ["numpy"]:
+        with numpy_kernels() if kernel == "numpy" else contextlib.nullcontext():
+            small = min(_timed(lambda: [crc32c(chunk) for _ in range(10_000)], repeats)) / 10_000
+            large = min(_timed(lambda: [crc32c(big) for _ in range(64)], repeats)) / 64
+        out[kernel] = {"us_per_4088_bytes": small * 1e6, "gb_per_s": len(big) / large / 1e9}
+    return out
 
 
 def run_core_bench(rows: int = 1 << 20, repeats: int = 7, tmp: str | None = None) -> dict[str, Any]:
@@ -130,6 +152,7 @@ def run_core_bench(rows: int = 1 << 20, repeats: int = 7, tmp: str | None = None
             "cpus": os.cpu_count(),
             "write_seconds": write_s,
             "write_mb_per_s": {k: rows * 4 * _WIDTH / s / 1e6 for k, s in write_s.items()},
+            "crc32c": _crc_rates(repeats),
             "patterns": {},
         }
         for name, requests in _patterns(rows).items():
@@ -193,6 +216,11 @@ def report(results: dict[str, Any]) -> str:
                 )
     writes = ", ".join(f"{k} {v:,.0f} MB/s" for k, v in results["write_mb_per_s"].items())
     lines.append(f"writing the array (encode + crc32c + tag + write): {writes}")
+    crcs = ", ".join(
+        f"{k} {v['us_per_4088_bytes']:.2f} us a 4088-byte chunk (one Python call each), {v['gb_per_s']:.1f} GB/s on 1 MiB"
+        for k, v in results["crc32c"].items()
+    )
+    lines.append(f"crc32c: {crcs}")
     return "\n".join(lines)
 
 

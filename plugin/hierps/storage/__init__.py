@@ -7,7 +7,7 @@
   (:mod:`._filter`; what finds a key: under 2 bytes of RAM per key), and :mod:`._merge`: merging runs
   in bounded memory;
 - :mod:`._native`: the compiled core of the loops over bytes (crc32c, checking and gathering what
-  was read, encoding chunks), or the numpy code it replaces: :func:`compiled_core` says which serves,
+  was read, encoding chunks; :func:`crc32c`), or the numpy code it replaces: :func:`compiled_core` says which serves,
   and :func:`numpy_kernels` runs the numpy code inside a block (``hierps bench --core`` compares them);
 - :class:`CheckpointCatalog`: the checkpoints of a store directory, each committed by its
   :class:`Manifest` (:mod:`._manifest`; the marker :mod:`._marker`, the format version
@@ -20,6 +20,7 @@ from hierps.storage._files import OpenFiles
 from hierps.storage._format import FORMAT_VERSION
 from hierps.storage._manifest import Manifest, SegmentRef, TableEntry
 from hierps.storage._marker import MARKER
+from hierps.storage._native import crc32c
 from hierps.storage._native import disabled as numpy_kernels
 from hierps.storage._native import enabled as compiled_core
 from hierps.storage._reads import read_arrays
@@ -37,6 +38,7 @@ __all__ = [
     "SegmentWriter",
     "TableEntry",
     "compiled_core",
+    "crc32c",
     "numpy_kernels",
     "open_array",
     "read_arrays",
