@@ -141,7 +141,7 @@ class PassLoader:
         in_pass = False
         try:
             while group:
-                self.store.begin_pass([ids for _, ids in group])
+                self.store.begin_pass(_ids(group))
                 in_pass = True
                 if getattr(self.store, "pass_groups", 1) > 1:
                     # The pass did not fit the device tier (it loads group by group, nothing read ahead
@@ -149,7 +149,7 @@ class PassLoader:
                     self.size = max(1, self.size // 2)
                 upcoming = self._read(batches)
                 if upcoming and prefetch is not None:
-                    prefetch([ids for _, ids in upcoming])
+                    prefetch(_ids(upcoming))
                 for batch, _ in group:
                     yield batch
                 in_pass = False
@@ -167,11 +167,11 @@ class PassLoader:
         read_ahead = getattr(self.store, "read_ahead", None)
         group = self._read(batches)
         if group and read_ahead is not None:
-            read_ahead([ids for _, ids in group])
+            read_ahead(_ids(group))
         while group:
             upcoming = self._read(batches)
             if upcoming and read_ahead is not None:
-                read_ahead([ids for _, ids in upcoming])
+                read_ahead(_ids(upcoming))
             for batch, _ in group:
                 yield batch
             group = upcoming
@@ -227,6 +227,11 @@ class PassLoader:
             {n: b.to_json() for n, b in offsets.items()},
         )
         self.ids_of = _by_key(chosen, offsets)
+
+
+def _ids(group: list[tuple[Any, Mapping[str, Any]]]) -> list[Mapping[str, Any]]:
+    """The ids of each batch of ``group`` (as ``PassLoader._read`` pairs them), as a store takes them."""
+    return [ids for _, ids in group]
 
 
 def _store_of(target: Any) -> Store | ShardedStore:

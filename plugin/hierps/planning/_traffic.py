@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import os
+from abc import ABC, abstractmethod
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,17 +39,20 @@ def keep_fraction(keys: np.ndarray, fraction: float, salt: int = 0) -> np.ndarra
     return h < np.uint64(int(fraction * 2.0**64))
 
 
-class Traffic:
-    """Passes of ids; ``fraction`` of the key space kept (1.0: all of it)."""
+class Traffic(ABC):
+    """Passes of ids; ``fraction`` of the key space kept (1.0: all of it). Two kinds:
+    :class:`SampledTraffic` (real batches) and :class:`PowerLaw` (a distribution)."""
 
     fraction: float = 1.0
     examples_per_pass: int = 0
 
+    @abstractmethod
     def passes(self) -> Iterator[Pass]:
-        raise NotImplementedError
+        """The passes, in order."""
 
+    @abstractmethod
     def describe(self) -> dict[str, Any]:
-        raise NotImplementedError
+        """What the traffic is, JSON-ready (the plan records it)."""
 
 
 @dataclass
