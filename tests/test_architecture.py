@@ -282,7 +282,8 @@ LAYERS: list[tuple[str, set[str]]] = [
     ("errors", {"hierps.errors", "hierps._faults"}),
     ("config", {"hierps.config"}),
     # What a row is; and small tensor helpers (torch only), used from the tiers up.
-    ("rows", {"hierps.rows", "hierps._tensors"}),
+    # ... and a loader's position as checkpoints keep it (JSON).
+    ("rows", {"hierps.rows", "hierps._tensors", "hierps._position"}),
     ("storage", {"hierps.storage"}),
     # The tiers, serving from exports, the modules users touch and the store protocol they talk to.
     (
@@ -298,7 +299,8 @@ LAYERS: list[tuple[str, set[str]]] = [
     # hierps/__init__.py: the public names, Store and ShardedStore among them.
     ("package", {"hierps"}),
     # hierps.deepspeed is hierps.integrations.deepspeed under its short name.
-    ("integrations", {"hierps.integrations", "hierps.deepspeed"}),
+    # hierps.online: the stream of log files and the publisher of deltas, on the public API.
+    ("integrations", {"hierps.integrations", "hierps.deepspeed", "hierps.online"}),
     ("demo", {"hierps.demo"}),
     # The benches, and capacity planning (sizes from the tiers, the DeepSpeed section, the bench's
     # machine probes), which the scale bench checks against what it measures.

@@ -26,6 +26,7 @@ import numpy as np
 
 from hierps._core import StoreCore
 from hierps._faults import fault_point
+from hierps._position import EXTRA_KEY
 from hierps.errors import ConfigError
 from hierps.rows._pending import PENDING_ARRAYS, PendingKeys
 from hierps.storage._commit_log import check_not_a_part
@@ -60,6 +61,13 @@ class Checkpoints:
                 f"pass str({tag!r}) to tag it, and restore it by that string."
             )
         extra = _parse_extra(extra)
+        position = core.data.snapshot()
+        if position is not None:
+            if EXTRA_KEY in extra:
+                raise ConfigError(
+                    f"checkpoint extra: {EXTRA_KEY!r} is where the tracked loader's position is kept; use another key."
+                )
+            extra = {**extra, EXTRA_KEY: position}
         if not isinstance(retire, bool):
             raise ConfigError(f"retire: expected True or False. Got {retire!r} instead.")
         self.pipe.drain()
@@ -188,6 +196,7 @@ class Checkpoints:
             core.passes = 0
         core.memory.tick = core.passes
         core.checkpoint_id = ckpt
+        core.data.loaded(manifest.extra if manifest is not None else None, ckpt)
         return manifest
 
     def list(self) -> list[dict[str, Any]]:

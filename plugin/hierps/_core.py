@@ -32,6 +32,7 @@ import numpy as np
 import torch
 
 from hierps._faults import fault_point
+from hierps._position import DataPositions
 from hierps.config import (
     DEFAULT_KEEP_CHECKPOINTS,
     AdmissionConfig,
@@ -107,6 +108,7 @@ class StoreCore:
         self.passes = 0
         self.stats = PassStats()
         self.checkpoint_id: int | None = None
+        self.data = DataPositions()  # the tracked loader, and the position of the checkpoint the store is at
         # Set explicitly, or kept from the store's latest checkpoint (3 for a new store): a tool
         # opening the store with defaults retires no more than the trainer did.
         self.keep_checkpoints = settings.keep_checkpoints or DEFAULT_KEEP_CHECKPOINTS

@@ -405,6 +405,18 @@ class Store:
         """
         return self._checkpoints.checkpoint(tag, extra, retire)
 
+    def track_data(self, loader: Any) -> None:
+        """Save ``loader``'s position with every checkpoint from now on (None: stop saving one).
+
+        ``loader``: an object with ``state_dict()`` / ``load_state_dict(state)`` whose state is JSON
+        values, tensors and arrays (torchdata's ``StatefulDataLoader``, :class:`hierps.PassLoader`,
+        which tracks itself, :class:`hierps.online.ParquetStream`). The position goes into the
+        checkpoint's manifest, atomic with its rows. Opening the store at a checkpoint, or
+        :meth:`restore`, gives the saved position back to the tracked loader (one tracked later gets
+        it when tracked), so that iterating it again resumes at the batch after the last one trained.
+        """
+        self._core.data.track(loader)
+
     def retire_checkpoints(self, keep: Collection[int] | None = None) -> None:
         """Retire every checkpoint whose id is not in ``keep`` (default: the newest
         ``keep_checkpoints``) and collect their segments. The current checkpoint is always kept."""

@@ -88,6 +88,7 @@ from hierps.integrations.config import (
     select_modules,
     split_config,
 )
+from hierps.integrations.dataloader import resumable
 from hierps.integrations.horovod import map_horovod_env
 from hierps.integrations.loader import PassLoader
 from hierps.integrations.rendezvous import free_port
@@ -320,8 +321,8 @@ def _initialize_with_store(
     retire_weights(chosen, {name: getattr(t, "table", name) for name, t in twins.items()})
     if first_rank:
         _log.info("%s", report.line())
-    if loader is not None and twins:  # DeepSpeed's loader of training_data, made pass-aware
-        loader = PassLoader(loader, None, engine)
+    if loader is not None and twins:  # DeepSpeed's loader of training_data, resumable and pass-aware
+        loader = PassLoader(resumable(loader), None, engine)
     return engine, optimizer, loader, scheduler
 
 

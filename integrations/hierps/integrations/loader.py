@@ -25,9 +25,11 @@ mini-batch's ids against the announced ones, so a wrong guess costs speed, never
 
 from __future__ import annotations
 
+import copy
 import itertools
 import logging
 import warnings
+from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -35,6 +37,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from hierps._position import DataPositionWarning, StatefulSource
 from hierps._store import Store
 from hierps.errors import ConfigError, StoreClosedError
 from hierps.interface import Bags
@@ -47,6 +50,7 @@ _INFER_BATCHES = 3  # batches watched at most before the ids' places must be uni
 
 IdsFn = Callable[[Any], Mapping[str, Any]]
 _DEFAULT_PASS_BATCHES = 16
+_STATE_FORMAT = 1
 
 
 class PassLoader:
@@ -105,6 +109,26 @@ class PassLoader:
         self.ids_of: IdsFn | None = None  # None: found from the first batches (infer_batch_ids)
         if ids is not None:
             self.ids_of = ids if callable(ids) else _by_key(self._checked(parse_batch_ids(ids)))
+        self.places: dict[str, Any] | None = None  # where infer_batch_ids found the ids, as JSON
+        # The data position (see state_dict): the loader's state after the batch last yielded, and
+        # how many batches of its pass are still to come.
+        self._stateful = isinstance(loader, StatefulSource)
+        self._streams = callable(getattr(loader, "last_of_pass", None))  # the loader cuts the passes
+        self._position: Any = None
+        self._pass_left = 0
+        self._resume_left = 0
+        if evaluate:
+            return
+        if self._stateful:
+            self.store.track_data(self)
+        elif isinstance(loader, torch.utils.data.DataLoader):
+            warnings.warn(
+                "PassLoader: a torch DataLoader has no state, so checkpoints cannot hold the position in its data "
+                "and a resumed run starts its epoch over. Use torchdata.stateful_dataloader.StatefulDataLoader "
+                "(the same arguments) to resume at the batch after the last one trained.",
+                DataPositionWarning,
+                stacklevel=2,
+            )
 
     def _checked(self, places: dict[str, BatchIds]) -> dict[str, BatchIds]:
         """``batch_ids`` naming only modules the engine swapped (when the loader has an engine)."""
@@ -116,6 +140,48 @@ class PassLoader:
             )
         return places
 
+    def state_dict(self) -> dict[str, Any]:
+        """Where the data is: the wrapped loader's state after the batch last yielded (not after
+        the batches read ahead), the batches of that batch's pass still to come, the pass size and
+        the ids' places found from the first batches. Saved with each checkpoint of the store (the
+        loader tracks itself, :meth:`hierps.Store.track_data`), given back when the store opens or
+        restores a checkpoint; needs a loader with ``state_dict`` (torchdata's StatefulDataLoader)."""
+        if not self._stateful:
+            raise ConfigError(
+                f"PassLoader.state_dict: the wrapped {type(self.loader).__name__} has no state_dict(); use "
+                "torchdata.stateful_dataloader.StatefulDataLoader to save the data position."
+            )
+        inner = self._position if self._position is not None else self.loader.state_dict()  # type: ignore[attr-defined]
+        return {
+            "format": _STATE_FORMAT,
+            "loader": inner,
+            "pass_left": self._pass_left,
+            "pass_batches": self.size,
+            "places": self.places,
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Resume at ``state`` (:meth:`state_dict`): the next ``iter(loader)`` yields the batch after
+        the last one trained, the rest of its pass as one pass, then the passes that followed."""
+        if not isinstance(state, Mapping) or state.get("format") != _STATE_FORMAT:
+            raise ConfigError(
+                f"PassLoader.load_state_dict: expected a state of PassLoader.state_dict() (format "
+                f"{_STATE_FORMAT}). Got {str(state)[:120]}."
+            )
+        if not self._stateful:
+            raise ConfigError(
+                f"PassLoader.load_state_dict: the wrapped {type(self.loader).__name__} has no load_state_dict(); "
+                "use torchdata.stateful_dataloader.StatefulDataLoader."
+            )
+        self.loader.load_state_dict(state["loader"])  # type: ignore[attr-defined]
+        self._position = copy.deepcopy(state["loader"])
+        self._pass_left = self._resume_left = int(state["pass_left"])
+        self.size = int(state["pass_batches"])
+        places = state.get("places")
+        if places is not None and self.ids_of is None:
+            self.places = places
+            self.ids_of = _by_key(parse_batch_ids(places["ids"]), parse_batch_ids(places["offsets"]))
+
     def __len__(self) -> int:
         return len(self.loader)  # type: ignore[arg-type]
 
@@ -126,35 +192,43 @@ class PassLoader:
         return getattr(self.loader, name)
 
     def __iter__(self) -> Iterator[Any]:
+        if self._stateful and self._position is None:  # the epoch's start, before anything is read ahead
+            self._position = copy.deepcopy(self.loader.state_dict())  # type: ignore[attr-defined]
+        self._pass_left, resume_left, self._resume_left = self._resume_left, self._resume_left, 0
         # One iterator for the whole epoch, even over a loader whose __iter__ starts it again (DeepSpeed's).
-        batches = (b for b in self.loader)
+        batches = _Tracked(iter(self.loader), self.loader, self._stateful, self._streams)
         if self.ids_of is None:
             yield from self._infer(batches)
             if self.ids_of is None:  # not found: the rest runs on demand
-                yield from batches
+                for batch in batches:
+                    self._yielded(batches, 0)
+                    yield batch
+                self._position = None
                 return
         if self.evaluate:
             yield from self._evaluated(batches)
             return
         prefetch = getattr(self.store, "prefetch", None)
-        group = self._read(batches)
+        group = self._read(batches, None if self._streams else resume_left or None)
         in_pass = False
         try:
             while group:
                 self.store.begin_pass(_ids(group))
                 in_pass = True
-                if getattr(self.store, "pass_groups", 1) > 1:
+                if getattr(self.store, "pass_groups", 1) > 1 and not self._streams:
                     # The pass did not fit the device tier (it loads group by group, nothing read ahead
                     # or translated): make the next ones smaller until they load whole.
                     self.size = max(1, self.size // 2)
                 upcoming = self._read(batches)
                 if upcoming and prefetch is not None:
                     prefetch(_ids(upcoming))
-                for batch, _ in group:
+                for i, (batch, _) in enumerate(group):
+                    self._yielded(batches, len(group) - i - 1)
                     yield batch
                 in_pass = False
                 self.store.end_pass()
                 group = upcoming
+            self._position = None  # the epoch ended: the loader's own state says so
         finally:
             if in_pass:  # the consumer stopped mid-pass: close the pass all the same
                 try:
@@ -162,7 +236,13 @@ class PassLoader:
                 except StoreClosedError:
                     pass
 
-    def _evaluated(self, batches: Iterator[Any]) -> Iterator[Any]:
+    def _yielded(self, batches: _Tracked, pass_left: int) -> None:
+        """The next batch pulled from ``batches`` is being yielded: the position is after it."""
+        if batches.states:
+            self._position = batches.states.popleft()
+        self._pass_left = pass_left
+
+    def _evaluated(self, batches: _Tracked) -> Iterator[Any]:
         """Evaluation: each group's rows read ahead while the group before it runs; no pass."""
         read_ahead = getattr(self.store, "read_ahead", None)
         group = self._read(batches)
@@ -176,13 +256,21 @@ class PassLoader:
                 yield batch
             group = upcoming
 
-    def _read(self, batches: Iterator[Any]) -> list[tuple[Any, Mapping[str, Any]]]:
-        """The next ``size`` batches (fewer at the end), each with its ids."""
+    def _read(self, batches: _Tracked, size: int | None = None) -> list[tuple[Any, Mapping[str, Any]]]:
+        """The next pass's batches, each with its ids: ``size`` (default: the pass size) or fewer at the
+        end; from a loader that cuts passes (``last_of_pass()``), up to the last batch of its pass."""
         ids_of = self.ids_of
         assert ids_of is not None
-        return [(b, ids_of(b)) for b in itertools.islice(batches, self.size)]
+        if self._streams and size is None:
+            group = []
+            for b in batches:
+                group.append((b, ids_of(b)))
+                if batches.last_of_pass:
+                    break
+            return group
+        return [(b, ids_of(b)) for b in itertools.islice(batches, size or self.size)]
 
-    def _infer(self, batches: Iterator[Any]) -> Iterator[Any]:
+    def _infer(self, batches: _Tracked) -> Iterator[Any]:
         """Yield up to ``_INFER_BATCHES`` batches unchanged (rows fetched on demand), watching the ids
         the swapped modules get, until each module's ids have one place in the batch."""
         seen: dict[str, list[torch.Tensor]] = {}
@@ -200,6 +288,7 @@ class PassLoader:
                     return
                 seen.clear()
                 seen_offsets.clear()
+                self._yielded(batches, 0)
                 yield batch
                 found = infer_batch_ids(batch, seen, found, names=self.modules)
                 if bags is None or set(bags) == set(seen_offsets):
@@ -227,11 +316,36 @@ class PassLoader:
             {n: b.to_json() for n, b in offsets.items()},
         )
         self.ids_of = _by_key(chosen, offsets)
+        self.places = {
+            "ids": {n: b.to_json() for n, b in chosen.items()},
+            "offsets": {n: b.to_json() for n, b in offsets.items()},
+        }
 
 
 def _ids(group: list[tuple[Any, Mapping[str, Any]]]) -> list[Mapping[str, Any]]:
     """The ids of each batch of ``group`` (as ``PassLoader._read`` pairs them), as a store takes them."""
     return [ids for _, ids in group]
+
+
+class _Tracked:
+    """The batches of one epoch, with the loader's state after each (``states``, in the order pulled,
+    until :meth:`PassLoader._yielded` takes them) and whether the last one pulled ends its pass."""
+
+    def __init__(self, batches: Iterator[Any], loader: Any, stateful: bool, streams: bool) -> None:
+        self.batches, self.loader, self.stateful, self.streams = batches, loader, stateful, streams
+        self.states: deque[Any] = deque()
+        self.last_of_pass = False
+
+    def __iter__(self) -> _Tracked:
+        return self
+
+    def __next__(self) -> Any:
+        batch = next(self.batches)
+        if self.stateful:
+            self.states.append(copy.deepcopy(self.loader.state_dict()))
+        if self.streams:
+            self.last_of_pass = bool(self.loader.last_of_pass())
+        return batch
 
 
 def _store_of(target: Any) -> Store | ShardedStore:

@@ -530,9 +530,18 @@ class ShardCheckpoints:
                 {k: v[order].astype(d) for (k, d), v in zip(PENDING_ARRAYS.items(), values)},
             )
         self.local.passes = manifests[0].passes
-        return self.checkpoint(
-            snap.tag, extra={"resharded_from": snap.world_size}, resharded_from=snap.source
-        )
+        # No loader trained to these rows on this world size: the reshard's checkpoint holds no data
+        # position (each old rank's position was of its own share of the data), and says so.
+        data = self.parts.core.data
+        source, data.source = data.source, None
+        try:
+            ckpt = self.checkpoint(
+                snap.tag, extra={"resharded_from": snap.world_size}, resharded_from=snap.source
+            )
+        finally:
+            data.source = source
+        data.loaded(None, ckpt)
+        return ckpt
 
     def _to_owners(self, keys: np.ndarray, columns: list[np.ndarray]) -> tuple[np.ndarray, list[np.ndarray]]:
         """Send ``keys`` (n,) int64 and ``columns`` (n, ...) each to the keys' owners (collective) ->

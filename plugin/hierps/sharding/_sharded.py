@@ -447,6 +447,12 @@ class ShardedStore:
         :meth:`hierps.Store.checkpoint`."""
         return self.checkpoints.checkpoint(tag, retire=retire)
 
+    def track_data(self, loader: Any) -> None:
+        """Save ``loader``'s position with this rank's part of every checkpoint (as
+        :meth:`hierps.Store.track_data`): each rank tracks its own loader. A checkpoint resharded
+        from another number of ranks holds no position (a warning says so when one is restored)."""
+        self.local.track_data(loader)
+
     def retire_checkpoints(self) -> None:
         """Retire the checkpoints beyond ``keep_checkpoints`` (collective)."""
         self.checkpoints.retire()
