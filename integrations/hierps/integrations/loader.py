@@ -116,7 +116,8 @@ class PassLoader:
         self._streams = callable(getattr(loader, "last_of_pass", None))  # the loader cuts the passes
         self._position: Any = None
         self._pass_left = 0
-        self._resume_left = 0
+        self._pass_open = False  # the batch last yielded is of a pass not yet ended
+        self._resume_left: int | None = None  # resuming: batches of the open pass still to come
         if evaluate:
             return
         if self._stateful:
@@ -156,6 +157,7 @@ class PassLoader:
             "format": _STATE_FORMAT,
             "loader": inner,
             "pass_left": self._pass_left,
+            "pass_open": self._pass_open,
             "pass_batches": self.size,
             "places": self.places,
         }
@@ -175,7 +177,9 @@ class PassLoader:
             )
         self.loader.load_state_dict(state["loader"])  # type: ignore[attr-defined]
         self._position = copy.deepcopy(state["loader"])
-        self._pass_left = self._resume_left = int(state["pass_left"])
+        self._pass_left = int(state["pass_left"])
+        self._pass_open = bool(state["pass_open"])
+        self._resume_left = self._pass_left if self._pass_open else None
         self.size = int(state["pass_batches"])
         places = state.get("places")
         if places is not None and self.ids_of is None:
@@ -194,14 +198,14 @@ class PassLoader:
     def __iter__(self) -> Iterator[Any]:
         if self._stateful and self._position is None:  # the epoch's start, before anything is read ahead
             self._position = copy.deepcopy(self.loader.state_dict())  # type: ignore[attr-defined]
-        self._pass_left, resume_left, self._resume_left = self._resume_left, self._resume_left, 0
+        resume_left, self._resume_left = self._resume_left, None
         # One iterator for the whole epoch, even over a loader whose __iter__ starts it again (DeepSpeed's).
         batches = _Tracked(iter(self.loader), self.loader, self._stateful, self._streams)
         if self.ids_of is None:
             yield from self._infer(batches)
             if self.ids_of is None:  # not found: the rest runs on demand
                 for batch in batches:
-                    self._yielded(batches, 0)
+                    self._yielded(batches, None)
                     yield batch
                 self._position = None
                 return
@@ -209,6 +213,9 @@ class PassLoader:
             yield from self._evaluated(batches)
             return
         prefetch = getattr(self.store, "prefetch", None)
+        if resume_left == 0:  # the checkpoint came after its pass's last batch, before the pass ended
+            self.store.begin_pass([])
+            self.store.end_pass()
         group = self._read(batches, None if self._streams else resume_left or None)
         in_pass = False
         try:
@@ -228,7 +235,11 @@ class PassLoader:
                 in_pass = False
                 self.store.end_pass()
                 group = upcoming
-            self._position = None  # the epoch ended: the loader's own state says so
+            self._position, self._pass_left, self._pass_open = (
+                None,
+                0,
+                False,
+            )  # the epoch ended: the loader's own state says so
         finally:
             if in_pass:  # the consumer stopped mid-pass: close the pass all the same
                 try:
@@ -236,11 +247,12 @@ class PassLoader:
                 except StoreClosedError:
                     pass
 
-    def _yielded(self, batches: _Tracked, pass_left: int) -> None:
-        """The next batch pulled from ``batches`` is being yielded: the position is after it."""
+    def _yielded(self, batches: _Tracked, pass_left: int | None) -> None:
+        """The next batch pulled from ``batches`` is being yielded: the position is after it, with
+        ``pass_left`` batches of its pass to come (None: the batch is of no pass)."""
         if batches.states:
             self._position = batches.states.popleft()
-        self._pass_left = pass_left
+        self._pass_left, self._pass_open = pass_left or 0, pass_left is not None
 
     def _evaluated(self, batches: _Tracked) -> Iterator[Any]:
         """Evaluation: each group's rows read ahead while the group before it runs; no pass."""
@@ -288,7 +300,7 @@ class PassLoader:
                     return
                 seen.clear()
                 seen_offsets.clear()
-                self._yielded(batches, 0)
+                self._yielded(batches, None)
                 yield batch
                 found = infer_batch_ids(batch, seen, found, names=self.modules)
                 if bags is None or set(bags) == set(seen_offsets):

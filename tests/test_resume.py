@@ -1,0 +1,193 @@
+"""Resume to the example: a checkpoint holds where the data was, and a resumed run is the uninterrupted one.
+
+The oracle is the run that was never stopped: it checkpoints at the same step, goes on, and its
+batches, losses and rows are what the resumed run must give, bit for bit. The resumed run starts in
+a fresh store object with another global RNG state (so the position cannot come from anywhere but
+the checkpoint), through the PassLoader's read-ahead, with shuffling and with worker processes.
+Through DeepSpeed (``training_data``), the stopped run is SIGKILLed in a process of its own, at one
+and at two ranks.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+from torchdata.stateful_dataloader import StatefulDataLoader
+
+import hierps
+from hierps._position import DataPositionWarning, decode_state, encode_state
+from hierps.errors import ConfigError
+from hierps.integrations.loader import PassLoader
+from hierps.integrations.rendezvous import free_port
+
+VOCAB, DIM, BAG, BATCH = 300, 4, 3, 8
+EPOCH = 10  # batches per epoch
+TOTAL = 26  # steps: two epochs and a half
+PASS = 4
+
+
+def dataset(seed: int = 0) -> torch.utils.data.TensorDataset:
+    g = torch.Generator().manual_seed(seed)
+    u = torch.rand((BATCH * EPOCH, BAG), generator=g, dtype=torch.float64)
+    ids = ((1 - u) ** (-1 / 0.7)).long().sub(1) % VOCAB  # power-law ids, the same whatever the global RNG
+    return torch.utils.data.TensorDataset(ids, torch.randint(0, 2, (BATCH * EPOCH,), generator=g).float())
+
+
+def train(
+    path: Path, checkpoint_at: int, *, stop: bool = False, resume: bool = False, workers: int = 0
+) -> dict:
+    """Train up to TOTAL steps of Adagrad rows (a fixed head) in passes of PASS batches, checkpointing at
+    step ``checkpoint_at`` (and returning there with ``stop``); ``resume``: from the store's latest
+    checkpoint. Returns each step's (loss, ids), the final rows and the passes run."""
+    torch.manual_seed(99 if resume else 1)  # the loader's own shuffling must not decide where it resumes
+    store = hierps.Store(path, device_budget="64KiB", memory_budget="4KiB", seed=3)
+    emb = hierps.EmbeddingBag(None, DIM, mode="sum", store=store, name="t", optimizer="adagrad")
+    head = torch.linspace(-1, 1, DIM)
+    data = StatefulDataLoader(dataset(), batch_size=BATCH, shuffle=True, num_workers=workers)
+    loader = PassLoader(data, {"t": 0}, store, pass_batches=PASS)
+    step = int(store.list_checkpoints()[-1]["tag"]) if resume else 0
+    steps: dict[int, tuple[float, list[int]]] = {}
+    while step < TOTAL and not (stop and step == checkpoint_at):
+        for ids, labels in loader:
+            loss = nn.functional.binary_cross_entropy_with_logits(emb(ids) @ head, labels)
+            loss.backward()
+            store.step()
+            step += 1
+            steps[step] = (loss.item(), ids.reshape(-1).tolist())
+            if step == checkpoint_at:
+                store.checkpoint(str(step))
+            if step == TOTAL or (stop and step == checkpoint_at):
+                break
+    out = {"steps": steps, "rows": emb.lookup(torch.arange(VOCAB)), "passes": store.passes}
+    store.close()
+    return out
+
+
+# Mid-pass, a pass's last batch and the next one, an epoch's last batch and the next one, with the
+# read-ahead of the next pass under way, and late in the last epoch.
+@pytest.mark.parametrize("stop_at", [1, 3, 4, 5, 9, 10, 11, 16, 22, 25])
+def test_a_resumed_store_run_is_the_uninterrupted_one_to_the_example(tmp_path, stop_at):
+    whole = train(tmp_path / "whole", stop_at)
+    stopped = train(tmp_path / "run", stop_at, stop=True)
+    assert stopped["steps"] == {s: whole["steps"][s] for s in range(1, stop_at + 1)}
+    resumed = train(tmp_path / "run", stop_at, resume=True)
+    assert sorted(resumed["steps"]) == list(range(stop_at + 1, TOTAL + 1))
+    for s in resumed["steps"]:  # every later batch the same examples, every loss bit-equal
+        assert resumed["steps"][s] == whole["steps"][s], s
+    assert torch.equal(resumed["rows"], whole["rows"])
+    assert resumed["passes"] == whole["passes"]  # the same pass boundaries
+
+
+@pytest.mark.parametrize("stop_at", [6, 13])
+def test_with_worker_processes_the_resumed_run_is_the_uninterrupted_one(tmp_path, stop_at):
+    whole = train(tmp_path / "whole", stop_at, workers=2)
+    train(tmp_path / "run", stop_at, stop=True, workers=2)
+    resumed = train(tmp_path / "run", stop_at, resume=True, workers=2)
+    assert resumed["steps"] == {s: whole["steps"][s] for s in range(stop_at + 1, TOTAL + 1)}
+    assert torch.equal(resumed["rows"], whole["rows"])
+
+
+# -- through DeepSpeed: the loader of training_data, a SIGKILL, load_checkpoint in a fresh process --
+WORKER = Path(__file__).with_name("resume_worker.py")
+
+
+def launch(root: Path, world: int, save_at: str, kill_at: int, resume: bool) -> None:
+    env = {**os.environ, "PYTHONPATH": str(WORKER.parent), "OMP_NUM_THREADS": "1"}
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(k, None)
+    cmd = [sys.executable, str(WORKER)]
+    if world > 1:
+        torchrun = str(Path(sys.executable).parent / "torchrun")
+        cmd = [
+            torchrun,
+            f"--nproc_per_node={world}",
+            "--master_addr=127.0.0.1",
+            f"--master_port={free_port()}",
+        ]
+        cmd.append(str(WORKER))
+    cmd += [str(root), save_at, str(kill_at), "1" if resume else "0"]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    if kill_at and not resume:
+        assert proc.returncode != 0, "the run was to be killed"
+    else:
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+
+def results(root: Path, rank: int, which: str) -> dict:
+    body = json.loads((root / f"run-{rank}-{which}.json").read_text())
+    body["steps"] = {int(k): v for k, v in body["steps"].items()}
+    return body
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize(("world", "cases"), [(1, [(7, 9), (10, 13)]), (2, [(6, 9)])])
+def test_a_deepspeed_run_killed_after_a_save_resumes_at_the_next_batch_bit_exactly(tmp_path, world, cases):
+    """Mid-pass with the next pass read ahead (7 / 9), and at an epoch's end (10 / 13); at two ranks each
+    rank resumes its own share of the data (DeepSpeed's sampler), with the sharded store."""
+    full = tmp_path / "full"
+    launch(full, world, ",".join(str(save) for save, _ in cases), 0, False)
+    for save, kill in cases:
+        root = tmp_path / f"killed-{save}"
+        launch(root, world, str(save), kill, False)
+        assert sorted(results(root, 0, "first")["steps"]) == list(range(1, kill + 1))
+        launch(root, world, "", 0, True)
+        for rank in range(world):
+            whole, resumed = results(full, rank, "first"), results(root, rank, "resumed")
+            assert sorted(resumed["steps"]) == list(range(save + 1, 25))
+            for s, got in resumed["steps"].items():  # the batches the uninterrupted run had, bit-equal losses
+                assert got == whole["steps"][s], (rank, s)
+            assert resumed["rows"] == whole["rows"]
+            assert resumed["dense"] == whole["dense"]
+
+
+# -- the state as checkpoints keep it -----------------------------------------------------------------
+def test_a_loaders_state_goes_to_json_and_back_to_equal_values():
+    g = torch.Generator().manual_seed(4)
+    state = {
+        "generator": g.get_state(),
+        "ints": {0: 1, 2: (3, 4.5)},
+        "big": 2**63 - 1,
+        "odd": [float("inf"), float("-inf"), b"\x00\xff", np.arange(3, dtype=np.int32), None, True],
+        "__hierps__": "a user key that looks like a tag",
+    }
+    back = decode_state(json.loads(json.dumps(encode_state(state), allow_nan=False)))
+    assert torch.equal(back["generator"], state["generator"]) and back["generator"].dtype == torch.uint8
+    assert back["ints"] == {0: 1, 2: (3, 4.5)} and back["big"] == 2**63 - 1
+    assert back["odd"][:3] == [float("inf"), float("-inf"), b"\x00\xff"] and back["odd"][4:] == [None, True]
+    np.testing.assert_array_equal(back["odd"][3], np.arange(3, dtype=np.int32))
+    assert back["__hierps__"] == state["__hierps__"]
+    with pytest.raises(ConfigError, match=r"state\['sampler'\] is a object.*never pickled"):
+        encode_state({"sampler": object()})
+
+
+def test_the_position_is_in_the_checkpoint_and_a_plain_dataloader_is_told_what_to_use(tmp_path):
+    store = hierps.Store(tmp_path / "s")
+    store.table("t", DIM)
+    loader = PassLoader(StatefulDataLoader(dataset(), batch_size=BATCH), {"t": 0}, store, pass_batches=PASS)
+    for i, _ in enumerate(loader):
+        if i == 5:
+            break
+    json.dumps(loader.state_dict(), default=lambda t: "tensor")  # plain values but the tensors
+    with pytest.raises(ConfigError, match="'data_position' is where the tracked loader's position is kept"):
+        store.checkpoint(extra={"data_position": 1})
+    store.checkpoint("a")
+    store.track_data(None)
+    store.checkpoint("b")  # no loader tracked: no position
+    fresh = PassLoader(StatefulDataLoader(dataset(), batch_size=BATCH), {"t": 0}, store, pass_batches=PASS)
+    with pytest.warns(DataPositionWarning, match="checkpoint 2 holds no data position"):
+        store.restore("b")
+    store.restore("a")  # back to the batch after the sixth
+    assert torch.equal(next(iter(fresh))[0], dataset()[6 * BATCH : 7 * BATCH][0])
+    with pytest.warns(DataPositionWarning, match="Use torchdata.stateful_dataloader.StatefulDataLoader"):
+        PassLoader(torch.utils.data.DataLoader(dataset(), batch_size=BATCH), {"t": 0}, store)
+    with pytest.raises(ConfigError, match="expected an object with state_dict"):
+        store.track_data([1, 2])
+    store.close()
