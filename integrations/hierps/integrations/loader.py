@@ -141,6 +141,12 @@ class PassLoader:
             )
         return places
 
+    @property
+    def at_pass_end(self) -> bool:
+        """Whether the batch last yielded is the last of its pass (its ``end_pass`` runs when the next
+        batch is asked for): where a loop that checkpoints or publishes every few passes does so."""
+        return self._pass_open and self._pass_left == 0
+
     def state_dict(self) -> dict[str, Any]:
         """Where the data is: the wrapped loader's state after the batch last yielded (not after
         the batches read ahead), the batches of that batch's pass still to come, the pass size and
