@@ -4,7 +4,8 @@ Every message says what happened, the value found, and what to do next::
 
     HierpsError
     ├── ConfigError            a setting has a bad value (ValueError)
-    │   └── MissingPartsError  parts of a sharded checkpoint on no disk a rank reaches (a host missing)
+    │   ├── MissingPartsError  parts of a sharded checkpoint on no disk a rank reaches (a host missing)
+    │   └── LogFileError       a log file a stream cannot read: torn, foreign, out of order, late
     ├── InvalidIdsError        ids of the wrong dtype / device / shape (TypeError)
     ├── OffsetsError           offsets that do not describe the bags of the ids (ValueError)
     ├── DeviceBudgetError      one mini-batch's rows alone exceed the device budget
@@ -32,6 +33,7 @@ __all__ = [
     "DeviceBudgetError",
     "HierpsError",
     "InvalidIdsError",
+    "LogFileError",
     "MissingPartsError",
     "NonFiniteGradientError",
     "NotSupportedError",
@@ -67,6 +69,11 @@ class MissingPartsError(ConfigError):
         super().__init__(message)
         self.parts = parts
         self.checkpoint = checkpoint
+
+
+class LogFileError(ConfigError):
+    """A file of a log stream (:class:`hierps.online.ParquetStream`) cannot be read as one: torn,
+    foreign (other columns or types), out of time order, or arrived after the stream passed its place."""
 
 
 class InvalidIdsError(HierpsError, TypeError):
