@@ -1,7 +1,7 @@
 """The online trainer: follow a directory of Parquet logs, train in passes of event time, publish deltas.
 
-The demo DLRM (26 ``nn.EmbeddingBag`` tables built on the meta device: never allocated, keyed by raw
-ids) trains through ``hierps.deepspeed.initialize``. Its input is a
+The demo DLRM (26 ``nn.EmbeddingBag`` tables, two MLPs) trains through ``hierps.deepspeed.initialize``,
+its tables moved into the store. Its input is a
 :class:`hierps.online.ParquetStream` over the log directory, cut into passes of ``--pass-seconds``
 of event time, inside a ``PassLoader`` that announces each pass to the store ahead. Every
 ``--publish-every`` passes it saves a checkpoint (DeepSpeed's dense state, the store's rows and
@@ -73,10 +73,7 @@ def main() -> None:
     args = parse_args()
     work, ckpt = Path(args.work), Path(args.work) / "ckpt"
     torch.manual_seed(args.seed)
-    with torch.device("meta"):  # the tables are never allocated: the store holds their rows
-        model = DLRM(
-            CriteoSpec(seed=args.seed).vocab_sizes, embedding_dim=16, n_dense=N_DENSE, n_sparse=N_SPARSE
-        )
+    model = DLRM(CriteoSpec(seed=args.seed).vocab_sizes, embedding_dim=16, n_dense=N_DENSE, n_sparse=N_SPARSE)
     engine, _, _, _ = hierps.deepspeed.initialize(
         model=model, config=config(work), optimizer=torch.optim.Adam(model.parameters(), lr=1e-3)
     )
@@ -93,7 +90,7 @@ def main() -> None:
     )
     if (ckpt / "latest").exists():  # a restart: the rows, the dense state and the stream position
         engine.load_checkpoint(str(ckpt))
-    publisher = hierps.online.Publisher(engine.hierps_store, args.serve, compact_every=args.compact_every)
+    publisher = hierps.online.Publisher(engine, args.serve, compact_every=args.compact_every)
     log = open(args.steps_log, "a") if args.steps_log else None  # noqa: SIM115
     loss_fn = nn.BCEWithLogitsLoss()
     losses, start = [], time.perf_counter()

@@ -33,8 +33,11 @@ from typing import Any
 
 from hierps._store import Store, store_parts
 from hierps.errors import ConfigError
+from hierps.lifecycle._export import export_store
 from hierps.serving._chain import find_chain, is_export
+from hierps.sharding._commits import ShardCheckpoints
 from hierps.sharding._sharded import ShardedStore
+from hierps.storage._commit_log import check_not_a_part
 from hierps.storage._export_format import ExportManifest, read_manifest
 from hierps.storage._files import remove_stale_temp_dirs, temp_dir_for
 
@@ -63,8 +66,9 @@ class Publisher:
     """Publishes a store's latest checkpoint into a serving directory, as a delta of what changed.
 
     Args:
-        store: the :class:`hierps.Store` (or :class:`hierps.ShardedStore`: then :meth:`publish` is
-            collective, and the directory is on rank ``rank``'s host) the trainer checkpoints.
+        store: the :class:`hierps.Store` the trainer checkpoints, a :class:`hierps.ShardedStore`
+            (then :meth:`publish` is collective, and the directory is on rank ``rank``'s host), or an
+            engine of ``hierps.deepspeed.initialize`` (its store, as ``engine.save_checkpoint`` commits it).
         directory: the serving directory (created if need be).
         every_passes / every_seconds: the schedule :meth:`due` says (at most one; neither: always due).
         compact_every: deltas after which the next publish writes a new base instead (>= 1).
@@ -74,7 +78,7 @@ class Publisher:
 
     def __init__(
         self,
-        store: Store | ShardedStore,
+        store: Any,
         directory: str | os.PathLike[str],
         *,
         every_passes: int | None = None,
@@ -83,10 +87,24 @@ class Publisher:
         dtype: str = "fp32",
         rank: int = 0,
     ) -> None:
+        # An engine of hierps.deepspeed.initialize: its store is a part of a root of rank stores (one
+        # rank: a Store in <root>/rank-00000), whose checkpoints are the root's commits.
+        self._root: ShardCheckpoints | None = getattr(store, "hierps_checkpoints", None)
+        store = getattr(store, "hierps_store", store)
         if not isinstance(store, (Store, ShardedStore)):
             raise ConfigError(
-                f"Publisher: expected a hierps.Store or ShardedStore. Got {type(store).__name__}."
+                "Publisher: expected a hierps.Store, a ShardedStore or an engine of "
+                f"hierps.deepspeed.initialize. Got {type(store).__name__}."
             )
+        if isinstance(store, ShardedStore):
+            self._root = None  # its own export and checkpoints are the root's
+        elif self._root is None:
+            try:
+                check_not_a_part(store.path)
+            except ConfigError as exc:
+                raise ConfigError(
+                    f"Publisher: {exc} Under hierps.deepspeed, give the Publisher the engine."
+                ) from None
         if every_passes is not None and every_seconds is not None:
             raise ConfigError("Publisher: give every_passes or every_seconds, not both.")
         for name, value in (("every_passes", every_passes), ("compact_every", compact_every)):
@@ -142,6 +160,8 @@ class Publisher:
         start = since if kind == _DELTA else None
         if isinstance(self.store, ShardedStore):
             self.store.export(path, start, self.dtype, checkpoint=ckpt, rank=self.rank)
+        elif self._root is not None:  # one rank's root, read from this process
+            export_store(self._root.root, path, since=start, checkpoint=ckpt, dtype=self.dtype)
         else:  # the latest checkpoint: ``ckpt``
             self.store.export(path, start, self.dtype)
         seconds = time.perf_counter() - started
@@ -163,7 +183,7 @@ class Publisher:
         return row[0], row[1], row[2]
 
     def _plan(self) -> list[int]:
-        held = self.store.list_checkpoints()
+        held = (self._root or self.store).list_checkpoints()
         if not held:
             return [_NONE, 0, 0]
         latest = held[-1]["id"]
@@ -192,9 +212,11 @@ class Publisher:
             ) from exc
 
     def _uid(self) -> str:
-        """The store exports name (a sharded store's: rank 0's store)."""
+        """The store exports name (of a root of rank stores: rank 0's store)."""
         if isinstance(self.store, ShardedStore):
             return str(self.store.checkpoints.stores[0])
+        if self._root is not None:
+            return str(self._root.stores[0])
         return store_parts(self.store).core.marker.uid
 
     def _holds(self, end: ExportManifest, held: list[dict[str, Any]]) -> bool:
@@ -204,7 +226,11 @@ class Publisher:
         mine = [c for c in held if c["id"] == end.checkpoint]
         if not mine:
             return False
-        return isinstance(self.store, ShardedStore) or mine[0]["created"] == end.state.created
+        # A plain store's checkpoint is exported with its own time; a root's commit has a time of its
+        # own and its parts theirs: there the store's uid and the id say it.
+        if isinstance(self.store, ShardedStore) or self._root is not None:
+            return True
+        return bool(mine[0]["created"] == end.state.created)
 
     def _collect(self, base: Path) -> None:
         """After a new base: remove the exports older than the chain before it (kept one generation)."""
