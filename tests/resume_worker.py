@@ -1,13 +1,13 @@
 """A DeepSpeed training run over ``training_data`` that saves, and may be SIGKILLed; run by test_resume.py.
 
-usage: python resume_worker.py ROOT SAVE_AT KILL_AT RESUME   (a plain process, or a rank under torchrun)
+usage: python resume_worker.py ROOT SAVE_AT KILL_AT NAME   (a plain process, or a rank under torchrun)
 
 Trains TOTAL steps of the model below in passes, on the loader ``hierps.deepspeed.initialize``
 returns (shuffled by DeepSpeed's sampler, with its worker processes), with the user's loop
 ``while step < TOTAL: for batch in loader``. It saves at SAVE_AT (a comma list of steps) and kills
-itself with SIGKILL after step KILL_AT (0: never). RESUME=1: the model is built from another seed,
-then ``engine.load_checkpoint`` brings it back. Writes ROOT/run-RANK-{first,resumed}.json: each
-step's loss and ids, and at the end the rows of every id and the dense parameters.
+itself with SIGKILL after step KILL_AT (0: never). When ROOT/ckpt has a checkpoint, the model is
+built from another seed and ``engine.load_checkpoint`` brings it back. Writes ROOT/NAME-RANK.json:
+each step's loss and ids, and at the end the rows of every id and the dense parameters.
 """
 
 from __future__ import annotations
@@ -49,10 +49,11 @@ def dataset(world: int) -> torch.utils.data.TensorDataset:
     )
 
 
-def main(root: str, save_at: str, kill_at: str, resume: str) -> None:
+def main(root: str, save_at: str, kill_at: str, name: str) -> None:
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False  # gloo serves these small collectives
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    torch.manual_seed(7 if resume == "1" else 1)
+    resume = (Path(root) / "ckpt" / "latest").exists()
+    torch.manual_seed(7 if resume else 1)
     model = Model()
     config = {
         "train_micro_batch_size_per_gpu": BATCH,
@@ -75,12 +76,12 @@ def main(root: str, save_at: str, kill_at: str, resume: str) -> None:
     )
     rank = engine.global_rank
     step = 0
-    if resume == "1":
+    if resume:
         engine.load_checkpoint(f"{root}/ckpt")
         step = int(engine.global_steps)
     saves = {int(s) for s in save_at.split(",") if s}
     steps: dict[int, list] = {}
-    out = Path(root) / f"run-{rank}-{'resumed' if resume == '1' else 'first'}.json"
+    out = Path(root) / f"{name}-{rank}.json"
     while step < TOTAL:
         for ids, dense, labels in loader:
             loss = nn.functional.binary_cross_entropy_with_logits(engine(ids, dense), labels)

@@ -99,7 +99,7 @@ def test_with_worker_processes_the_resumed_run_is_the_uninterrupted_one(tmp_path
 WORKER = Path(__file__).with_name("resume_worker.py")
 
 
-def launch(root: Path, world: int, save_at: str, kill_at: int, resume: bool) -> None:
+def launch(root: Path, world: int, save_at: str, kill_at: int, name: str) -> None:
     env = {**os.environ, "PYTHONPATH": str(WORKER.parent), "OMP_NUM_THREADS": "1"}
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(k, None)
@@ -113,39 +113,51 @@ def launch(root: Path, world: int, save_at: str, kill_at: int, resume: bool) -> 
             f"--master_port={free_port()}",
         ]
         cmd.append(str(WORKER))
-    cmd += [str(root), save_at, str(kill_at), "1" if resume else "0"]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
-    if kill_at and not resume:
+    proc = subprocess.run(
+        [*cmd, str(root), save_at, str(kill_at), name], env=env, capture_output=True, text=True, timeout=300
+    )
+    if kill_at:
         assert proc.returncode != 0, "the run was to be killed"
     else:
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
 
 
-def results(root: Path, rank: int, which: str) -> dict:
-    body = json.loads((root / f"run-{rank}-{which}.json").read_text())
+def results(root: Path, name: str, rank: int) -> dict:
+    body = json.loads((root / f"{name}-{rank}.json").read_text())
     body["steps"] = {int(k): v for k, v in body["steps"].items()}
     return body
 
 
+SAVES = "3,6,9,12,15,18,21"  # every third of the 24 steps (passes of 4 batches, epochs of 10)
+
+
 @pytest.mark.distributed
-@pytest.mark.parametrize(("world", "cases"), [(1, [(7, 9), (10, 13)]), (2, [(6, 9)])])
-def test_a_deepspeed_run_killed_after_a_save_resumes_at_the_next_batch_bit_exactly(tmp_path, world, cases):
-    """Mid-pass with the next pass read ahead (7 / 9), and at an epoch's end (10 / 13); at two ranks each
-    rank resumes its own share of the data (DeepSpeed's sampler), with the sharded store."""
-    full = tmp_path / "full"
-    launch(full, world, ",".join(str(save) for save, _ in cases), 0, False)
-    for save, kill in cases:
-        root = tmp_path / f"killed-{save}"
-        launch(root, world, str(save), kill, False)
-        assert sorted(results(root, 0, "first")["steps"]) == list(range(1, kill + 1))
-        launch(root, world, "", 0, True)
-        for rank in range(world):
-            whole, resumed = results(full, rank, "first"), results(root, rank, "resumed")
-            assert sorted(resumed["steps"]) == list(range(save + 1, 25))
-            for s, got in resumed["steps"].items():  # the batches the uninterrupted run had, bit-equal losses
-                assert got == whole["steps"][s], (rank, s)
-            assert resumed["rows"] == whole["rows"]
-            assert resumed["dense"] == whole["dense"]
+@pytest.mark.parametrize(("world", "kills"), [(1, [2, 5, 7, 10, 11, 14, 17, 20, 23]), (2, [5, 10])])
+def test_a_deepspeed_run_killed_again_and_again_resumes_at_the_next_batch_bit_exactly(tmp_path, world, kills):
+    """SIGKILLed before its first save, mid-pass with the next pass read ahead, at and after an epoch's
+    end, and in the last epoch, each time started again from the latest tag; at two ranks each rank
+    resumes its own share of the data (DeepSpeed's sampler) with the sharded store. Every step any
+    run trained is the uninterrupted run's step (same examples, bit-equal loss), and so are the
+    final rows and dense parameters."""
+    launch(tmp_path / "full", world, SAVES, 0, "whole")
+    root = tmp_path / "killed"
+    for i, kill in enumerate(kills):
+        launch(root, world, SAVES, kill, f"run{i}")
+    launch(root, world, SAVES, 0, "last")
+    saved = [int(s) for s in SAVES.split(",")]
+    for rank in range(world):
+        whole = results(tmp_path / "full", "whole", rank)
+        assert sorted(whole["steps"]) == list(range(1, 25))
+        start = 0  # each run begins after the latest save before the previous run's kill
+        for i, kill in enumerate(kills):
+            run = results(root, f"run{i}", rank)["steps"]
+            assert sorted(run) == list(range(start + 1, kill + 1)), (rank, i)
+            assert all(run[s] == whole["steps"][s] for s in run), (rank, i)
+            start = max([s for s in saved if s <= kill], default=0)
+        last = results(root, "last", rank)
+        assert sorted(last["steps"]) == list(range(start + 1, 25))
+        assert all(last["steps"][s] == whole["steps"][s] for s in last["steps"])
+        assert last["rows"] == whole["rows"] and last["dense"] == whole["dense"]
 
 
 # -- the state as checkpoints keep it -----------------------------------------------------------------
