@@ -15,8 +15,28 @@ from hierps.errors import ConfigError, HierpsError
 __all__ = ["main"]
 
 
+def _demo_online(args: argparse.Namespace) -> int:
+    from hierps.demo.online import OnlineConfig, run_online
+
+    _check_json_target(args.json)
+    cfg = OnlineConfig(
+        files=args.files,
+        rows_per_file=args.file_rows,
+        interval=args.interval,
+        batch_size=args.batch_size,
+        memory_budget=args.memory_budget,
+        directory=args.store,
+        seed=args.seed,
+    )
+    _write_json(args.json, run_online(cfg))
+    return 0
+
+
 def _demo(args: argparse.Namespace) -> int:
     from hierps.demo.app import DemoConfig, run_demo
+
+    if args.online:
+        return _demo_online(args)
 
     given = ("examples", "data", "max_rows", "batch_size", "pass_batches", "memory_budget", "device_budget")
     _check_json_target(args.json)
@@ -198,6 +218,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     demo.add_argument("--seed", type=int, default=0)
     demo.add_argument("--json", help="also write the per-pass record as JSON here")
     demo.add_argument("--no-progress", action="store_true", help="no progress bar")
+    online = demo.add_argument_group("the online loop (--online)")
+    online.add_argument(
+        "--online",
+        action="store_true",
+        help="follow a directory of Parquet logs as they arrive, train in passes of event time, publish a "
+        "delta after each pass and serve it; prints the staleness per pass",
+    )
+    online.add_argument("--files", type=int, default=10, help="log files written, one per pass (--online)")
+    online.add_argument("--file-rows", type=int, default=8192, help="examples per log file (--online)")
+    online.add_argument("--interval", type=float, default=1.0, help="seconds between log files (--online)")
     demo.set_defaults(func=_demo)
 
     from hierps.bench.run import add_arguments

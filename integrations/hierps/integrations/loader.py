@@ -232,7 +232,9 @@ class PassLoader:
                     # The pass did not fit the device tier (it loads group by group, nothing read ahead
                     # or translated): make the next ones smaller until they load whole.
                     self.size = max(1, self.size // 2)
-                upcoming = self._read(batches)
+                # A stream's next pass is read once this one ended: reading it ahead would hold this
+                # pass back until the next one's logs are all in.
+                upcoming = self._read(batches) if not self._streams else []
                 if upcoming and prefetch is not None:
                     prefetch(_ids(upcoming))
                 for i, (batch, _) in enumerate(group):
@@ -240,7 +242,7 @@ class PassLoader:
                     yield batch
                 in_pass = False
                 self.store.end_pass()
-                group = upcoming
+                group = upcoming if not self._streams else self._read(batches)
             self._position, self._pass_left, self._pass_open = (
                 None,
                 0,
