@@ -103,3 +103,20 @@ def test_a_killed_online_trainer_resumes_at_the_stream_position_bit_exactly(tmp_
     assert sorted(got) == sorted(want) and len(want) == 26
     for name in want:
         np.testing.assert_array_equal(got[name], want[name])
+
+
+def test_the_online_demo_publishes_every_pass_and_serves_it(tmp_path):
+    from hierps.demo.online import OnlineConfig, run_online
+
+    lines: list[str] = []
+    cfg = OnlineConfig(
+        files=3, rows_per_file=2048, interval=0.0, batch_size=512, compact_every=1, directory=str(tmp_path)
+    )
+    history = run_online(cfg, out=lines.append)["passes"]
+    assert [h["pass"] for h in history] == [1, 2, 3] and all(h["examples"] == 2048 for h in history)
+    assert [h["delta"] for h in history] == ["base", "delta", "base"]  # a new base after each delta
+    assert all(h["delta_bytes"] > 0 and h["staleness_train_s"] >= 0 for h in history)
+    assert lines[-1].startswith("3 passes published; staleness after the last step")
+    tables = hierps.serving.open(tmp_path / "serve")
+    assert tables.checkpoint == history[-1]["checkpoint"] and len(tables.tables) == 26
+    tables.close()

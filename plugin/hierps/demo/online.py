@@ -116,7 +116,7 @@ def run_online(cfg: OnlineConfig, out: Callable[[str], Any] = print) -> dict[str
             batch_size=cfg.batch_size,
             pass_seconds=cfg.pass_seconds,
             time_column="ts",
-            wait=cfg.interval * 3 + 5,
+            wait=cfg.interval * 3 + 1,
             poll_seconds=0.05,
         )
         loader = PassLoader(stream, lambda b: {n: b[f"c{i}"] for i, n in enumerate(names)}, store)
