@@ -21,9 +21,10 @@ import numpy as np
 import pytest
 
 import hierps.serving
+from hierps.integrations.rendezvous import free_port
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "online"
-FILES, ROWS = 6, 1024  # six passes of one file (60 s of event time) each, two steps of 512
+FILES, ROWS, BATCH = 6, 2048, 512  # six passes of one file (60 s of event time) each
 
 
 def env() -> dict[str, str]:
@@ -33,13 +34,23 @@ def env() -> dict[str, str]:
     return out
 
 
-def trainer(logs: Path, work: Path, serve: Path) -> list[str]:
+def trainer(logs: Path, work: Path, world: int) -> list[str]:
+    cmd = [sys.executable]
+    if world > 1:
+        torchrun = str(Path(sys.executable).parent / "torchrun")
+        cmd = [
+            torchrun,
+            f"--nproc_per_node={world}",
+            "--master_addr=127.0.0.1",
+            f"--master_port={free_port()}",
+        ]
     return [
-        sys.executable,
+        *cmd,
         str(EXAMPLE / "train.py"),
-        f"--logs={logs}",
+        f"--stream={logs}",
         f"--work={work}",
-        f"--serve={serve}",
+        f"--serve={work / 'serve'}",
+        f"--batch-size={BATCH}",
         "--wait=0",
         f"--steps-log={work}/steps.jsonl",
         f"--dump={work}/dense.npy",
@@ -47,9 +58,10 @@ def trainer(logs: Path, work: Path, serve: Path) -> list[str]:
     ]
 
 
-def steps(work: Path) -> dict[int, float]:
-    out = {}
-    for line in (work / "steps.jsonl").read_text().splitlines():
+def steps(work: Path, world: int, rank: int = 0) -> dict[int, float]:
+    path = work / ("steps.jsonl" if world == 1 else f"steps.jsonl.rank{rank}")
+    out: dict[int, float] = {}
+    for line in path.read_text().splitlines() if path.exists() else []:
         try:
             record = json.loads(line)
         except json.JSONDecodeError:  # the line a SIGKILL cut
@@ -66,38 +78,56 @@ def served(directory: Path) -> dict[str, np.ndarray]:
         tables.close()
 
 
+def finish(cmd: list[str]) -> str:
+    run = subprocess.run(cmd, env=env(), capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
+    return run.stdout
+
+
+def kill_tree(proc: subprocess.Popen) -> None:
+    """SIGKILL the trainer and every process under it (torchrun's ranks run in sessions of their own)."""
+    import psutil
+
+    family = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
+    for p in family:
+        try:
+            p.send_signal(signal.SIGKILL)
+        except psutil.NoSuchProcess:
+            pass
+    proc.wait(timeout=30)
+    psutil.wait_procs(family[1:], timeout=30)
+
+
 @pytest.mark.distributed
-def test_a_killed_online_trainer_resumes_at_the_stream_position_bit_exactly(tmp_path):
+@pytest.mark.parametrize(("world", "kills"), [(1, [4, 10]), (2, [5])])
+def test_a_killed_online_trainer_resumes_at_the_stream_position_bit_exactly(tmp_path, world, kills):
+    """Killed (every process of it, SIGKILL) once it has logged step k, wherever it then is (mid-pass,
+    in a checkpoint, in a publish), and started again; at two ranks each rank takes its share of the
+    stream's batches and the store is sharded."""
     logs = tmp_path / "logs"
     produce = [sys.executable, str(EXAMPLE / "produce.py"), str(logs), f"--files={FILES}", f"--rows={ROWS}"]
     subprocess.run([*produce, "--interval=0"], check=True, env=env(), timeout=120)
+    total = FILES * ROWS // (BATCH * world)
     whole = tmp_path / "whole"
-    run = subprocess.run(
-        trainer(logs, whole, whole / "serve"), env=env(), capture_output=True, text=True, timeout=300
-    )
-    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
-    assert run.stdout.count("published") == FILES, run.stdout
-
+    assert finish(trainer(logs, whole, world)).count("published") == FILES
     killed = tmp_path / "killed"
-    proc = subprocess.Popen(
-        trainer(logs, killed, killed / "serve"), env=env(), stdout=subprocess.PIPE, text=True
-    )
-    deadline = time.monotonic() + 240
-    while time.monotonic() < deadline:  # mid-stream: after the second pass's first step
-        if (killed / "steps.jsonl").exists() and len(steps(killed)) >= 5:
-            break
-        time.sleep(0.02)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait(timeout=30)
-    killed_at = max(steps(killed))
-    assert 5 <= killed_at < FILES * ROWS // 512
-    run = subprocess.run(
-        trainer(logs, killed, killed / "serve"), env=env(), capture_output=True, text=True, timeout=300
-    )
-    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
-
-    assert steps(killed) == steps(whole)  # every step once more after the checkpoint, with equal losses
-    assert sorted(steps(whole)) == list(range(1, FILES * ROWS // 512 + 1))
+    for kill in kills:
+        proc = subprocess.Popen(
+            trainer(logs, killed, world), env=env(), stdout=subprocess.DEVNULL, start_new_session=True
+        )
+        deadline = time.monotonic() + 240
+        while (
+            time.monotonic() < deadline
+            and max(steps(killed, world), default=0) < kill
+            and proc.poll() is None
+        ):
+            time.sleep(0.02)
+        kill_tree(proc)
+        assert kill <= max(steps(killed, world)) < total
+    finish(trainer(logs, killed, world))
+    for rank in range(world):  # every step once more after the checkpoint, with equal losses
+        assert steps(killed, world, rank) == steps(whole, world, rank)
+        assert sorted(steps(whole, world, rank)) == list(range(1, total + 1))
     np.testing.assert_array_equal(np.load(killed / "dense.npy"), np.load(whole / "dense.npy"))
     want, got = served(whole / "serve"), served(killed / "serve")
     assert sorted(got) == sorted(want) and len(want) == 26

@@ -132,7 +132,7 @@ SAVES = "3,6,9,12,15,18,21"  # every third of the 24 steps (passes of 4 batches,
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize(("world", "kills"), [(1, [2, 5, 7, 10, 11, 14, 17, 20, 23]), (2, [5, 10])])
+@pytest.mark.parametrize(("world", "kills"), [(1, [2, 5, 10, 14, 20, 23]), (2, [5, 10])])
 def test_a_deepspeed_run_killed_again_and_again_resumes_at_the_next_batch_bit_exactly(tmp_path, world, kills):
     """SIGKILLed before its first save, mid-pass with the next pass read ahead, at and after an epoch's
     end, and in the last epoch, each time started again from the latest tag; at two ranks each rank

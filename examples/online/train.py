@@ -13,7 +13,8 @@ and goes on from the stream position saved with it: no example is trained twice 
 the losses of the steps after it are those the uninterrupted run had (``--steps-log`` writes
 them). ``--wait`` seconds without a new file end the run (the stream waits that long)::
 
-    python examples/online/train.py --logs /tmp/logs --work /tmp/online --serve /tmp/serve
+    python examples/online/train.py --stream /tmp/logs --work /tmp/online --serve /tmp/serve
+    torchrun --nproc_per_node 2 examples/online/train.py ...   # two ranks: each its share of each batch
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ N_DENSE, N_SPARSE = 13, 26
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--logs", required=True, help="the directory the Parquet log files arrive in")
+    p.add_argument("--stream", required=True, help="the directory the Parquet log files arrive in")
     p.add_argument("--work", required=True, help="the store and the checkpoints live here")
     p.add_argument("--serve", required=True, help="the serving directory deltas are published into")
     p.add_argument("--batch-size", type=int, default=512)
@@ -77,12 +78,15 @@ def main() -> None:
     engine, _, _, _ = hierps.deepspeed.initialize(
         model=model, config=config(work), optimizer=torch.optim.Adam(model.parameters(), lr=1e-3)
     )
-    stream = hierps.online.ParquetStream(
-        args.logs,
+    rank, world = engine.global_rank, engine.world_size
+    stream = hierps.online.ParquetStream(  # at several ranks, each takes its share of every batch
+        args.stream,
         batch_size=args.batch_size,
         pass_seconds=args.pass_seconds,
         time_column="ts",
         wait=args.wait,
+        rank=rank,
+        world_size=world,
     )
     names = [f"tables.{i}" for i in range(N_SPARSE)]
     loader = hierps.deepspeed.PassLoader(
@@ -91,7 +95,9 @@ def main() -> None:
     if (ckpt / "latest").exists():  # a restart: the rows, the dense state and the stream position
         engine.load_checkpoint(str(ckpt))
     publisher = hierps.online.Publisher(engine, args.serve, compact_every=args.compact_every)
-    log = open(args.steps_log, "a") if args.steps_log else None  # noqa: SIM115
+    steps_log = f"{args.steps_log}.rank{rank}" if args.steps_log and world > 1 else args.steps_log
+    log = open(steps_log, "a") if steps_log else None  # noqa: SIM115
+    shard = getattr(engine.hierps_store, "local", engine.hierps_store)  # this rank's Store
     loss_fn = nn.BCEWithLogitsLoss()
     losses, start = [], time.perf_counter()
     for batch in loader:
@@ -106,16 +112,17 @@ def main() -> None:
             log.flush()
         if not loader.at_pass_end:
             continue
-        passes = engine.hierps_store.passes + 1  # the pass this batch ends (closed at the next batch)
+        passes = shard.passes + 1  # the pass this batch ends (closed at the next batch)
         line = f"pass {passes:3d}  {len(losses)} steps  loss {sum(losses) / len(losses):.4f}"
         if passes % args.publish_every == 0:
             engine.save_checkpoint(str(ckpt), tag=f"pass{passes}")
             done = publisher.publish()
             if done is not None:
                 line += f"  published {done}"
-        print(f"{line}  {time.perf_counter() - start:.1f}s", flush=True)
+        if rank == 0:
+            print(f"{line}  {time.perf_counter() - start:.1f}s", flush=True)
         losses = []
-    if args.dump:
+    if args.dump and rank == 0:
         np.save(args.dump, torch.cat([p.detach().reshape(-1) for p in engine.module.parameters()]).numpy())
     engine.destroy()
 

@@ -75,6 +75,10 @@ class ParquetStream:
             number waits that many seconds for one, then ends.
         poll_seconds: how often the directory is listed while waiting.
         filesystem: an fsspec filesystem for ``source`` (default: from its URL).
+        rank / world_size: at several data-parallel ranks, each rank's stream gives it every
+            ``world_size``-th example of batches of ``batch_size * world_size`` cut together (so
+            every rank gets as many batches, in the same passes; ``pass_examples`` counts all
+            ranks' examples). Every rank's position is the same.
 
     Batches are ``{column: tensor}``: numbers and booleans as 1-D tensors, timestamps as int64 in
     their unit, lists of integers as ``(values, offsets)``; other types are refused. A batch never
@@ -98,6 +102,8 @@ class ParquetStream:
         wait: bool | float = False,
         poll_seconds: float = 1.0,
         filesystem: Any = None,
+        rank: int = 0,
+        world_size: int = 1,
     ) -> None:
         _pyarrow()
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
@@ -125,7 +131,13 @@ class ParquetStream:
             or not poll_seconds > 0
         ):
             raise ConfigError(f"poll_seconds: expected a number > 0. Got {poll_seconds!r} instead.")
+        if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+            raise ConfigError(f"world_size: expected an int >= 1. Got {world_size!r} instead.")
+        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
+            raise ConfigError(f"rank: expected an int in [0, {world_size}). Got {rank!r} instead.")
         self.batch_size = batch_size
+        self.rank, self.world_size = rank, world_size
+        self._cut_size = batch_size * world_size  # the ranks' batches are cut together, then dealt out
         self.columns = list(columns) if columns is not None else None
         self.pass_examples = pass_examples
         self.pass_seconds = float(pass_seconds) if pass_seconds is not None else None
@@ -236,7 +248,7 @@ class ParquetStream:
                         pieces, size = [], 0
                     pass_index, into, start = pass_index + 1, 0, None
                     continue
-                take = min(self.batch_size - size, n - offset)
+                take = min(self._cut_size - size, n - offset)
                 if count is not None:
                     take = min(take, count - into)
                 if times is not None and start is not None and seconds is not None:
@@ -249,7 +261,7 @@ class ParquetStream:
                 if count is not None and into >= count:  # the pass is full: known at once
                     yield _Cut(self._batch(pieces, file), file, row + offset, pass_index, into, start, True)
                     pieces, size = [], 0
-                elif size == self.batch_size:
+                elif size == self._cut_size:
                     ready = _Cut(self._batch(pieces, file), file, row + offset, pass_index, into, start)
                     pieces, size = [], 0
             row += n
@@ -386,11 +398,19 @@ class ParquetStream:
             ) from exc
 
     def _batch(self, pieces: list[Any], file: str) -> dict[str, Any]:
-        """``{column: tensor}`` of the rows of ``pieces``."""
+        """``{column: tensor}`` of the rows of ``pieces`` (at several ranks: this rank's, every
+        ``world_size``-th row from ``rank`` on)."""
         out: dict[str, Any] = {}
         for field in self._schema:
             arrays = [p.column(field.name) for p in pieces]
             out[field.name] = _tensor(arrays, field.type)
+            if self.world_size > 1:
+                if isinstance(out[field.name], tuple):
+                    raise ConfigError(
+                        f"{self._describe(file)}: column {field.name!r} holds lists, which a stream dealt out to "
+                        f"{self.world_size} ranks does not split; leave it out with columns=[...]."
+                    )
+                out[field.name] = out[field.name][self.rank :: self.world_size].contiguous()
         return out
 
 
