@@ -198,3 +198,20 @@ def test_a_pass_loader_over_the_stream_announces_its_passes_and_resumes_with_the
     rest = [(b["id"].tolist(), loader.at_pass_end, store.passes) for b in loader]
     assert rest == seen[7:]
     store.close()
+
+
+def test_at_two_ranks_each_takes_its_share_of_the_same_batches_and_passes(tmp_path):
+    d = logs(tmp_path)
+    one = drain(ParquetStream(d, batch_size=128, columns=["id"], pass_examples=250))
+    ranks = [
+        drain(ParquetStream(d, batch_size=64, columns=["id"], pass_examples=250, rank=r, world_size=2))
+        for r in (0, 1)
+    ]
+    assert len(ranks[0]) == len(ranks[1]) == len(one)  # as many steps on every rank
+    for whole, r0, r1 in zip(one, *ranks):
+        assert sorted(r0[0] + r1[0]) == whole[0] and r0[0] == whole[0][0::2] and r1[0] == whole[0][1::2]
+        assert r0[1:] == r1[1:] == whole[1:]  # the same pass ends, pass indexes and positions
+    with pytest.raises(ConfigError, match=r"rank: expected an int in \[0, 2\)"):
+        ParquetStream(d, pass_examples=10, rank=2, world_size=2)
+    with pytest.raises(ConfigError, match="column 'tags' holds lists"):
+        next(iter(ParquetStream(d, batch_size=8, pass_examples=10, rank=0, world_size=2)))
