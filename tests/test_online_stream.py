@@ -8,6 +8,7 @@ import os
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -80,6 +81,33 @@ def test_the_stream_gives_every_row_once_in_order_and_resumes_exactly_at_any_bat
         again = ParquetStream(d, batch_size=64, **passes)
         again.load_state_dict(json.loads(state))
         assert [row[:3] for row in drain(again)] == [row[:3] for row in whole[k + 1 :]], k
+
+
+def columns(stream: ParquetStream) -> list[tuple[dict[str, list[Any]], bool, int, str]]:
+    """Every column of every batch (a list column as its values and offsets), its pass, and the
+    stream's state after it."""
+    out = []
+    for b in stream:
+        got = {k: [t.tolist() for t in v] if isinstance(v, tuple) else v.tolist() for k, v in b.items()}
+        out.append((got, stream.last_of_pass(), stream.pass_index, json.dumps(stream.state_dict())))
+    return out
+
+
+@pytest.mark.parametrize("passes", PASSES, ids=["count", "time"])
+def test_a_resumed_stream_gives_every_column_of_the_uninterrupted_one_from_any_state(tmp_path, passes):
+    d = logs(tmp_path)
+    stream = ParquetStream(d, batch_size=64, **passes)
+    start = json.dumps(stream.state_dict())  # before any batch: the start
+    whole = columns(stream)
+    states = [start] + [state for *_, state in whole]
+    written = pq.read_table(d).to_pydict()  # the files as written, in name order
+    assert [i for b, *_ in whole for i in b["id"]] == written["id"]
+    assert [t for b, *_ in whole for t in b["ts"]] == written["ts"]
+    assert [v for b, *_ in whole for v in b["tags"][0]] == [v for tags in written["tags"] for v in tags]
+    for k, state in enumerate(states):  # every batch, pass and file boundary
+        again = ParquetStream(d, batch_size=64, **passes)
+        again.load_state_dict(json.loads(state))
+        assert columns(again) == whole[k:], k
 
 
 def test_batches_hold_the_columns_as_tensors(tmp_path):
