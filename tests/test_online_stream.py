@@ -167,11 +167,15 @@ def test_torn_foreign_late_and_out_of_order_files_name_the_file(tmp_path):
 
     stream = ParquetStream(d, batch_size=100, pass_examples=100)
     drain(stream)
+    state = stream.state_dict()
     write(d, 5, name="part-0000a.parquet")  # sorts before the position: it would never be read
     with pytest.raises(
         LogFileError, match=r"part-0000a.parquet: arrived after the stream had read past its place"
     ):
         drain(stream)
+    with pytest.raises(LogFileError, match=r"2 log files now sort before it where 1 did"):  # nor at a restart
+        ParquetStream(d, batch_size=100, pass_examples=100).load_state_dict(state)
+    (d / "part-0000a.parquet").unlink()
 
     backwards = tmp_path / "backwards"
     backwards.mkdir()

@@ -178,6 +178,8 @@ class ParquetStream:
             "pass_start": self._start,
             "pass_ended": self._ended,
             "last_time": None if self._last_time == -np.inf else float(self._last_time),
+            # How many log files sorted before the position's: one more at a restart arrived late.
+            "files_before": len([n for n in self._known if self._file is not None and n < self._file]),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -188,7 +190,8 @@ class ParquetStream:
                 f"Got {str(state)[:120]}."
             )
         file = state["file"]
-        if file is not None and file not in self._list():
+        names = self._list()
+        if file is not None and file not in names:
             raise LogFileError(
                 f"{self._describe(file)}: the stream position is in this file, which is no longer there: the "
                 "logs were moved or cleaned up. Restore the file, or start the stream afresh."
@@ -199,6 +202,15 @@ class ParquetStream:
         self._ended = bool(state["pass_ended"])
         self._last_time = -np.inf if state["last_time"] is None else float(state["last_time"])
         self._known = set()
+        if file is not None and self._files is None:
+            before = [n for n in names if n < file]
+            if len(before) > int(state.get("files_before", len(before))):
+                raise LogFileError(
+                    f"{self._describe(file)} is where the stream stopped, but {len(before)} log files now sort before it "
+                    f"where {state['files_before']} did: a file arrived while the stream was stopped in a place it "
+                    "had read past, and would never be read. Name log files so that later ones sort later."
+                )
+            self._known = {*before, file}
 
     # -- iteration ---------------------------------------------------------------------------------
     def __iter__(self) -> Iterator[dict[str, Any]]:
