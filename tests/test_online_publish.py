@@ -121,6 +121,10 @@ def test_the_schedule_and_bad_settings(tmp_path):
         Publisher(store, tmp_path / "a", every_passes=1, every_seconds=1)
     with pytest.raises(ConfigError, match="compact_every: expected an int >= 1"):
         Publisher(store, tmp_path / "a", compact_every=0)
+    with pytest.raises(ConfigError, match="every_passes: expected an int >= 1"):
+        Publisher(store, tmp_path / "a", every_passes=0)
+    with pytest.raises(ConfigError, match="every_seconds: expected a number > 0"):
+        Publisher(store, tmp_path / "a", every_seconds=-1.0)
     with pytest.raises(ConfigError, match="dtype: expected 'fp32' or 'fp16'"):
         Publisher(store, tmp_path / "a", dtype="bf16")
     foreign = tmp_path / "foreign"
@@ -207,3 +211,69 @@ def test_a_publisher_killed_around_any_rename_restarts_and_serving_is_never_torn
     assert_same(rows, rows_of(store))
     assert not any(p.name.startswith(".") for p in out.iterdir())  # what the kill left is gone
     store.close()
+
+
+# -- a sharded store ---------------------------------------------------------------------------------
+def test_a_sharded_store_publishes_collectively_one_export_written_by_rank_0(tmp_path):
+    from thread_world import ThreadTransport, run_ranks
+
+    out = tmp_path / "serve"
+    steps = 4
+
+    def rank_main(transport: ThreadTransport) -> list[tuple[str, int, int]]:
+        store = hierps.ShardedStore(tmp_path / "s", transport, seed=1)
+        try:
+            store.table("t", DIM)
+            store.table("u", 2)
+            pub = Publisher(store, out, compact_every=2)
+            done = []
+            for step in range(steps):
+                train(store, step)  # every rank the same rows; each keeps those it owns
+                ckpt = store.checkpoint()
+                published = pub.publish()  # collective
+                assert published is not None and published.checkpoint == ckpt
+                done.append((published.kind, published.checkpoint, published.bytes))
+                assert pub.publish() is None
+            return done
+        finally:
+            store.close()
+
+    results = run_ranks(2, rank_main)
+    assert [k for k, _, _ in results[0]] == ["base", "delta", "delta", "base"]
+    assert [c for _, c, _ in results[0]] == [c for _, c, _ in results[1]]  # every rank agreed
+    assert all(b > 0 for _, _, b in results[0]) and all(b == 0 for _, _, b in results[1])  # rank 0 wrote
+    # The rows served are the last write of every key, whichever rank owns it.
+    want: dict[str, dict[int, np.ndarray]] = {"t": {}, "u": {}}
+    for step in range(steps):
+        rng = np.random.default_rng(step)
+        for name, dim in (("t", DIM), ("u", 2)):
+            keys = np.unique(rng.integers(0, 500, 60)).astype(np.int64)
+            want[name] |= dict(zip(keys.tolist(), rng.standard_normal((len(keys), dim)).astype(np.float32)))
+    at, rows = served(out)
+    assert at == results[0][-1][1]
+    for name in ("t", "u"):
+        keys = np.array(sorted(want[name]), dtype=np.int64)
+        np.testing.assert_array_equal(rows[name][0], keys)
+        np.testing.assert_array_equal(rows[name][1], np.stack([want[name][k] for k in keys.tolist()]))
+
+
+# -- the staleness measurement -----------------------------------------------------------------------
+def test_measure_staleness_runs_the_loop_and_reports_each_publish(tmp_path):
+    from hierps.bench.online import measure_staleness
+
+    result = measure_staleness(
+        tables=1,
+        rows=2000,
+        dim=4,
+        passes=4,
+        batches=2,
+        batch_size=64,
+        compact_every=2,
+        follow=0.05,
+        directory=str(tmp_path),
+    )
+    assert [r["kind"] for r in result["passes"]] == ["base", "delta", "delta", "base"]
+    assert all(r["bytes"] > 0 and r["staleness_s"] >= 0 for r in result["passes"])
+    assert result["summary"]["delta_bytes"] > 0
+    with pytest.raises(ConfigError, match="rows"):
+        measure_staleness(rows=0)
