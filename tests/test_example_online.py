@@ -19,9 +19,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from test_resume import launcher
 
 import hierps.serving
-from hierps.integrations.rendezvous import free_port
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "online"
 FILES, ROWS, BATCH = 6, 2048, 512  # six passes of one file (60 s of event time) each
@@ -35,15 +35,7 @@ def env() -> dict[str, str]:
 
 
 def trainer(logs: Path, work: Path, world: int) -> list[str]:
-    cmd = [sys.executable]
-    if world > 1:
-        torchrun = str(Path(sys.executable).parent / "torchrun")
-        cmd = [
-            torchrun,
-            f"--nproc_per_node={world}",
-            "--master_addr=127.0.0.1",
-            f"--master_port={free_port()}",
-        ]
+    cmd = launcher(world)
     return [
         *cmd,
         str(EXAMPLE / "train.py"),

@@ -109,20 +109,19 @@ def test_with_worker_processes_the_resumed_run_is_the_uninterrupted_one(tmp_path
 WORKER = Path(__file__).with_name("resume_worker.py")
 
 
+def launcher(world: int) -> list[str]:
+    """What runs a script at ``world`` ranks on this machine: this Python, or torchrun over loopback."""
+    if world == 1:
+        return [sys.executable]
+    torchrun = str(Path(sys.executable).parent / "torchrun")
+    return [torchrun, f"--nproc_per_node={world}", "--master_addr=127.0.0.1", f"--master_port={free_port()}"]
+
+
 def launch(root: Path, world: int, save_at: str, kill_at: int, name: str) -> None:
     env = {**os.environ, "PYTHONPATH": str(WORKER.parent), "OMP_NUM_THREADS": "1"}
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(k, None)
-    cmd = [sys.executable, str(WORKER)]
-    if world > 1:
-        torchrun = str(Path(sys.executable).parent / "torchrun")
-        cmd = [
-            torchrun,
-            f"--nproc_per_node={world}",
-            "--master_addr=127.0.0.1",
-            f"--master_port={free_port()}",
-        ]
-        cmd.append(str(WORKER))
+    cmd = [*launcher(world), str(WORKER)]
     proc = subprocess.run(
         [*cmd, str(root), save_at, str(kill_at), name], env=env, capture_output=True, text=True, timeout=300
     )
