@@ -30,7 +30,10 @@ def resumable(loader: Any) -> Any:
     :class:`ResumableDeepSpeedLoader`); another loader, or one DeepSpeed's curriculum learning drives
     (its sampler has a state of its own, outside this), is returned as it is, with a warning."""
     if not isinstance(loader, DeepSpeedDataLoader) or loader.curriculum_learning_enabled:
-        _cannot(f"{type(loader).__name__} with curriculum learning" if loader is not None else "None")
+        _cannot(
+            f"a {type(loader).__name__}"
+            + (" driven by curriculum learning" if isinstance(loader, DeepSpeedDataLoader) else "")
+        )
         return loader
     try:
         from torchdata.stateful_dataloader import StatefulDataLoader  # noqa: F401

@@ -234,15 +234,10 @@ class Publisher:
 
     def _collect(self, base: Path) -> None:
         """After a new base: remove the exports older than the chain before it (kept one generation)."""
-        taken = sorted(
-            (m.state.created, m.checkpoint)
-            for m in _manifests(self.directory)
-            if m.since is None and m.path != base
-        )
-        if not taken:
-            return
-        for m in _manifests(self.directory):
-            if m.path != base and (m.state.created, m.checkpoint) < taken[-1]:
+        exports = [m for m in _manifests(self.directory) if m.path != base]
+        taken = sorted((m.state.created, m.checkpoint) for m in exports if m.since is None)
+        for m in exports if taken else []:
+            if (m.state.created, m.checkpoint) < taken[-1]:
                 _remove(m.path)
 
 

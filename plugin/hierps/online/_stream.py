@@ -21,6 +21,7 @@ import os
 import posixpath
 import time
 from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -155,6 +156,7 @@ class ParquetStream:
         self._ended = True  # the batch last yielded ended its pass (or none was yielded)
         self._last_time = -np.inf
         self._known: set[str] = set()  # names listed at or before the position
+        self._row_counts: dict[str, int] = {}  # rows of the files read so far
 
     # -- the pass protocol of hierps.PassLoader -------------------------------------------------
     def last_of_pass(self) -> bool:
@@ -193,7 +195,7 @@ class ParquetStream:
         names = self._list()
         if file is not None and file not in names:
             raise LogFileError(
-                f"{self._describe(file)}: the stream position is in this file, which is no longer there: the "
+                f"{self._path(file)}: the stream position is in this file, which is no longer there: the "
                 "logs were moved or cleaned up. Restore the file, or start the stream afresh."
             )
         self._file, self._row = file, int(state["row"])
@@ -206,7 +208,7 @@ class ParquetStream:
             before = [n for n in names if n < file]
             if len(before) > int(state.get("files_before", len(before))):
                 raise LogFileError(
-                    f"{self._describe(file)} is where the stream stopped, but {len(before)} log files now sort before it "
+                    f"{self._path(file)} is where the stream stopped, but {len(before)} log files now sort before it "
                     f"where {state['files_before']} did: a file arrived while the stream was stopped in a place it "
                     "had read past, and would never be read. Name log files so that later ones sort later."
                 )
@@ -294,7 +296,7 @@ class ParquetStream:
             times = np.asarray(column.to_numpy(zero_copy_only=False), dtype=np.float64)
         if len(times) and (times[0] < last or bool(np.any(np.diff(times) < 0))):
             raise LogFileError(
-                f"{self._describe(file)}: the event time {self.time_column!r} decreases (pass_seconds needs logs in "
+                f"{self._path(file)}: the event time {self.time_column!r} decreases (pass_seconds needs logs in "
                 "time order, within and across files). Sort each file, and name the files in time order."
             )
         return times
@@ -336,7 +338,7 @@ class ParquetStream:
         late = sorted(n for n in names if n < file and n not in self._known)
         if late:
             raise LogFileError(
-                f"{self._describe(late[0])}: arrived after the stream had read past its place in name order (it "
+                f"{self._path(late[0])}: arrived after the stream had read past its place in name order (it "
                 f"is at {file!r}); it would never be read. Name log files so that later ones sort later "
                 "(zero-padded counters or timestamps), and rename each into place only when it is complete."
             )
@@ -356,35 +358,45 @@ class ParquetStream:
     def _path(self, name: str) -> str:
         return name if self._files is not None else posixpath.join(self._root, name)
 
-    def _describe(self, name: str) -> str:
-        return self._path(name)
-
-    def _open(self, name: str) -> Any:
-        """The Parquet file ``name``, its schema checked against the first file's."""
+    @contextmanager
+    def _open(self, name: str) -> Iterator[Any]:
+        """The Parquet file ``name``, its schema checked against the first file's; closed after."""
         pa = _pyarrow()
         try:
             handle = self._fs.open(self._path(name), "rb")
-            pf = pa.parquet.ParquetFile(handle)
-        except (pa.ArrowException, OSError, ValueError) as exc:
-            raise LogFileError(
-                f"{self._describe(name)}: not a readable Parquet file ({exc}): torn (renamed into place before it "
-                "was complete) or not a log file. Write each file under a name starting with '_' and rename it "
-                "once complete; move foreign files out of the directory."
-            ) from exc
-        schema = pf.schema_arrow
-        if self._schema is None:
-            self._schema = _selected(schema, self.columns, self.time_column, self._describe(name))
-        else:
-            _check_schema(schema, self._schema, self._describe(name))
-        return pf
+        except OSError as exc:
+            raise LogFileError(f"{self._path(name)}: cannot be opened ({exc}).") from exc
+        with handle:
+            try:
+                pf = pa.parquet.ParquetFile(handle)
+            except (pa.ArrowException, OSError, ValueError) as exc:
+                raise LogFileError(
+                    f"{self._path(name)}: not a readable Parquet file ({exc}): torn (renamed into place before it "
+                    "was complete) or not a log file. Write each file under a name starting with '_' and rename "
+                    "it once complete; move foreign files out of the directory."
+                ) from exc
+            schema = pf.schema_arrow
+            if self._schema is None:
+                self._schema = _selected(schema, self.columns, self.time_column, self._path(name))
+            else:
+                _check_schema(schema, self._schema, self._path(name))
+            self._row_counts[name] = int(pf.metadata.num_rows)
+            yield pf
 
     def _rows(self, name: str) -> int:
-        return int(self._open(name).metadata.num_rows)
+        """Rows of ``name``: read once (a file renamed into place does not change), not at every poll."""
+        if name not in self._row_counts:
+            with self._open(name):
+                pass
+        return self._row_counts[name]
 
     def _read(self, name: str, row: int) -> Iterator[tuple[Any, str, int]]:
         """Record batches of ``name`` from ``row`` on, a row group's piece at a time (bounded memory)."""
+        with self._open(name) as pf:
+            yield from self._batches_of(pf, name, row)
+
+    def _batches_of(self, pf: Any, name: str, row: int) -> Iterator[tuple[Any, str, int]]:
         pa = _pyarrow()
-        pf = self._open(name)
         columns = list(self._schema.names)
         first, begin = 0, 0
         meta = pf.metadata
@@ -406,7 +418,7 @@ class ParquetStream:
                 at += batch.num_rows
         except pa.ArrowException as exc:
             raise LogFileError(
-                f"{self._describe(name)}: a part of it could not be read ({exc}): torn or damaged."
+                f"{self._path(name)}: a part of it could not be read ({exc}): torn or damaged."
             ) from exc
 
     def _batch(self, pieces: list[Any], file: str) -> dict[str, Any]:
@@ -419,7 +431,7 @@ class ParquetStream:
             if self.world_size > 1:
                 if isinstance(out[field.name], tuple):
                     raise ConfigError(
-                        f"{self._describe(file)}: column {field.name!r} holds lists, which a stream dealt out to "
+                        f"{self._path(file)}: column {field.name!r} holds lists, which a stream dealt out to "
                         f"{self.world_size} ranks does not split; leave it out with columns=[...]."
                     )
                 out[field.name] = out[field.name][self.rank :: self.world_size].contiguous()
