@@ -110,3 +110,62 @@ def test_compaction_never_loses_a_row(make_store, pipeline):
         np.testing.assert_array_equal(reopened.read_rows("t", KEYS), rows_ref)
     finally:
         reopened.close()
+
+
+def _bag_batches(seed: int) -> list[tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor]]:
+    """Batches of 8 of 80 examples (an epoch and a half, shuffled), two tables, each example with its
+    own bag of 0-4 power-law raw ids per table."""
+    rng = np.random.default_rng(seed)
+    lens = rng.integers(0, 5, (80, 2))
+    ids = [[((1 - rng.random(n)) ** (-1 / 0.7)).astype(np.int64) * 7919 for n in row] for row in lens]
+    labels = rng.integers(0, 2, 80).astype(np.float32)
+    order = np.concatenate([rng.permutation(80), rng.permutation(80)[:48]])
+    out = []
+    for start in range(0, len(order), 8):
+        rows = order[start : start + 8]
+        bags = []
+        for k in range(2):
+            offsets = np.cumsum([0, *[len(ids[r][k]) for r in rows[:-1]]]).astype(np.int64)
+            bags.append(
+                (torch.from_numpy(np.concatenate([ids[r][k] for r in rows])), torch.from_numpy(offsets))
+            )
+        out.append((bags, torch.from_numpy(labels[rows])))
+    return out
+
+
+def _train_bags(store: hierps.Store, batches) -> tuple[list[float], list[np.ndarray]]:
+    from hierps.integrations.loader import PassLoader
+
+    embs = [
+        hierps.EmbeddingBag(None, 4, mode="sum", store=store, name=f"t{k}", optimizer="adagrad")
+        for k in range(2)
+    ]
+    head = torch.linspace(-1, 1, 8)
+    loader = PassLoader(
+        batches, lambda b: {f"t{k}": hierps.Bags(*b[0][k]) for k in range(2)}, store, pass_batches=4
+    )
+    losses = []
+    for bags, y in loader:
+        x = torch.cat([e(i, o) for e, (i, o) in zip(embs, bags)], 1)
+        loss = nn.functional.binary_cross_entropy_with_logits(x @ head, y)
+        loss.backward()
+        store.step()
+        losses.append(loss.item())
+    keys = np.unique(np.concatenate([b[0][k][0].numpy() for b in batches for k in range(2)]))
+    return losses, [store.read_rows(f"t{k}", keys) for k in range(2)]
+
+
+def test_a_pass_loaded_group_by_group_is_not_read_ahead_past(make_store):
+    """A device tier of about one mini-batch splits each pass of 4 into groups. The next pass's
+    read-ahead, announced then, would take the rows of this pass's later groups from before this
+    pass trains them: the store does not read ahead there, and trains exactly as when every row fits."""
+    batches = _bag_batches(2)
+    loss_small, rows_small = _train_bags(
+        make_store("small", memory_budget="2KiB", device_budget=2000), batches
+    )
+    loss_whole, rows_whole = _train_bags(
+        make_store("whole", memory_budget="2KiB", device_budget="1MiB"), batches
+    )
+    assert loss_small == loss_whole
+    for small, whole in zip(rows_small, rows_whole):
+        np.testing.assert_array_equal(small, whole)

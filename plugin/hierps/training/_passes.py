@@ -178,6 +178,10 @@ class PassRunner:
             return
         if any(self._core.tables[t].admission.filters for b in raw for t in b):
             return  # tables filtering admission are loaded at begin_pass, when admission is known
+        if len(self.plan.groups) > 1:
+            # This pass is loaded group by group: rows of its later groups are not resident yet, so
+            # a read now would take their values from before this pass trains them.
+            return
         group = None  # fits even counting repeats: one group, found on the worker
         if self._core.device_tier.bytes_for(_id_counts(raw)) > self._core.device_tier.budget:
             groups, _ = self._planned(raw)
