@@ -4,7 +4,9 @@ Rows of every table of one width (in 4-byte words: rows are stored as their tabl
 :mod:`hierps.rows._layout`) live in one ``(capacity, width)`` float32 *arena* tensor, so a
 training step updates the rows of all its tables with one gather, one optimizer call and one
 scatter. Per table, a sorted key tensor and its slot tensor (both on the device) translate a
-mini-batch's ids into arena slots with one ``searchsorted``. :meth:`DeviceTier.rebuild` lays each
+mini-batch's ids into arena slots with one ``searchsorted``; on the CPU, where the compiled core
+serves, a hash index does (:mod:`hierps.tiers._slot_index`), so that making rows resident on demand
+costs in proportion to those rows, not to every resident one. :meth:`DeviceTier.rebuild` lays each
 table out contiguously and in key order (see :meth:`DeviceTier.layout`), so the slots of a pass's
 ids can be computed ahead, off the training thread, and so can the moves from one pass's working
 set to the next (:mod:`hierps.tiers._working_set`). The byte budget is shared by all tables. Draining
@@ -28,6 +30,7 @@ from hierps._tensors import joined
 from hierps.rows._counters import record_seen
 from hierps.rows._ids import find_sorted
 from hierps.rows._layout import RowLayout
+from hierps.tiers._slot_index import SlotIndex, hashed
 from hierps.tiers._working_set import Relayout, ResidentKeys
 
 __all__ = ["DeviceTier", "DrainedRows", "Sightings"]
@@ -35,6 +38,7 @@ __all__ = ["DeviceTier", "DrainedRows", "Sightings"]
 # Bytes per resident row besides its floats: sorted key (8) + slot (8) + host key (8) + dirty (1).
 ROW_OVERHEAD = 25
 _EMPTY = np.empty(0, np.int64)
+_EMPTY_T = torch.empty(0, dtype=torch.int64)
 
 
 @dataclass
@@ -77,22 +81,82 @@ class _Arena:
 
 
 class _Resident:
-    """One table's rows in its arena: ``keys[i]`` lives at arena slot ``slots[i]``."""
+    """One table's rows in its arena: ``keys[i]`` lives at arena slot ``slots[i]``.
 
-    def __init__(self, arena: _Arena) -> None:
+    Found by ``index`` (a :class:`~hierps.tiers._slot_index.SlotIndex`) on the CPU where the compiled
+    core serves; else by ``skeys`` (sorted) and ``sslots`` (their slots), tensors on the device.
+    """
+
+    def __init__(self, arena: _Arena, keys: np.ndarray = _EMPTY, slots: np.ndarray = _EMPTY) -> None:
         self.arena = arena
-        self.keys = _EMPTY  # host: key of each resident row
-        self.slots = _EMPTY  # host: its arena slot
-        self.skeys = torch.empty(0, dtype=torch.int64, device=arena.device)  # sorted keys
-        self.sslots = torch.empty(0, dtype=torch.int64, device=arena.device)  # slot of skeys[i]
+        self.n = len(keys)
+        self._keys, self._slots = keys, slots  # host: the first n are the resident rows' keys and slots
+        self.index: SlotIndex | None = None
+        self.skeys = self.sslots = _EMPTY_T
+        if arena.device.type == "cpu" and hashed():
+            self.index = SlotIndex(keys, slots)
+        else:
+            order = np.argsort(keys, kind="stable")
+            self.skeys = torch.from_numpy(keys[order]).to(arena.device)
+            self.sslots = torch.from_numpy(slots[order]).to(arena.device)
 
     @property
-    def n(self) -> int:
-        return len(self.keys)
+    def keys(self) -> np.ndarray:
+        """Key of each resident row (host)."""
+        return self._keys[: self.n]
+
+    @property
+    def slots(self) -> np.ndarray:
+        """Arena slot of each resident row (host), in the order of :attr:`keys`."""
+        return self._slots[: self.n]
 
     @property
     def width(self) -> int:
         return self.arena.width
+
+    def find(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """ids (n,) int64 on the device -> (found (n,) bool, slots (n,) int64; valid where found)."""
+        if self.index is not None:
+            found, slots = self.index.find(ids.numpy())
+            return torch.from_numpy(found), torch.from_numpy(slots)
+        if self.n == 0:
+            return torch.zeros_like(ids, dtype=torch.bool), torch.zeros_like(ids)
+        at = torch.searchsorted(self.skeys, ids).clamp_(max=self.n - 1)
+        return self.skeys[at] == ids, self.sslots[at]
+
+    def add(self, keys: np.ndarray, slots: np.ndarray) -> None:
+        """Make sorted unique ``keys`` (absent here) resident at ``slots``."""
+        m, n = len(keys), self.n
+        if n + m > len(self._keys):  # the host arrays grow by doubling: adding m rows costs O(m)
+            cap = max(n + m, 2 * len(self._keys), 64)
+            self._keys = np.concatenate([self._keys[:n], np.empty(cap - n, np.int64)])
+            self._slots = np.concatenate([self._slots[:n], np.empty(cap - n, np.int64)])
+        self._keys[n : n + m], self._slots[n : n + m] = keys, slots
+        self.n = n + m
+        if self.index is not None:
+            self.index.put(keys, slots)
+            return
+        # Merge the sorted new keys into the sorted resident ones: their places, then the old ones'.
+        device = self.arena.device
+        new_keys = torch.from_numpy(keys).to(device)
+        at = torch.searchsorted(self.skeys, new_keys) + torch.arange(m, device=device)
+        is_new = torch.zeros(self.n, dtype=torch.bool, device=device)
+        is_new[at] = True
+        skeys = torch.empty(self.n, dtype=torch.int64, device=device)
+        sslots = torch.empty(self.n, dtype=torch.int64, device=device)
+        skeys[at], sslots[at] = new_keys, torch.from_numpy(slots).to(device)
+        skeys[~is_new], sslots[~is_new] = self.skeys, self.sslots
+        self.skeys, self.sslots = skeys, sslots
+
+    def keys_at(self, slots: torch.Tensor) -> torch.Tensor:
+        """slots (U,) int64 of resident rows -> (U,) int64 their keys (on the device)."""
+        if self.index is not None:
+            order = np.argsort(self.slots)
+            where = np.searchsorted(self.slots[order], slots.numpy())
+            return torch.from_numpy(self.keys[order[where]])
+        by_slot = torch.argsort(self.sslots)
+        at = torch.searchsorted(self.sslots[by_slot], slots)
+        return self.skeys[by_slot[at]]
 
 
 @dataclass
@@ -119,6 +183,7 @@ class DeviceTier:
         self.generation = 0  # changes when slots handed out may have become invalid
         self.version = 0  # changes whenever any table's resident keys change
         self.clock = 0  # advanced by every optimizer step: rows gathered since have used == clock
+        self._bytes = 0  # bytes_used, kept as rows come and go
 
     def add_table(self, table: str, width: int) -> None:
         if table not in self._tables:
@@ -131,7 +196,10 @@ class DeviceTier:
 
     @property
     def bytes_used(self) -> int:
-        return sum(r.n * (r.width * 4 + ROW_OVERHEAD) for r in self._tables.values())
+        return self._bytes
+
+    def _count_bytes(self) -> None:
+        self._bytes = sum(r.n * (r.width * 4 + ROW_OVERHEAD) for r in self._tables.values())
 
     def num_rows(self, table: str) -> int:
         return self._tables[table].n
@@ -155,18 +223,11 @@ class DeviceTier:
 
     def keys_at(self, table: str, slots: torch.Tensor) -> torch.Tensor:
         """slots (U,) int64 of resident rows of ``table`` -> (U,) int64 their keys (on the device)."""
-        r = self._tables[table]
-        by_slot = torch.argsort(r.sslots)
-        at = torch.searchsorted(r.sslots[by_slot], slots)
-        return r.skeys[by_slot[at]]
+        return self._tables[table].keys_at(slots)
 
     def resolve(self, table: str, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """ids: (n,) int64 on the device -> (found (n,) bool, slots (n,) int64; valid where found)."""
-        r = self._tables[table]
-        if r.n == 0:
-            return torch.zeros_like(ids, dtype=torch.bool), torch.zeros_like(ids)
-        at = torch.searchsorted(r.skeys, ids).clamp_(max=r.n - 1)
-        return r.skeys[at] == ids, r.sslots[at]
+        return self._tables[table].find(ids)
 
     def insert(self, table: str, keys: np.ndarray, rows: np.ndarray) -> None:
         """Make sorted unique ``keys`` (absent here) resident with ``rows`` (n, width) float32."""
@@ -178,19 +239,8 @@ class DeviceTier:
         r.arena.rows[start : start + m] = torch.from_numpy(np.ascontiguousarray(rows)).to(self.device)
         r.arena.dirty[start : start + m] = False
         r.arena.used[start : start + m] = self.clock
-        new_slots = np.arange(start, start + m, dtype=np.int64)
-        r.keys = np.concatenate([r.keys, keys])
-        r.slots = np.concatenate([r.slots, new_slots])
-        # Merge the sorted new keys into the sorted resident ones: their places, then the old ones'.
-        new_keys = torch.from_numpy(keys).to(self.device)
-        at = torch.searchsorted(r.skeys, new_keys) + torch.arange(m, device=self.device)
-        is_new = torch.zeros(r.n, dtype=torch.bool, device=self.device)
-        is_new[at] = True
-        skeys = torch.empty(r.n, dtype=torch.int64, device=self.device)
-        sslots = torch.empty(r.n, dtype=torch.int64, device=self.device)
-        skeys[at], sslots[at] = new_keys, torch.from_numpy(new_slots).to(self.device)
-        skeys[~is_new], sslots[~is_new] = r.skeys, r.sslots
-        r.skeys, r.sslots = skeys, sslots
+        r.add(keys, np.arange(start, start + m, dtype=np.int64))
+        self._bytes += m * self.row_bytes(table)
         self.version += 1
 
     def mark_dirty(self, table: str, slots: torch.Tensor) -> None:
@@ -304,12 +354,14 @@ class DeviceTier:
             self._reset()
             return
         self._tables[table] = _Resident(self._tables[table].arena)  # its slots stay unused until rebuilt
+        self._count_bytes()
         self.generation += 1
         self.version += 1
 
     def _reset(self) -> None:
         self._arenas = {w: _Arena(w, self.device, clock=self.clock) for w in self._arenas}
         self._tables = {t: _Resident(self._arenas[r.width]) for t, r in self._tables.items()}
+        self._bytes = 0
         self.generation += 1
         self.version += 1
 
@@ -381,14 +433,12 @@ class DeviceTier:
                 new.dirty.index_fill_(0, dst, False)
         tables = {}
         for table, r in self._tables.items():
-            resident = _Resident(arenas[r.width])
             want, first = relayout.keep.get(table, _EMPTY), relayout.first_slot[table]
-            resident.keys = want
-            resident.slots = np.arange(first, first + len(want), dtype=np.int64)
-            resident.skeys = torch.from_numpy(want).to(self.device)
-            resident.sslots = torch.from_numpy(resident.slots).to(self.device)
-            tables[table] = resident
+            tables[table] = _Resident(
+                arenas[r.width], want, np.arange(first, first + len(want), dtype=np.int64)
+            )
         self._arenas, self._tables = arenas, tables
+        self._count_bytes()
         self.generation += 1
         self.version += 1
         return out

@@ -354,11 +354,15 @@ class SparseTrainer:
             return self._gather_filtered(info, keys, requires_grad, counts)
         if not requires_grad:
             return self.read_weights(table, keys)
+        tier = self._core.device_tier
         slots = self._passes.resident_slots(table, keys)
-        self._features.count_seen(info, slots, counts)
-        self._core.device_tier.touch(table, slots)
-        weights = self._core.device_tier.weights(table, slots, info.layout).requires_grad_(True)
-        self._record(_Pending(table, keys, slots, self._core.device_tier.generation, weights))
+        # Sightings are counted later, fused: by the step into the rows it updates anyway, or
+        # before any row leaves the tier (as for announced mini-batches).
+        seen = counts.to(torch.float32) if counts is not None else torch.ones(len(slots), device=slots.device)
+        tier.defer_seen(table, slots, seen, info.counter_word, self._core.passes, info.eviction.decay)
+        tier.touch(table, slots)
+        weights = tier.weights(table, slots, info.layout).requires_grad_(True)
+        self._record(_Pending(table, keys, slots, tier.generation, weights))
         return weights
 
     def read_weights(self, table: str, keys: torch.Tensor) -> torch.Tensor:

@@ -3,7 +3,9 @@
 :mod:`._core` (``_core.c``, built by ``setup.py`` at install) runs the loops over bytes of the SSD
 tier: crc32c (with the CPU's crc32 instruction where it has one), planning reads and checking what they
 bring (crc32c and binding tag of every chunk) while gathering the wanted rows out of it in one pass,
-encoding chunks for writing, building and probing the key filters, and merging sorted runs. Each function computes exactly what the numpy code it replaces computes, and that code
+encoding chunks for writing, building and probing the key filters, and merging sorted runs; and the
+device tier's key -> slot hash index on the CPU (:mod:`hierps.tiers._slot_index`, whose fallback is the
+tier's sorted index). Each function computes exactly what the numpy code it replaces computes, and that code
 stays beside its caller (:mod:`hierps.storage._reads`, :mod:`hierps.storage._arrays`,
 :mod:`hierps.storage._filter`, :mod:`hierps.storage._merge`): it runs where
 the extension could not be built (a machine without a C compiler; hierps then warns once) or where
@@ -48,6 +50,8 @@ __all__ = [
     "plan_chunks",
     "plan_runs",
     "read_check_gather",
+    "slot_find",
+    "slot_put",
 ]
 
 _on = _core is not None and os.environ.get("HIERPS_NATIVE", "1") != "0"
@@ -190,3 +194,13 @@ def encode_chunks(payloads: Buffer, payload: int, first: int, seed: int, stride:
 def binding_tags(chunks: Buffer, crcs: Buffer, seed: int, out: Buffer) -> None:
     """:func:`._core.binding_tags` (the compiled core only)."""
     _core.binding_tags(chunks, crcs, seed, out)
+
+
+def slot_find(index: Buffer, keys: Buffer, slots: Buffer, found: Buffer) -> int:
+    """:func:`._core.slot_find` (the compiled core only)."""
+    return _core.slot_find(index, keys, slots, found)
+
+
+def slot_put(index: Buffer, used: int, keys: Buffer, slots: Buffer) -> int:
+    """:func:`._core.slot_put` (the compiled core only)."""
+    return _core.slot_put(index, used, keys, slots)

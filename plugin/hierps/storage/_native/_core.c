@@ -818,6 +818,118 @@ done:
     return result;
 }
 
+/* -- the device tier's key -> slot index (hierps.tiers._slot_index) ---------------------------- */
+/* An open-addressing hash table in one int64 array of 2 * cap words (cap a power of two): entry i is
+ * (table[2i] key, table[2i + 1] slot + 1), slot + 1 == 0 marking an empty entry; linear probing from
+ * splitmix64(key). The caller keeps it at most half full, so every probe sequence ends at an empty entry. */
+static int get_index(PyObject *obj, Buf *b, int writable, uint64_t *cap) {
+    if (get_words(obj, b, writable, "index") < 0) return -1;
+    uint64_t c = (uint64_t)NWORDS(*b) / 2;
+    if (c < 2 || (c & (c - 1)) || (uint64_t)NWORDS(*b) != 2 * c) {
+        PyErr_SetString(PyExc_ValueError, "index: expected 2 * cap int64 words, cap a power of two >= 2");
+        release(b);
+        return -1;
+    }
+    *cap = c;
+    return 0;
+}
+
+/* slot_find(index, keys, slots, found) -> n: slots[i] the slot of keys[i] and found[i] 1, or 0 and 0
+ * where the index lacks it; returns how many were found. */
+static PyObject *py_slot_find(PyObject *self, PyObject *args) {
+    PyObject *o_index, *o_keys, *o_slots, *o_found;
+    if (!PyArg_ParseTuple(args, "OOOO", &o_index, &o_keys, &o_slots, &o_found)) return NULL;
+    Buf index = {0}, keys = {0}, slots = {0}, found = {0};
+    PyObject *result = NULL;
+    uint64_t cap = 0;
+    if (get_index(o_index, &index, 0, &cap) < 0 || get_words(o_keys, &keys, 0, "keys") < 0 ||
+        get_words(o_slots, &slots, 1, "slots") < 0 || get_bytes(o_found, &found, 1, "found") < 0)
+        goto done;
+    Py_ssize_t n = NWORDS(keys);
+    if (NWORDS(slots) != n || found.view.len != n) {
+        PyErr_SetString(PyExc_ValueError, "slot_find: expected one slot and one bool per key");
+        goto done;
+    }
+    const int64_t *t = WORDS(index), *k = WORDS(keys);
+    int64_t *s = slots.view.buf;
+    unsigned char *f = found.view.buf;
+    const uint64_t mask = cap - 1;
+    Py_ssize_t hits = 0;
+    UNLOCK_IF(64 * n) uint64_t at[32];
+    for (Py_ssize_t i = 0; i < n; i += 32) { /* in groups: first probes prefetched together */
+        int m = n - i < 32 ? (int)(n - i) : 32;
+        for (int j = 0; j < m; j++) {
+            at[j] = splitmix64((uint64_t)k[i + j]) & mask;
+            __builtin_prefetch(t + 2 * at[j], 0);
+        }
+        for (int j = 0; j < m; j++) {
+            uint64_t e = at[j];
+            int64_t key = k[i + j], slot = 0;
+            while (t[2 * e + 1] != 0 && t[2 * e] != key) e = (e + 1) & mask;
+            if (t[2 * e + 1] != 0) slot = t[2 * e + 1];
+            s[i + j] = slot ? slot - 1 : 0;
+            f[i + j] = slot != 0;
+            hits += slot != 0;
+        }
+    }
+    RELOCK result = PyLong_FromSsize_t(hits);
+done:
+    release(&index);
+    release(&keys);
+    release(&slots);
+    release(&found);
+    return result;
+}
+
+/* slot_put(index, used, keys, slots) -> n: keys[i] now at slots[i] (>= 0), added or moved, in an index
+ * holding `used` entries; returns how many were added. The caller leaves room: the index stays at most
+ * half full. */
+static PyObject *py_slot_put(PyObject *self, PyObject *args) {
+    PyObject *o_index, *o_keys, *o_slots;
+    Py_ssize_t used;
+    if (!PyArg_ParseTuple(args, "OnOO", &o_index, &used, &o_keys, &o_slots)) return NULL;
+    Buf index = {0}, keys = {0}, slots = {0};
+    PyObject *result = NULL;
+    uint64_t cap = 0;
+    if (get_index(o_index, &index, 1, &cap) < 0 || get_words(o_keys, &keys, 0, "keys") < 0 ||
+        get_words(o_slots, &slots, 0, "slots") < 0)
+        goto done;
+    Py_ssize_t n = NWORDS(keys);
+    if (NWORDS(slots) != n) {
+        PyErr_SetString(PyExc_ValueError, "slot_put: expected one slot per key");
+        goto done;
+    }
+    int64_t *t = index.view.buf;
+    const int64_t *k = WORDS(keys), *s = WORDS(slots);
+    const uint64_t mask = cap - 1;
+    Py_ssize_t added = 0, bad = -1;
+    UNLOCK_IF(64 * n) for (Py_ssize_t i = 0; i < n; i++) {
+        if (s[i] < 0 || used < 0 || (uint64_t)(used + 1) * 2 > cap) {
+            bad = i;
+            break;
+        }
+        uint64_t e = splitmix64((uint64_t)k[i]) & mask;
+        while (t[2 * e + 1] != 0 && t[2 * e] != k[i]) e = (e + 1) & mask;
+        if (t[2 * e + 1] == 0) {
+            t[2 * e] = k[i];
+            added++;
+            used++;
+        }
+        t[2 * e + 1] = s[i] + 1;
+    }
+    RELOCK if (bad >= 0) {
+        PyErr_Format(PyExc_ValueError, "slot_put: key %zd: %s", bad,
+                     s[bad] < 0 ? "a slot is >= 0" : "the index would be more than half full");
+        goto done;
+    }
+    result = PyLong_FromSsize_t(added);
+done:
+    release(&index);
+    release(&keys);
+    release(&slots);
+    return result;
+}
+
 /* -- merging sorted runs (hierps.storage._merge) ---------------------------------------------- */
 /* merge_runs(keys, rows, ranks, newest_only, out_keys, out_rows, out_src) -> n: the entries of k parts
  * (keys[i] (n_i,) int64 strictly increasing, rows[i] (n_i, ...) rows of equal bytes, each row
@@ -937,6 +1049,8 @@ static PyMethodDef methods[] = {
     {"bloom_add", py_bloom_add, METH_VARARGS, "bloom_add(filter, keys): set the keys' bits in a one-block filter."},
     {"bloom_may_contain", py_bloom_may_contain, METH_VARARGS,
      "bloom_may_contain(filter, keys, block, full_words, out): False where the filter proves a key absent."},
+    {"slot_find", py_slot_find, METH_VARARGS, "slot_find(index, keys, slots, found) -> n: look keys up; see _core.pyi."},
+    {"slot_put", py_slot_put, METH_VARARGS, "slot_put(index, used, keys, slots) -> n: add or move keys; see _core.pyi."},
     {"merge_runs", py_merge_runs, METH_VARARGS, "Merge sorted parts by key, then rank descending; see _core.pyi."},
     {"encode_chunks", py_encode_chunks, METH_VARARGS,
      "encode_chunks(payloads, payload, first, seed, stride, out): chunks with crc32c and binding tag."},

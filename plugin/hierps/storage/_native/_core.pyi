@@ -112,6 +112,16 @@ def bloom_may_contain(filt: Buffer, keys: Buffer, block: Buffer | None, full_wor
     int64, key i is in block ``block[i]`` of ``full_words`` words (the last block: the rest of ``filt``),
     as :func:`hierps.storage._filter.blocks_may_contain`; without, one block."""
 
+def slot_find(index: Buffer, keys: Buffer, slots: Buffer, found: Buffer) -> int:
+    """Look ``keys`` (n,) int64 up in ``index`` (2 * cap,) int64 (cap a power of two; entries ``(key,
+    slot + 1)``, 0 empty; linear probing from splitmix64): ``slots`` (n,) int64 the slot or 0,
+    ``found`` (n,) bool; returns how many were found (:class:`hierps.tiers._slot_index.SlotIndex`)."""
+
+def slot_put(index: Buffer, used: int, keys: Buffer, slots: Buffer) -> int:
+    """Put ``keys`` (n,) int64 at ``slots`` (n,) int64 >= 0 in ``index``, which holds ``used`` entries
+    (added, or moved where present); returns how many were added. ``ValueError`` (and no later key put) where a slot is
+    negative or the index would be more than half full."""
+
 def merge_runs(
     keys: list[Buffer],
     rows: list[Buffer],
