@@ -5,7 +5,9 @@
 - a store trained on demand (no pass announced, a device tier smaller than the rows the loop
   touches, so the tier evicts) ends with exactly the rows, optimizer state and counters of the
   same store indexed by the sorted tensors (the code where the compiled core is missing), plain
-  and compact rows alike.
+  and compact rows alike;
+- the compiled dedup of a lookup's ids (``_native.unique_ids``) gives torch.unique's integers, and
+  ``find_all`` answers only when every key is held.
 """
 
 from __future__ import annotations
@@ -47,6 +49,49 @@ def test_slot_index_from_arrays_and_empty():
     assert index.find(np.array([7, 5, -3, 4]))[1].tolist() == [2, 0, 1, 0]
     found, slots = SlotIndex().find(np.array([1, 2], np.int64))
     assert not found.any() and slots.tolist() == [0, 0]
+
+
+@pytest.mark.parametrize("n", [0, 1, 2, 7, 256, 4097, 70_000])
+def test_unique_ids_equal_torch_unique(n):
+    rng = np.random.default_rng(n)
+    for ids in (
+        (rng.zipf(1.3, n) % 1000).astype(np.int64),  # many repeats
+        rng.integers(-(2**63), 2**63 - 1, n, dtype=np.int64),  # all distinct, any sign
+        np.resize(np.array([2**63 - 1, -(2**63), 0, -1], np.int64), n),  # the extremes, repeated
+    ):
+        keys, inverse, counts = _native.unique_ids(ids)
+        want = torch.unique(torch.from_numpy(ids), sorted=True, return_inverse=True, return_counts=True)
+        assert keys.tolist() == want[0].tolist()
+        assert inverse.tolist() == want[1].tolist()
+        assert counts.tolist() == want[2].tolist()
+
+
+def test_unique_ids_refuses_other_buffers():
+    with pytest.raises(TypeError, match="int64"):
+        _native.unique_ids(np.arange(4, dtype=np.int32))
+    with pytest.raises(ValueError, match="as long as ids"):
+        _native._core.unique_ids(
+            np.arange(4), np.empty(3, np.int64), np.empty(4, np.int64), np.empty(4, np.int64)
+        )
+
+
+def test_lookups_deduplicate_as_torch_unique(monkeypatch):
+    from hierps import modules
+
+    ids = torch.tensor([[5, -3], [5, 9], [2**62, -3]])
+    got = modules._distinct(ids)
+    monkeypatch.setattr(modules, "_NATIVE_UNIQUE_MAX", -1)  # torch.unique serves
+    want = modules._distinct(ids)
+    assert got[1].shape == ids.shape
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+
+
+def test_find_all_answers_only_when_every_key_is_held():
+    index = SlotIndex(np.array([5, -3, 7]), np.array([4, 1, 2]))
+    assert index.find_all(np.array([7, 5, 7], np.int64)).tolist() == [2, 4, 2]
+    assert index.find_all(np.array([7, 6], np.int64)) is None
+    assert index.find_all(np.array([], np.int64)).tolist() == []
 
 
 def test_compiled_loops_refuse_a_bad_index():

@@ -48,6 +48,7 @@ from hierps.config import TableSettings, TableSpec
 from hierps.errors import ConfigError, NotSupportedError, OffsetsError
 from hierps.interface import Lookup, StoreInterface
 from hierps.rows._ids import check_ids_tensor, same_device
+from hierps.storage import _native
 
 __all__ = ["Embedding", "EmbeddingBag", "get_default_store", "set_default_store", "without_tables"]
 
@@ -189,7 +190,7 @@ class _StoreEmbedding(nn.Module):
             weights, plan = planned
             keys, local = plan.keys, plan.local.view(ids.shape)
         else:
-            keys, local, counts = torch.unique(ids, sorted=True, return_inverse=True, return_counts=True)
+            keys, local, counts = _distinct(ids)
             weights = self._store.gather(self.table, keys, requires_grad=track, counts=counts)
         pad = None
         if self.padding_idx is not None:
@@ -518,6 +519,22 @@ class EmbeddingBag(_StoreEmbedding):
         # A model usually hands one offsets tensor to all its tables: check it once.
         _StoreEmbedding._offsets_checked = (weakref.ref(offsets), offsets._version, n)
         return offsets.long()
+
+
+# Lookups of up to this many ids deduplicate in the compiled core (a hash table, then a sort of the
+# distinct ids only): 2x faster than torch.unique at a mini-batch's few hundred ids, where a
+# forward's fixed costs are what a small-batch model pays for.
+_NATIVE_UNIQUE_MAX = 1 << 16
+
+
+def _distinct(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """ids (...) int64 -> (sorted distinct ids (U,), each id's position among them (...), counts (U,)):
+    ``torch.unique(ids, sorted=True, return_inverse=True, return_counts=True)``, the same integers."""
+    if ids.device.type == "cpu" and ids.numel() <= _NATIVE_UNIQUE_MAX and _native.enabled():
+        keys, inverse, counts = _native.unique_ids(ids.contiguous().view(-1).numpy())
+        return torch.from_numpy(keys), torch.from_numpy(inverse).view(ids.shape), torch.from_numpy(counts)
+    keys, inverse, counts = torch.unique(ids, sorted=True, return_inverse=True, return_counts=True)
+    return keys, inverse, counts
 
 
 def _check_weights(weights: Any, device: torch.device) -> torch.Tensor:

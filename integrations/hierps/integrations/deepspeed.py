@@ -497,8 +497,9 @@ def _attach(
             trainer.gathers_before_warning, 4 * int(engine.gradient_accumulation_steps())
         )
     dtype = torch.bfloat16 if engine.bfloat16_enabled() else torch.half if engine.fp16_enabled() else None
-    for twin in {id(t): t for t in twins.values()}.values():
-        twin.register_forward_hook(_OutputHook(engine, dtype))
+    if dtype is not None or _may_scale_loss(engine):  # else the hook would return its output as it is
+        for twin in {id(t): t for t in twins.values()}.values():
+            twin.register_forward_hook(_OutputHook(engine, dtype))
     engine._hierps_unmonitor = _monitor_passes(engine)
 
 
@@ -522,6 +523,17 @@ class _OutputHook:
             if scale != 1.0:
                 output.register_hook(lambda grad: grad / scale)
         return output if self.dtype is None else output.to(self.dtype)
+
+
+def _may_scale_loss(engine: Any) -> bool:
+    """Whether ``engine.backward`` may ever scale the loss: fp16, a ZeRO optimizer or a GradScaler.
+
+    Decided once, at :func:`initialize`: the engine's precision and optimizer are fixed by then."""
+    return (
+        engine.fp16_enabled()
+        or isinstance(engine.optimizer, ZeROOptimizer)
+        or getattr(engine, "torch_autocast_z0_gradscaler", None) is not None
+    )
 
 
 def _loss_scale(engine: Any) -> float:

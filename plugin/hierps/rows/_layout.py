@@ -125,6 +125,8 @@ class RowLayout:
         """stored (N, words) float32, slots (U,) int64 -> (U, dim) float32 copy of those rows' weights."""
         w = self.weights
         picked = stored[:, w.word : w.word + w.words].index_select(0, slots)
+        if w.dtype == "fp32":  # index_select's result is new and contiguous already
+            return picked
         return _unpack(picked, Field(w.name, w.dtype, w.count, w.column, 0)).contiguous()
 
     def weights_of(self, stored: torch.Tensor) -> torch.Tensor:

@@ -124,6 +124,14 @@ class _Resident:
         at = torch.searchsorted(self.skeys, ids).clamp_(max=self.n - 1)
         return self.skeys[at] == ids, self.sslots[at]
 
+    def find_all(self, ids: torch.Tensor) -> torch.Tensor | None:
+        """ids (n,) int64 on the device -> their slots (n,) int64 when every id is resident, else None."""
+        if self.index is not None:
+            held = self.index.find_all(ids.numpy())
+            return None if held is None else torch.from_numpy(held)
+        found, slots = self.find(ids)
+        return slots if bool(found.all()) else None
+
     def add(self, keys: np.ndarray, slots: np.ndarray) -> None:
         """Make sorted unique ``keys`` (absent here) resident at ``slots``."""
         m, n = len(keys), self.n
@@ -228,6 +236,10 @@ class DeviceTier:
     def resolve(self, table: str, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """ids: (n,) int64 on the device -> (found (n,) bool, slots (n,) int64; valid where found)."""
         return self._tables[table].find(ids)
+
+    def resolve_all(self, table: str, ids: torch.Tensor) -> torch.Tensor | None:
+        """ids: (n,) int64 on the device -> their slots (n,) int64 when all are resident, else None."""
+        return self._tables[table].find_all(ids)
 
     def insert(self, table: str, keys: np.ndarray, rows: np.ndarray) -> None:
         """Make sorted unique ``keys`` (absent here) resident with ``rows`` (n, width) float32."""

@@ -50,6 +50,13 @@ class SlotIndex:
         _native.slot_find(self._table, keys, slots, found)
         return found, slots
 
+    def find_all(self, keys: np.ndarray) -> np.ndarray | None:
+        """keys (n,) int64 -> their slots (n,) int64 when every key is here, else None."""
+        keys = np.ascontiguousarray(keys, dtype=np.int64)
+        slots = np.empty(len(keys), np.int64)
+        found = np.empty(len(keys), bool)
+        return slots if _native.slot_find(self._table, keys, slots, found) == len(keys) else None
+
     def put(self, keys: np.ndarray, slots: np.ndarray) -> None:
         """Each of distinct ``keys`` (n,) int64 now at ``slots[i]`` (n,) int64 >= 0 (added, or moved)."""
         keys = np.ascontiguousarray(keys, dtype=np.int64)

@@ -362,9 +362,10 @@ class PassRunner:
         """
         self._core.check_open()
         tier = self._core.device_tier
+        resident = tier.resolve_all(table, keys)
+        if resident is not None:
+            return resident
         found, slots = tier.resolve(table, keys)
-        if bool(found.all()):
-            return slots
         need = tier.bytes_for({table: int(keys.numel())})
         if need > tier.budget:
             raise DeviceBudgetError(self._budget_message(need))

@@ -24,6 +24,7 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 import crc32c as _crc32c
+import numpy as np
 
 try:
     from hierps.storage._native import _core
@@ -52,6 +53,7 @@ __all__ = [
     "read_check_gather",
     "slot_find",
     "slot_put",
+    "unique_ids",
 ]
 
 _on = _core is not None and os.environ.get("HIERPS_NATIVE", "1") != "0"
@@ -204,3 +206,13 @@ def slot_find(index: Buffer, keys: Buffer, slots: Buffer, found: Buffer) -> int:
 def slot_put(index: Buffer, used: int, keys: Buffer, slots: Buffer) -> int:
     """:func:`._core.slot_put` (the compiled core only)."""
     return _core.slot_put(index, used, keys, slots)
+
+
+def unique_ids(ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """ids (n,) int64 -> (sorted distinct ids (u,), each id's position among them (n,), their counts
+    (u,)): ``np.unique(ids, return_inverse=True, return_counts=True)`` (the compiled core only)."""
+    n = len(ids)
+    out = np.empty(3 * n, np.int64)
+    keys, inverse, counts = out[:n], out[n : 2 * n], out[2 * n :]
+    u = _core.unique_ids(ids, keys, inverse, counts)
+    return keys[:u], inverse, counts[:u]

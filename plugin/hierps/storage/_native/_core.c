@@ -930,6 +930,82 @@ done:
     return result;
 }
 
+/* -- distinct ids of a lookup (hierps.modules) ------------------------------------------------ */
+typedef struct {
+    int64_t key;
+    int64_t first; /* its number in order of first sight */
+} KeyFirst;
+
+static int by_key(const void *a, const void *b) {
+    int64_t x = ((const KeyFirst *)a)->key, y = ((const KeyFirst *)b)->key;
+    return (x > y) - (x < y);
+}
+
+/* unique_ids(ids, keys, inverse, counts) -> u: torch.unique(ids, sorted=True, return_inverse=True,
+ * return_counts=True) of ids (n,) int64 into the first u of keys (n,) and counts (n,) and all of
+ * inverse (n,): a hash table finds each distinct id once, then only the distinct ones are sorted. */
+static PyObject *py_unique_ids(PyObject *self, PyObject *args) {
+    PyObject *o_ids, *o_keys, *o_inv, *o_counts;
+    if (!PyArg_ParseTuple(args, "OOOO", &o_ids, &o_keys, &o_inv, &o_counts)) return NULL;
+    Buf ids = {0}, keys = {0}, inv = {0}, counts = {0};
+    PyObject *result = NULL;
+    int64_t *table = NULL, *rank = NULL;
+    KeyFirst *firsts = NULL;
+    if (get_words(o_ids, &ids, 0, "ids") < 0 || get_words(o_keys, &keys, 1, "keys") < 0 ||
+        get_words(o_inv, &inv, 1, "inverse") < 0 || get_words(o_counts, &counts, 1, "counts") < 0)
+        goto done;
+    Py_ssize_t n = NWORDS(ids);
+    if (NWORDS(keys) != n || NWORDS(inv) != n || NWORDS(counts) != n) {
+        PyErr_SetString(PyExc_ValueError, "unique_ids: expected keys, inverse and counts as long as ids");
+        goto done;
+    }
+    uint64_t cap = 2;
+    while (cap < 2 * (uint64_t)n) cap <<= 1;
+    table = PyMem_Malloc(2 * cap * sizeof(int64_t)); /* (id, first + 1), first + 1 == 0: empty */
+    firsts = PyMem_Malloc((size_t)(n ? n : 1) * sizeof(KeyFirst));
+    rank = PyMem_Malloc((size_t)(n ? n : 1) * sizeof(int64_t));
+    if (!table || !firsts || !rank) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    const int64_t *x = WORDS(ids);
+    int64_t *k = keys.view.buf, *c = counts.view.buf, *v = inv.view.buf;
+    const uint64_t mask = cap - 1;
+    Py_ssize_t u = 0;
+    UNLOCK_IF(48 * n) memset(table, 0, 2 * cap * sizeof(int64_t));
+    for (Py_ssize_t i = 0; i < n; i++) { /* v[i]: the id's number in order of first sight */
+        uint64_t e = splitmix64((uint64_t)x[i]) & mask;
+        while (table[2 * e + 1] != 0 && table[2 * e] != x[i]) e = (e + 1) & mask;
+        if (table[2 * e + 1] == 0) {
+            table[2 * e] = x[i];
+            table[2 * e + 1] = u + 1;
+            firsts[u].key = x[i];
+            firsts[u].first = u;
+            rank[u] = 0;
+            u++;
+        }
+        v[i] = table[2 * e + 1] - 1;
+        rank[v[i]]++; /* counts in order of first sight, for now */
+    }
+    qsort(firsts, (size_t)u, sizeof(KeyFirst), by_key);
+    for (Py_ssize_t j = 0; j < u; j++) {
+        k[j] = firsts[j].key;
+        c[j] = rank[firsts[j].first];
+    }
+    for (Py_ssize_t j = 0; j < u; j++) rank[firsts[j].first] = j;
+    for (Py_ssize_t i = 0; i < n; i++) v[i] = rank[v[i]];
+    RELOCK result = PyLong_FromSsize_t(u);
+done:
+    PyMem_Free(table);
+    PyMem_Free(firsts);
+    PyMem_Free(rank);
+    release(&ids);
+    release(&keys);
+    release(&inv);
+    release(&counts);
+    return result;
+}
+
 /* -- merging sorted runs (hierps.storage._merge) ---------------------------------------------- */
 /* merge_runs(keys, rows, ranks, newest_only, out_keys, out_rows, out_src) -> n: the entries of k parts
  * (keys[i] (n_i,) int64 strictly increasing, rows[i] (n_i, ...) rows of equal bytes, each row
@@ -1051,6 +1127,7 @@ static PyMethodDef methods[] = {
      "bloom_may_contain(filter, keys, block, full_words, out): False where the filter proves a key absent."},
     {"slot_find", py_slot_find, METH_VARARGS, "slot_find(index, keys, slots, found) -> n: look keys up; see _core.pyi."},
     {"slot_put", py_slot_put, METH_VARARGS, "slot_put(index, used, keys, slots) -> n: add or move keys; see _core.pyi."},
+    {"unique_ids", py_unique_ids, METH_VARARGS, "unique_ids(ids, keys, inverse, counts) -> u: see _core.pyi."},
     {"merge_runs", py_merge_runs, METH_VARARGS, "Merge sorted parts by key, then rank descending; see _core.pyi."},
     {"encode_chunks", py_encode_chunks, METH_VARARGS,
      "encode_chunks(payloads, payload, first, seed, stride, out): chunks with crc32c and binding tag."},

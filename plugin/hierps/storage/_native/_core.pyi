@@ -122,6 +122,11 @@ def slot_put(index: Buffer, used: int, keys: Buffer, slots: Buffer) -> int:
     (added, or moved where present); returns how many were added. ``ValueError`` (and no later key put) where a slot is
     negative or the index would be more than half full."""
 
+def unique_ids(ids: Buffer, keys: Buffer, inverse: Buffer, counts: Buffer) -> int:
+    """``torch.unique(ids, sorted=True, return_inverse=True, return_counts=True)`` of ``ids`` (n,) int64:
+    returns u, the distinct ids, sorted, in ``keys[:u]`` and their counts in ``counts[:u]`` ((n,) int64
+    each), each id's position among them in ``inverse`` (n,) int64."""
+
 def merge_runs(
     keys: list[Buffer],
     rows: list[Buffer],
