@@ -936,9 +936,26 @@ typedef struct {
     int64_t first; /* its number in order of first sight */
 } KeyFirst;
 
-static int by_key(const void *a, const void *b) {
-    int64_t x = ((const KeyFirst *)a)->key, y = ((const KeyFirst *)b)->key;
-    return (x > y) - (x < y);
+/* Sort a[0..n) by key (signed), through tmp (n entries): LSD radix sort by bytes, skipping a byte that all
+ * keys share (the high bytes of small ids), so a few hundred ids take a few passes of a few hundred steps. */
+static void sort_by_key(KeyFirst *a, KeyFirst *tmp, Py_ssize_t n) {
+    KeyFirst *src = a, *dst = tmp;
+    for (int shift = 0; shift < 64; shift += 8) {
+        Py_ssize_t count[256] = {0};
+        for (Py_ssize_t i = 0; i < n; i++) count[(((uint64_t)src[i].key ^ 0x8000000000000000ULL) >> shift) & 255]++;
+        if (n == 0 || count[(((uint64_t)src[0].key ^ 0x8000000000000000ULL) >> shift) & 255] == n) continue;
+        Py_ssize_t at = 0;
+        for (int d = 0; d < 256; d++) {
+            Py_ssize_t c = count[d];
+            count[d] = at;
+            at += c;
+        }
+        for (Py_ssize_t i = 0; i < n; i++) dst[count[(((uint64_t)src[i].key ^ 0x8000000000000000ULL) >> shift) & 255]++] = src[i];
+        KeyFirst *t = src;
+        src = dst;
+        dst = t;
+    }
+    if (src != a) memcpy(a, src, (size_t)n * sizeof(KeyFirst));
 }
 
 /* unique_ids(ids, keys, inverse, counts) -> u: torch.unique(ids, sorted=True, return_inverse=True,
@@ -962,7 +979,7 @@ static PyObject *py_unique_ids(PyObject *self, PyObject *args) {
     uint64_t cap = 2;
     while (cap < 2 * (uint64_t)n) cap <<= 1;
     table = PyMem_Malloc(2 * cap * sizeof(int64_t)); /* (id, first + 1), first + 1 == 0: empty */
-    firsts = PyMem_Malloc((size_t)(n ? n : 1) * sizeof(KeyFirst));
+    firsts = PyMem_Malloc(2 * (size_t)(n ? n : 1) * sizeof(KeyFirst)); /* and the sort's second half */
     rank = PyMem_Malloc((size_t)(n ? n : 1) * sizeof(int64_t));
     if (!table || !firsts || !rank) {
         PyErr_NoMemory();
@@ -987,7 +1004,7 @@ static PyObject *py_unique_ids(PyObject *self, PyObject *args) {
         v[i] = table[2 * e + 1] - 1;
         rank[v[i]]++; /* counts in order of first sight, for now */
     }
-    qsort(firsts, (size_t)u, sizeof(KeyFirst), by_key);
+    sort_by_key(firsts, firsts + n, u);
     for (Py_ssize_t j = 0; j < u; j++) {
         k[j] = firsts[j].key;
         c[j] = rank[firsts[j].first];
