@@ -42,3 +42,22 @@ def test_the_dlrm_ref_bench_reports_every_variant_at_torchs_losses(tmp_path, cap
 def test_dropin_and_dlrm_ref_are_two_benches(capsys):
     assert main(["bench", "--dropin", "--model", "dlrm-ref"]) == 2
     assert "Give one of them" in capsys.readouterr().err
+
+
+def test_device_fraction_is_for_the_dropin_bench_and_positive(capsys):
+    assert main(["bench", "--device-fraction", "0.15"]) == 2
+    assert "--dropin only" in capsys.readouterr().err
+    for bad in ("0", "-1", "x", "inf"):
+        with pytest.raises(SystemExit):
+            main(["bench", "--dropin", "--device-fraction", bad])
+        assert "expected a number > 0" in capsys.readouterr().err
+
+
+def test_dropin_config_takes_the_device_fraction():
+    import argparse
+
+    from hierps.bench.dropin import _config
+
+    empty = dict.fromkeys(("rows", "examples", "batch_size", "pass_batches", "dim", "repeats", "threads"))
+    assert _config(argparse.Namespace(**empty, device_fraction=3.0))["device_fraction"] == 3.0
+    assert _config(argparse.Namespace(**empty, device_fraction=None))["device_fraction"] == 0.5

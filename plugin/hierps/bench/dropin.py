@@ -201,7 +201,7 @@ def _config(args: argparse.Namespace) -> dict[str, Any]:
         "dim": args.dim or 16,
         "repeats": args.repeats or (1 if quick else 3),
         "threads": args.threads or 1,
-        "device_fraction": 0.5,
+        "device_fraction": getattr(args, "device_fraction", None) or 0.5,
         "seed": 0,
         "lr_sparse": 0.05,
         "lr_dense": 1e-3,

@@ -256,6 +256,17 @@ def _count(text: str) -> int:
     return value
 
 
+def _fraction(text: str) -> float:
+    """A float > 0 from the command line."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a number > 0. Got {text!r} instead.")
+    return value
+
+
 def _counts(text: str) -> tuple[int, ...]:
     """Comma-separated ints >= 1 from the command line."""
     return tuple(_count(item) for item in text.split(",") if item.strip())
@@ -355,6 +366,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="instead: a plain-PyTorch model (nn.Embedding per field) trained through hierps.deepspeed.initialize "
         "with a device tier smaller than its tables, on demand and with the loader of training_data, against "
         "plain PyTorch (hierps.bench.dropin)",
+    )
+    a(
+        "--device-fraction",
+        type=_fraction,
+        help="with --dropin: the device tier's budget as a fraction of the rows an epoch uses (default 0.5; "
+        "above 1 it holds every table, 0.15 about 2.5 batches' rows at batch 256)",
     )
     a("--cache-bytes", help="with --serving: the row cache of hierps.serving.open (default 64MiB)")
     a(
@@ -463,6 +480,13 @@ def run_from_args(args: argparse.Namespace) -> int:
         print(
             "hierps bench: --dropin trains its own DeepFM-style model; --model dlrm-ref is a bench of its own. "
             "Give one of them.",
+            file=sys.stderr,
+        )
+        return 2
+    if args.device_fraction is not None and not args.dropin:
+        print(
+            "hierps bench: --device-fraction sizes the device tier of --dropin only; the other benches set "
+            "--device-budget or their own budgets.",
             file=sys.stderr,
         )
         return 2
