@@ -1,6 +1,7 @@
 """One rank of a sharded training job; launched by torchrun / horovodrun / the tests.
 
 usage: python dist_worker.py MODE STORE OUT [--transport torch|horovod] [--die-after N] [--every-pass]
+                            [--keep N (keep_checkpoints)]
 MODE train: train STEPS global batches (this rank takes its slice of each), checkpoint "final",
             write OUT/result-<rank>.npz (rows of all keys, dense params, losses, owned full rows).
             With --every-pass, also checkpoint "pass<k>" after pass k and write OUT/pass<k>-<rank>.npz
@@ -110,12 +111,14 @@ def main() -> None:
     ap.add_argument("--die-after", type=int, default=-1)
     ap.add_argument("--every-pass", action="store_true")
     ap.add_argument("--export-rank", type=int, default=None)
+    ap.add_argument("--keep", type=int, default=None, help="the store's keep_checkpoints")
     args = ap.parse_args()
     transport, average = setup(args.transport)
     rank, world = transport.rank, transport.world_size
     if os.environ.get("HIERPS_HOLD"):
         _faults.trace(_Hold(os.environ["HIERPS_HOLD"], Path(args.out) / f"held-{rank}"))
-    store = hierps.ShardedStore(args.store, transport, memory_budget="1KiB", device="cpu")
+    kept = {} if args.keep is None else {"keep_checkpoints": args.keep}
+    store = hierps.ShardedStore(args.store, transport, memory_budget="1KiB", device="cpu", **kept)
     out = Path(args.out)
     if args.mode == "reopen":
         hierps.EmbeddingBag(None, DIM, mode="sum", store=store, name="t", optimizer=OPTIMIZER)
@@ -143,6 +146,8 @@ def main() -> None:
             keys=owned,
             rows=store.local.read_rows("t", owned),
             step=store.local.tables["t"].step,
+            worlds=np.array([c["world_size"] for c in store.list_checkpoints()]),
+            tags=np.array([str(c["tag"]) for c in store.list_checkpoints()]),
         )
         store.close()
         return

@@ -35,9 +35,15 @@ TIMEOUT_S = 150
 
 
 def run_hosts(
-    hosts: TwoHosts, disks: list[Path], out: Path, *args: str, env: list[dict[str, str]] | None = None
+    hosts: TwoHosts,
+    disks: list[Path],
+    out: Path,
+    *args: str,
+    env: list[dict[str, str]] | None = None,
+    ranks: tuple[int, int] = (2, 2),
 ):
-    """Run ``dist_worker.py ARGS`` as 2 hosts x 2 ranks (the store at the common path); the hosts' processes."""
+    """Run ``dist_worker.py ARGS`` as 2 hosts of ``ranks`` ranks each (the store at the common path,
+    host A's ranks first); the hosts' processes."""
     out.mkdir(parents=True, exist_ok=True)
     procs = []
     for host in (0, 1):
@@ -45,7 +51,7 @@ def run_hosts(
             str(BIN / "torchrun"),
             "--nnodes=2",
             f"--node_rank={host}",
-            "--nproc_per_node=2",
+            f"--nproc_per_node={ranks[host]}",
             f"--master_addr={hosts.addrs[0]}",
             f"--master_port={PORT}",
             WORKER,
@@ -145,6 +151,37 @@ def test_four_ranks_on_two_hosts_train_as_one_process_and_resume(trained, tmp_pa
         np.testing.assert_array_equal(tables.lookup("t", keys), want)
     with hierps.serving.open(exports / "pass3", [exports / "delta"]) as tables:
         np.testing.assert_array_equal(tables.lookup("t", ALL_KEYS), trained_rows)
+
+
+def test_a_tag_reshards_across_hosts_4_to_2_to_3_to_2_with_one_checkpoint_kept(trained, tmp_path):
+    """The 4-rank "final" (parts 0-1 on host A's disk, 2-3 on host B's) loaded at 2 ranks, one a
+    host, then at 3 (2 on A, 1 on B), then at 2 again, each keeping one checkpoint: every time each
+    new rank's rows, some from parts on the other host's disk, are exactly the ones trained, the tag
+    stays loadable, and each new rank's part is on its own host's disk."""
+    written = _full_rows(trained / "out", "result", 4, "owned_keys", "owned_rows")
+    disks = [tmp_path / "disk-a", tmp_path / "disk-b"]
+    for host in (0, 1):
+        shutil.copytree(trained / f"disk-{'ab'[host]}", disks[host])
+    for i, (world, ranks) in enumerate(((2, (1, 1)), (3, (2, 1)), (2, (1, 1)))):
+        out = tmp_path / f"load-{i}"
+        with TwoHosts(tmp_path / f"common-{i}") as hosts:
+            store = str(hosts.common / "store")
+            finish(run_hosts(hosts, disks, out, "load", store, str(out), "--keep", "1", ranks=ranks), out)
+        loaded = _full_rows(out, "loaded", world, "keys", "rows")
+        assert loaded.keys() == written.keys(), world
+        for k, v in written.items():
+            np.testing.assert_array_equal(loaded[k], v, err_msg=f"load {i} at {world} ranks, key {k}")
+        got = [_load(out, f"loaded-{r}.npz") for r in range(world)]
+        assert len({int(g["step"]) for g in got}) == 1
+        # The saved tag at 4 ranks and the latest resharded copy of it, on every rank.
+        for g in got:
+            assert list(g["tags"])[-1] == "final" and list(g["worlds"])[-1] == world, g["tags"]
+            assert 4 in list(g["worlds"]), g["worlds"]
+        # Each rank's directory is on its own host's disk: the old world's, and the new world's
+        # (a new rank of host B writes its part there, beside B's old parts 2-3).
+        names = [{p.name for p in (disk / "store").iterdir()} for disk in disks]
+        assert names[0] == {"rank-00000", "rank-00001"}, names
+        assert names[1] == {f"rank-{r:05d}" for r in (2, 3, *range(ranks[0], world))}, names
 
 
 HOLDS = [
