@@ -8,6 +8,8 @@ returns (shuffled by DeepSpeed's sampler, with its worker processes), with the u
 itself with SIGKILL after step KILL_AT (0: never). When ROOT/ckpt has a checkpoint, the model is
 built from another seed and ``engine.load_checkpoint`` brings it back. Writes ROOT/NAME-RANK.json:
 each step's loss and ids, and at the end the rows of every id and the dense parameters.
+With HIERPS_NODE_LOCAL=1, DeepSpeed saves with ``"checkpoint": {"use_node_local_storage": true}``
+(ROOT on each host's own disk: test_hosts.py).
 """
 
 from __future__ import annotations
@@ -68,6 +70,8 @@ def main(root: str, save_at: str, kill_at: str, name: str) -> None:
             "device_budget": "64KiB",
         },
     }
+    if os.environ.get("HIERPS_NODE_LOCAL") == "1":
+        config["checkpoint"] = {"use_node_local_storage": True}
     engine, _, loader, _ = hierps.deepspeed.initialize(
         model=model,
         optimizer=torch.optim.Adam(model.head.parameters(), lr=0.01),

@@ -7,11 +7,14 @@ one process on the whole batches, checkpoint without a file the hosts share and 
 whole host SIGKILLed inside a checkpoint leaves every rank reopening at one committed checkpoint,
 bit for bit; a host that comes back without its disk makes the open fail, naming the parts. The
 resumed job runs under ``horovodrun -H hostA:2,hostB:2`` (ssh into host B: sshd in its namespaces)
-and exports onto host B's disk, which serves the rows there.
+and exports onto host B's disk, which serves the rows there. The 4-rank checkpoint reshards across
+the hosts to 2 ranks, 3 and 2 again, exactly; and a DeepSpeed job (c10d rendezvous) saves with
+``use_node_local_storage`` on each host's disk and resumes to the example.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import sys
@@ -32,6 +35,7 @@ pytestmark = [
 
 PORT = 29_400 + os.getpid() % 500
 TIMEOUT_S = 150
+RESUME_WORKER = Path(__file__).with_name("resume_worker.py")
 
 
 def run_hosts(
@@ -41,20 +45,25 @@ def run_hosts(
     *args: str,
     env: list[dict[str, str]] | None = None,
     ranks: tuple[int, int] = (2, 2),
+    worker: str = WORKER,
+    c10d: bool = False,
 ):
-    """Run ``dist_worker.py ARGS`` as 2 hosts of ``ranks`` ranks each (the store at the common path,
-    host A's ranks first); the hosts' processes."""
+    """Run ``WORKER ARGS`` (``dist_worker.py``) as 2 hosts of ``ranks`` ranks each (the store at the
+    common path, host A's ranks first); the hosts' processes. Static rendezvous (``--node_rank``),
+    or with ``c10d`` torchrun's c10d rendezvous at host A (which numbers A's ranks first)."""
     out.mkdir(parents=True, exist_ok=True)
     procs = []
     for host in (0, 1):
+        if c10d:
+            where = ["--rdzv_backend=c10d", f"--rdzv_endpoint={hosts.addrs[0]}:{PORT}", "--rdzv_id=hierps"]
+        else:
+            where = [f"--node_rank={host}", f"--master_addr={hosts.addrs[0]}", f"--master_port={PORT}"]
         argv = [
             str(BIN / "torchrun"),
             "--nnodes=2",
-            f"--node_rank={host}",
             f"--nproc_per_node={ranks[host]}",
-            f"--master_addr={hosts.addrs[0]}",
-            f"--master_port={PORT}",
-            WORKER,
+            *where,
+            worker,
             *args,
         ]
         extra = env[host] if env else {}
@@ -182,6 +191,38 @@ def test_a_tag_reshards_across_hosts_4_to_2_to_3_to_2_with_one_checkpoint_kept(t
         names = [{p.name for p in (disk / "store").iterdir()} for disk in disks]
         assert names[0] == {"rank-00000", "rank-00001"}, names
         assert names[1] == {f"rank-{r:05d}" for r in (2, 3, *range(ranks[0], world))}, names
+
+
+def test_deepspeed_with_node_local_storage_saves_on_each_hosts_disk_and_resumes_exactly(tmp_path):
+    """``hierps.deepspeed.initialize`` at 4 ranks on 2 hosts (torchrun's c10d rendezvous), DeepSpeed
+    saving with ``use_node_local_storage``: each host's disk holds its ranks' store parts and DeepSpeed's files,
+    ``latest`` included; the job restarted on the same hosts ``load_checkpoint``s the latest tag from
+    each disk and trains every later step as the uninterrupted run did (same examples, bit-equal
+    losses), to the same rows and dense parameters."""
+    disks = [tmp_path / "disk-a", tmp_path / "disk-b"]
+    env = [{"HIERPS_NODE_LOCAL": "1"}] * 2
+    for i, name in enumerate(("whole", "resumed")):  # saves at step 12, then trains on to 24
+        out = tmp_path / name
+        with TwoHosts(tmp_path / f"common-{i}") as hosts:
+            argv = [str(hosts.common), "12", "0", name]
+            procs = run_hosts(hosts, disks, out, *argv, env=env, worker=str(RESUME_WORKER), c10d=True)
+            finish(procs, out)
+        if i == 0:
+            for host, ranks in ((0, (0, 1)), (1, (2, 3))):
+                ckpt = disks[host] / "ckpt"
+                assert (ckpt / "latest").read_text().strip() == "s12"
+                assert sorted(p.name for p in (ckpt / "s12").glob("hierps-rank-*.json")) == [
+                    f"hierps-rank-{r:05d}.json" for r in ranks
+                ]
+                assert sorted(p.name for p in (disks[host] / "store").iterdir()) == [
+                    f"rank-{r:05d}" for r in ranks
+                ]
+    for rank in range(4):
+        whole = json.loads((disks[rank // 2] / f"whole-{rank}.json").read_text())
+        resumed = json.loads((disks[rank // 2] / f"resumed-{rank}.json").read_text())
+        assert sorted(int(s) for s in resumed["steps"]) == list(range(13, 25)), rank
+        assert all(resumed["steps"][s] == whole["steps"][s] for s in resumed["steps"]), rank
+        assert resumed["rows"] == whole["rows"] and resumed["dense"] == whole["dense"], rank
 
 
 HOLDS = [

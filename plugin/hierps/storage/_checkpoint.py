@@ -138,10 +138,6 @@ class CheckpointCatalog:
                 shutil.rmtree(path, ignore_errors=True)
             raise
 
-    def segments(self, ckpt: int, table: str) -> dict[int, SegmentRef]:
-        """The segments ``ckpt`` names for ``table``: ``{id: (rows, live rows, check)}`` from its manifest."""
-        return dict(self.manifest(ckpt).tables[table].segments)
-
     def read_arrays(self, ckpt: int, table: str, names: dict[str, str], rows: int) -> dict[str, np.ndarray]:
         """The arrays (``{name: dtype}``) written with a table, each of ``rows`` rows (as its
         manifest says); ``CorruptStoreError`` naming the array when one is missing or of another length."""

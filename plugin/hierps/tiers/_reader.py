@@ -78,7 +78,7 @@ class CheckpointReader:
                 info = self.infos[name] = entry.table_info(name, self.meta.seed)
             except StoreFormatError as exc:
                 raise StoreFormatError(f"{self.path}: checkpoint {ckpt}: {exc}") from None
-            self._ssd.load_segments(name, info.words, self.catalog.segments(ckpt, name))
+            self._ssd.load_segments(name, info.words, dict(entry.segments))
 
     def close(self) -> None:
         """Close the segment files this reader keeps open (also done by ``with``)."""
