@@ -198,12 +198,23 @@ class Counted:
         return Counted(self._inner.companion(), self._local, self._sent)
 
 
+def _reset_peak_rss() -> int:
+    """Reset this process's ``VmHWM`` to what it holds now (``clear_refs`` 5) -> that, in bytes."""
+    from hierps.bench.scale import peak_rss
+
+    with open("/proc/self/clear_refs", "w", encoding="ascii") as f:
+        f.write("5")
+    return peak_rss()
+
+
 def _reshard_worker(args: argparse.Namespace, transport: Counted) -> None:
     """One rank per host: the link (an all-to-all of ``--link-mib`` MiB each way), the disk (writing
     as many bytes, fsynced), then opening the store of 4 ranks at 2, which reshards it."""
     import torch
 
     import hierps
+    from hierps.bench.scale import peak_rss
+    from hierps.config import parse_size
 
     rank, world = transport.rank, transport.world_size
     n = args.link_mib * (1 << 20) // 4
@@ -226,15 +237,30 @@ def _reshard_worker(args: argparse.Namespace, transport: Counted) -> None:
         os.fsync(f.fileno())
     disk = time.perf_counter() - t0
     scratch.unlink()
+    del block
+    # The reshard's own peak RSS: the peak so far (the link probe's block) reset, from what the
+    # process holds before it (the interpreter, torch, the transport).
+    before = _reset_peak_rss()
     transport.barrier()
     split0, t0, c0 = transport.split(), time.perf_counter(), time.process_time()
-    store = hierps.ShardedStore(Path(args.store), transport, memory_budget=args.memory_budget, device="cpu")
+    store = hierps.ShardedStore(
+        Path(args.store),
+        transport,
+        memory_budget=args.memory_budget,
+        device_budget=args.memory_budget,
+        device="cpu",
+    )
     seconds, cpu = time.perf_counter() - t0, time.process_time() - c0
+    peak = peak_rss()
     split = transport.split() - split0
     with hierps.CheckpointReader(store.local.path) as reader:  # the part this rank now holds
         held = {t: e.rows for t, e in reader.meta.tables.items()}
     rows = sum(held.values())
     row_bytes = sum(n * (8 + 4 * store.tables[t].width) for t, n in held.items())  # key and decoded row
+    budgets = 2 * parse_size(args.memory_budget)  # the RAM tier's and the device tier's
+    rss = transport.all_reduce_sum(torch.tensor([peak - before, before, peak, rows], dtype=torch.float64))
+    # The bound of docs/scale.md the reshard is held to, per rank: budgets + 2 B per key it holds + a fixed overhead.
+    over = (float(rss[0]) - world * budgets - 2 * float(rss[3])) / world
     totals = transport.all_reduce_sum(torch.tensor([rows, row_bytes, *split, cpu, 0.0], dtype=torch.float64))
     slowest = transport.all_reduce_sum(torch.tensor([seconds if rank == 0 else 0.0], dtype=torch.float64))
     # An export of the 2 ranks onto rank 0's host: host B's part streamed over the link.
@@ -265,6 +291,11 @@ def _reshard_worker(args: argparse.Namespace, transport: Counted) -> None:
                     "export_rows": exported[1],
                     "export_rows_per_s": exported[1] / exported[0],
                     "export_across_hosts_bytes": export_across,
+                    "peak_rss_bytes_per_rank": float(rss[2]) / world,
+                    "rss_before_bytes_per_rank": float(rss[1]) / world,
+                    "reshard_rss_bytes_per_rank": float(rss[0]) / world,
+                    "budget_bytes_per_rank": budgets,
+                    "reshard_rss_over_budgets_and_2b_per_key": over,
                 }
             )
         )
@@ -489,6 +520,12 @@ def _report_hosts(results: dict[str, Any], out: Callable[[str], Any]) -> None:
         f"{r['gb_per_s']:.3f} GB/s of rows ({r['across_hosts_bytes'] / 1e6:.1f} MB across hosts); the link "
         f"{r['link_gb_per_s']:.2f} GB/s (gloo all-to-all of {r['link_mib']} MiB), the disk {r['disk_write_gb_per_s']:.2f} "
         "GB/s (write + fsync)"
+    )
+    out(
+        f"  peak RSS of a rank over the reshard: {r['reshard_rss_bytes_per_rank'] / 2**20:.0f} MiB above the "
+        f"{r['rss_before_bytes_per_rank'] / 2**20:.0f} MiB it held before (peak {r['peak_rss_bytes_per_rank'] / 2**20:.0f} MiB); "
+        f"budgets {r['budget_bytes_per_rank'] / 2**20:.0f} MiB + 2 B per key held: "
+        f"{r['reshard_rss_over_budgets_and_2b_per_key'] / 2**20:+.0f} MiB over that"
     )
     out(
         f"export of the 2 ranks onto host A: {r['export_rows']:,} rows in {r['export_seconds']:.2f} s: "

@@ -54,6 +54,7 @@ __all__ = [
     "binding_tags",
     "create_array",
     "encoded_bytes",
+    "encoded_rows_bytes",
     "identity_seed",
     "make_dir",
     "open_array",
@@ -148,9 +149,14 @@ def binding_tags(chunks: np.ndarray, crcs: np.ndarray, seed: int) -> np.ndarray:
 
 def encoded_bytes(data: np.ndarray, chunk_rows: int) -> int:
     """Bytes ``data`` takes on disk as written by :func:`create_array` (padded chunks, checksums)."""
-    n_chunks = math.ceil(len(data) / chunk_rows) if len(data) else 0
     per_row = data.itemsize * (math.prod(data.shape[1:]) if data.ndim > 1 else 1)
-    return n_chunks * (chunk_rows * per_row + TRAILER + 16) + 4 + 1024
+    return encoded_rows_bytes(len(data), per_row, chunk_rows)
+
+
+def encoded_rows_bytes(rows: int, row_bytes: int, chunk_rows: int) -> int:
+    """Bytes an array of ``rows`` rows of ``row_bytes`` each takes on disk (:func:`encoded_bytes`)."""
+    n_chunks = math.ceil(rows / chunk_rows) if rows else 0
+    return n_chunks * (chunk_rows * row_bytes + TRAILER + 16) + 4 + 1024
 
 
 # -- writing ---------------------------------------------------------------------------------------

@@ -25,7 +25,7 @@ from hierps._faults import fault_point
 from hierps.errors import CorruptStoreError
 from hierps.storage._arrays import create_array, encoded_bytes, open_array
 from hierps.storage._files import disk_full_as_error, fsync_tree, read_json_checked, write_json_atomic
-from hierps.storage._manifest import Manifest, SegmentRef
+from hierps.storage._manifest import Manifest
 from hierps.storage._reads import read_array
 
 __all__ = ["CheckpointCatalog"]

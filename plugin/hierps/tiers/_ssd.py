@@ -40,7 +40,7 @@ from zarr.storage import LocalStore
 from hierps._faults import fault_point
 from hierps.errors import StoreFullError
 from hierps.rows import _ids
-from hierps.storage._arrays import encoded_bytes
+from hierps.storage._arrays import encoded_rows_bytes
 from hierps.storage._files import OpenFiles, disk_full_as_error, fsync_dir, fsync_tree
 from hierps.storage._manifest import SegmentRef
 from hierps.storage._merge import merged
@@ -292,7 +292,7 @@ class SsdTier:
         name = segment_name(table, seg_id)
         width = self.widths[table]
         fault_point("ssd.segment_begin")
-        needed = encoded_bytes(np.empty((expected, width + KEY_COLUMNS), np.float32), 64)
+        needed = encoded_rows_bytes(expected, 4 * (width + KEY_COLUMNS), 64)
         writer: SegmentWriter | None = None
         self._writing.add((table, seg_id))
         try:
