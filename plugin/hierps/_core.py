@@ -64,6 +64,8 @@ from hierps.tiers._stats import PassStats
 
 __all__ = ["Background", "StoreCore"]
 
+_NO_POSITIONS = np.empty(0, np.int64)  # no row of a request left for the SSD tier
+
 
 class Background(Protocol):
     """What the core needs of the pass pipeline: the tier lock, and waiting for its work."""
@@ -344,13 +346,21 @@ class StoreCore:
         out, hits, rests = {}, {}, {}
         with self.pipe.lock:
             for table, keys in requests.items():
-                out[table] = np.empty((len(keys), self.tables[table].words), dtype=np.float32)
                 hit, ram_rows = self.memory.get(table, keys, touch=touch)
+                hits[table] = hit
+                if len(ram_rows) == len(keys):  # all in RAM: its copy is the answer
+                    out[table], rests[table] = ram_rows, _NO_POSITIONS
+                    continue
+                out[table] = np.empty((len(keys), self.tables[table].words), dtype=np.float32)
                 out[table][hit] = ram_rows
-                hits[table], rests[table] = hit, np.flatnonzero(~hit)
+                rests[table] = np.flatnonzero(~hit)
             read = self.ssd.read_many({t: requests[t][rest] for t, rest in rests.items() if len(rest)})
         for table, keys in requests.items():
             info, rest = self.tables[table], rests[table]
+            if not len(rest):
+                if touch:
+                    self.stats.count_load(table, ram=len(keys), ssd=0, new=0, ahead=ahead)
+                continue
             found, ssd_rows = read.get(table, (np.zeros(0, bool), None))
             rows = out[table]
             if len(found):

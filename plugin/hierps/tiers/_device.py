@@ -241,19 +241,22 @@ class DeviceTier:
         """ids: (n,) int64 on the device -> their slots (n,) int64 when all are resident, else None."""
         return self._tables[table].find_all(ids)
 
-    def insert(self, table: str, keys: np.ndarray, rows: np.ndarray) -> None:
-        """Make sorted unique ``keys`` (absent here) resident with ``rows`` (n, width) float32."""
+    def insert(self, table: str, keys: np.ndarray, rows: np.ndarray) -> torch.Tensor:
+        """Make sorted unique ``keys`` (absent here) resident with ``rows`` (n, width) float32 -> their
+        slots (n,) int64 on the device."""
         m = len(keys)
         if m == 0:
-            return
+            return torch.empty(0, dtype=torch.int64, device=self.device)
         r = self._tables[table]
         start = r.arena.append(m)
         r.arena.rows[start : start + m] = torch.from_numpy(np.ascontiguousarray(rows)).to(self.device)
         r.arena.dirty[start : start + m] = False
         r.arena.used[start : start + m] = self.clock
-        r.add(keys, np.arange(start, start + m, dtype=np.int64))
+        slots = np.arange(start, start + m, dtype=np.int64)
+        r.add(keys, slots)
         self._bytes += m * self.row_bytes(table)
         self.version += 1
+        return torch.from_numpy(slots).to(self.device)
 
     def mark_dirty(self, table: str, slots: torch.Tensor) -> None:
         self._tables[table].arena.dirty[slots] = True

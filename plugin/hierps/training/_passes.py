@@ -391,8 +391,11 @@ class PassRunner:
                     <= self._core.device_tier.budget
                 ):
                     self._load(nxt, create=False)
-        else:
-            self._load({table: missing})
+        else:  # the missing rows fit beside the resident ones: load them, their slots known
+            self._pipe.wait_writebacks()
+            slots = slots.clone()
+            slots[~found] = tier.insert(table, missing, self._core.fetch(table, missing, touch=True))
+            return slots
         found, slots = tier.resolve(table, keys)
         return slots
 
