@@ -198,22 +198,13 @@ class Counted:
         return Counted(self._inner.companion(), self._local, self._sent)
 
 
-def _reset_peak_rss() -> int:
-    """Reset this process's ``VmHWM`` to what it holds now (``clear_refs`` 5) -> that, in bytes."""
-    from hierps.bench.scale import peak_rss
-
-    with open("/proc/self/clear_refs", "w", encoding="ascii") as f:
-        f.write("5")
-    return peak_rss()
-
-
 def _reshard_worker(args: argparse.Namespace, transport: Counted) -> None:
     """One rank per host: the link (an all-to-all of ``--link-mib`` MiB each way), the disk (writing
     as many bytes, fsynced), then opening the store of 4 ranks at 2, which reshards it."""
     import torch
 
     import hierps
-    from hierps.bench.scale import peak_rss
+    from hierps.bench.scale import peak_rss, reset_peak_rss
     from hierps.config import parse_size
 
     rank, world = transport.rank, transport.world_size
@@ -240,7 +231,7 @@ def _reshard_worker(args: argparse.Namespace, transport: Counted) -> None:
     del block
     # The reshard's own peak RSS: the peak so far (the link probe's block) reset, from what the
     # process holds before it (the interpreter, torch, the transport).
-    before = _reset_peak_rss()
+    before = reset_peak_rss()
     transport.barrier()
     split0, t0, c0 = transport.split(), time.perf_counter(), time.process_time()
     store = hierps.ShardedStore(
@@ -258,10 +249,12 @@ def _reshard_worker(args: argparse.Namespace, transport: Counted) -> None:
     rows = sum(held.values())
     row_bytes = sum(n * (8 + 4 * store.tables[t].width) for t, n in held.items())  # key and decoded row
     budgets = 2 * parse_size(args.memory_budget)  # the RAM tier's and the device tier's
-    rss = transport.all_reduce_sum(torch.tensor([peak - before, before, peak, rows], dtype=torch.float64))
+    totals = transport.all_reduce_sum(
+        torch.tensor([rows, row_bytes, *split, cpu, 0.0, peak - before, before, peak], dtype=torch.float64)
+    )
+    rss = totals[-3:]
     # The bound of docs/scale.md the reshard is held to, per rank: budgets + 2 B per key it holds + a fixed overhead.
-    over = (float(rss[0]) - world * budgets - 2 * float(rss[3])) / world
-    totals = transport.all_reduce_sum(torch.tensor([rows, row_bytes, *split, cpu, 0.0], dtype=torch.float64))
+    over = (float(rss[0]) - world * budgets - 2 * float(totals[0])) / world
     slowest = transport.all_reduce_sum(torch.tensor([seconds if rank == 0 else 0.0], dtype=torch.float64))
     # An export of the 2 ranks onto rank 0's host: host B's part streamed over the link.
     transport.barrier()

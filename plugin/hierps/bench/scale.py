@@ -159,6 +159,13 @@ def peak_rss(status: str | None = None) -> int:
     return int(found.group(1)) * 1024 if found else 0
 
 
+def reset_peak_rss() -> int:
+    """Reset this process's ``VmHWM`` to what it holds now (``/proc/self/clear_refs`` 5) -> that, in bytes."""
+    with open("/proc/self/clear_refs", "w", encoding="ascii") as f:
+        f.write("5")
+    return peak_rss()
+
+
 def io_counters() -> dict[str, int]:
     """``rchar``, ``wchar``, ``read_bytes``, ``write_bytes`` of this process (zeros without /proc/self/io)."""
     try:
