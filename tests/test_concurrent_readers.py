@@ -149,8 +149,8 @@ def test_checkpoint_retired_in_the_middle_of_a_read(trainer, monkeypatch):
     real = hierps.tiers._ssd.read_arrays
     taken = []
 
-    def racing(requests, *args):
-        for out in real(requests, *args):
+    def racing(requests, *args, **kwargs):
+        for out in real(requests, *args, **kwargs):
             taken.append(1)
             if len(taken) == 2:  # after the first array read of the first segment
                 step()

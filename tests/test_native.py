@@ -29,6 +29,7 @@ from hierps.errors import CorruptStoreError
 from hierps.storage import _filter, _merge, _native, _reads
 from hierps.storage._arrays import TRAILER, ArrayWriter, _encode_chunks, binding_tags, open_array
 from hierps.storage._reads import read_arrays
+from hierps.tiers._ssd import SsdTier
 
 core = pytest.importorskip("hierps.storage._native._core", reason="the compiled core was not built")
 pytestmark = pytest.mark.skipif(not _native.enabled(), reason="HIERPS_NATIVE=0")
@@ -166,6 +167,31 @@ def test_many_requests_at_once(arrays):
     with _native.disabled():
         reference = list(read_arrays(requests))
     assert all(np.array_equal(a, b) for a, b in zip(got, reference, strict=True))
+
+
+@pytest.mark.parametrize("numpy", [False, True], ids=["compiled", "numpy"])
+def test_requests_taken_lazily_keep_a_bounded_number_of_bytes_in_flight(arrays, numpy):
+    """With ``ahead_bytes`` the requests are drawn from a generator only while those started and not
+    yet taken hold less than that; the rows are those of the eager read."""
+    _, opened, data = arrays
+    arr = opened["rows"]
+    wanted = [np.arange(i * 4000, i * 4000 + 3000) for i in range(len(data["rows"]) // 4000)]
+    drawn: list[int] = []
+
+    def requests():
+        for i, pos in enumerate(wanted):
+            drawn.append(i)
+            yield arr, pos
+
+    with _native.disabled() if numpy else contextlib.nullcontext():
+        chunk_bytes = arr.chunk_bytes * (-(-3000 // arr.chunk_rows) + 1)  # a request's chunks, at most
+        results = read_arrays(requests(), ahead_bytes=2 * chunk_bytes)
+        for i, got in enumerate(results):
+            assert len(drawn) <= i + 3  # this one and at most two more
+            assert np.array_equal(got, data["rows"][wanted[i]])
+        assert i == len(wanted) - 1 and len(wanted) >= 5
+        eager = list(read_arrays([(arr, pos) for pos in wanted]))
+    assert all(np.array_equal(a, data["rows"][p]) for a, p in zip(eager, wanted, strict=True))
 
 
 def _damaged(tmp_path: Path, arrays, damage) -> tuple[str | None, str | None]:
@@ -326,6 +352,7 @@ from zarr.storage import LocalStore
 from hierps.storage._arrays import create_array, open_array
 from hierps.storage import _reads
 from hierps.storage._reads import read_arrays
+from hierps.tiers._ssd import SsdTier
 root = Path(tempfile.mkdtemp())
 data = np.arange(1000, dtype=np.int64)
 create_array(LocalStore(str(root)), "a", data, 100, identity="a")
@@ -436,3 +463,65 @@ def test_rows_outside_an_array_are_refused_alike(arrays):
                     next(read_arrays([(arr, pos)]))
             messages.append(str(err.value))
         assert messages[0] == messages[1]
+
+
+# -- matching a segment's rows to a lookup ---------------------------------------------------------
+def _overlapping_segments(root: Path) -> tuple[SsdTier, dict[str, np.ndarray]]:
+    """Two tables, each written as five overlapping segments (newer rows supersede older ones), and
+    sorted requests over more keys than one lookup unit takes, some never written."""
+    tier = SsdTier(root, store_id="test")
+    requests = {}
+    for t, width in enumerate([16, 5]):
+        name = f"t{t}"
+        tier.add_table(name, width)
+        for i in range(5):
+            rng = np.random.default_rng(10 * t + i)
+            keys = rng.choice(30_000, 4_000 + 1_500 * i, replace=False).astype(np.int64)
+            tier.write(name, keys, rng.standard_normal((len(keys), width), dtype=np.float32))
+        rng = np.random.default_rng(100 + t)
+        requests[name] = np.sort(rng.choice(36_000, 11_000, replace=False)).astype(np.int64)
+    return tier, requests
+
+
+def test_lookups_match_rows_as_numpy_matches_them(tmp_path):
+    """Found flags, newest holders and rows of a lookup, compiled and numpy, bit for bit."""
+    tier, requests = _overlapping_segments(tmp_path)
+    for with_rows in (True, False):
+        got = tier._locate(requests, with_rows=with_rows)
+        with _native.disabled():
+            want = tier._locate(requests, with_rows=with_rows)
+        for name, (found, holder, rows) in got.items():
+            w_found, w_holder, w_rows = want[name]
+            assert np.array_equal(found, w_found) and np.array_equal(holder, w_holder)
+            assert 0 < found.sum() < len(found) and len(np.unique(holder[found])) == 5
+            if with_rows:
+                assert np.array_equal(rows[found].view(np.uint32), w_rows[w_found].view(np.uint32))
+            else:
+                assert rows.shape == w_rows.shape == (0, 0)
+    # All found: the rows are returned as they are, the same as numpy's copy.
+    everything = {name: keys[got[name][0]] for name, keys in requests.items()}
+    got_all = tier.read_many(everything)
+    with _native.disabled():
+        want_all = tier.read_many(everything)
+    for name, (found, rows) in got_all.items():
+        assert found.all() and np.array_equal(rows.view(np.uint32), want_all[name][1].view(np.uint32))
+
+
+def test_match_rows_refuses_what_does_not_fit():
+    block = np.zeros((4, 2 + 3), np.float32)
+    keys, which = np.arange(4, dtype=np.int64), np.arange(4, dtype=np.int64)
+    found, holder, rows = np.zeros(4, bool), np.zeros(4, np.int64), np.zeros((4, 3), np.float32)
+    with pytest.raises(ValueError, match="block rows are not 8 bytes of key"):
+        _native.match_rows(block, 4, keys, which, found, holder, 0, rows)
+    with pytest.raises(ValueError, match="one found flag, holder and row per key"):
+        _native.match_rows(block, 3, keys, which, found[:3], holder, 0, rows)
+    with pytest.raises(ValueError, match=r"which\[1\] is not a position among the 4 keys"):
+        _native.match_rows(block, 3, keys, np.array([0, 9], np.int64), found, holder, 0, rows)
+    assert not found.any() and not holder.any()  # refused before anything was written
+    block_keys = np.ndarray((4,), np.int64, block, 0, (block.strides[0],))
+    block_keys[:] = [0, 1, 2, 3]
+    block[:, 2:] = np.arange(12, dtype=np.float32).reshape(4, 3)
+    found[2] = True  # a newer segment already gave key 2
+    assert _native.match_rows(block, 3, keys, which, found, holder, 7, rows) == 3
+    assert found.all() and holder.tolist() == [7, 7, 0, 7] and rows[2].tolist() == [0, 0, 0]
+    assert rows[3].tolist() == [9, 10, 11]

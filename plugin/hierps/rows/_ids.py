@@ -9,7 +9,14 @@ import torch
 
 from hierps.errors import InvalidIdsError
 
-__all__ = ["as_int64_array", "check_ids_tensor", "find_sorted", "same_device", "strictly_increasing"]
+__all__ = [
+    "as_int64_array",
+    "check_ids_tensor",
+    "find_sorted",
+    "same_device",
+    "sorted_unique",
+    "strictly_increasing",
+]
 
 _INT_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
 _INT64_MAX = np.iinfo(np.int64).max
@@ -84,6 +91,16 @@ def as_int64_array(ids: Any, what: str = "ids") -> np.ndarray:
             "ids. Reinterpret them with .view(np.int64) if they are hashes."
         )
     return arr.reshape(-1).astype(np.int64, copy=False)
+
+
+def sorted_unique(values: np.ndarray) -> np.ndarray:
+    """The distinct values of a non-decreasing array, in order: ``np.unique`` without its sort."""
+    if len(values) < 2:
+        return values
+    keep = np.empty(len(values), bool)
+    keep[0] = True
+    np.not_equal(values[1:], values[:-1], out=keep[1:])
+    return values[keep]
 
 
 def strictly_increasing(keys: np.ndarray) -> bool:

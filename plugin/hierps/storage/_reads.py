@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as futures_wait
 from dataclasses import dataclass, field
@@ -68,7 +69,9 @@ def read_array(
 
 
 def read_arrays(
-    requests: Sequence[tuple[Array, np.ndarray | None]], open_files: OpenFiles | None = None
+    requests: Iterable[tuple[Array, np.ndarray | None]],
+    open_files: OpenFiles | None = None,
+    ahead_bytes: int | None = None,
 ) -> Iterator[np.ndarray]:
     """Rows of many arrays at once: for each ``(arr, positions)``, all of ``arr`` (n, ...) when
     ``positions`` is None, else its rows at ``positions`` (k,) int64 -> (k, ...), in request order.
@@ -81,13 +84,43 @@ def read_arrays(
     request it concerns: ``CorruptStoreError`` names a damaged, short or vanished file. Positions
     outside an array are refused before any read. Sorted positions (as every caller asks) need no sort.
     Files are opened through ``open_files`` when given (and stay open), else opened and closed here.
+
+    With ``ahead_bytes``, ``requests`` is taken lazily (it may be a generator): requests are planned
+    and their reads started while the chunks of those started and not yet taken from the iterator
+    come to less than ``ahead_bytes``, so that memory stays bounded however many there are, and the
+    reads of the next requests go on while the caller works on this one. Positions outside an array
+    are then refused before that request's reads.
     """
-    plans = [_plan(arr, positions) for arr, positions in requests]
-    reader = _Reader(open_files)
+    if ahead_bytes is None:
+        plans = [_plan(arr, positions) for arr, positions in requests]
+        reader = _Reader(open_files)
+        try:
+            marks = [reader.start(plan, inline=len(plans) == 1) for plan in plans]
+            for plan, mark in zip(plans, marks):
+                reader.wait(mark)
+                yield plan.decode()
+        finally:
+            reader.close()
+        return
+    pending = iter(requests)
+    started: deque[tuple[_Plan, int, int]] = deque()  # (plan, mark, its chunks' bytes)
+    reader, held, more = _Reader(open_files), 0, True
     try:
-        marks = [reader.start(plan, inline=len(plans) == 1) for plan in plans]
-        for plan, mark in zip(plans, marks):
+        while True:
+            while more and (not started or held < ahead_bytes):
+                request = next(pending, None)
+                if request is None:
+                    more = False
+                    break
+                plan = _plan(*request)
+                size = len(plan.chunks) * plan.arr.chunk_bytes
+                started.append((plan, reader.start(plan, inline=False), size))
+                held += size
+            if not started:
+                return
+            plan, mark, size = started.popleft()
             reader.wait(mark)
+            held -= size
             yield plan.decode()
     finally:
         reader.close()
@@ -290,6 +323,10 @@ def _scratch(size: int) -> np.ndarray:
 def chunk_positions(chunks: np.ndarray, chunk_rows: int, n: int) -> np.ndarray:
     """Sorted unique chunk numbers (c,) of an array of ``n`` rows in chunks of ``chunk_rows`` -> every
     row position in them (sorted)."""
+    if len(chunks) and chunks[-1] - chunks[0] == len(chunks) - 1:  # a run of chunks: its rows in one range
+        return np.arange(
+            int(chunks[0]) * chunk_rows, min((int(chunks[-1]) + 1) * chunk_rows, n), dtype=np.int64
+        )
     starts = np.asarray(chunks, np.int64) * chunk_rows
     counts = np.minimum(starts + chunk_rows, n) - starts
     if len(counts) == 0:

@@ -27,6 +27,7 @@ from zarr.storage import LocalStore
 
 from hierps._faults import fault_point
 from hierps.errors import CorruptStoreError
+from hierps.rows._ids import sorted_unique
 from hierps.storage._arrays import TRAILER, Array, ArrayWriter, make_dir, open_array
 from hierps.storage._files import OpenFiles
 from hierps.storage._filter import FILTER_BLOCK_CHUNKS, block_words, blocks_may_contain, bloom_build
@@ -194,6 +195,7 @@ class Segment:
     _rows: Array | None = field(default=None, init=False)
     _fences: np.ndarray | None = field(default=None, init=False)
     _filter: np.ndarray | None = field(default=None, init=False)
+    _last: int = field(default=0, init=False)  # its largest key (valid once loaded)
 
     @property
     def name(self) -> str:
@@ -263,7 +265,15 @@ class Segment:
                     f"{self.path}: its key filter has {len(filt)} words, not what its {self.n} rows make; "
                     "the segment is damaged. Restore the store from a backup or open an earlier checkpoint."
                 )
-            self._fences, self._filter = fences, filt
+            last = int(
+                split_block(read_array(rows, self.root, f"{self.name}/rows", np.array([self.n - 1])))[0][0]
+            )
+            if last < fences[-1]:
+                raise CorruptStoreError(
+                    f"{self.path}: its last key {last} is below its last chunk's first key {fences[-1]}; the "
+                    "segment is damaged. Restore the store from a backup or open an earlier checkpoint."
+                )
+            self._fences, self._filter, self._last = fences, filt, last
         return self._fences, self._filter
 
     def unload(self) -> None:
@@ -271,19 +281,27 @@ class Segment:
         self._fences = self._filter = None
 
     def candidates(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """keys (n,) int64 sorted -> (which may be here (n,) bool, their chunk (m,) int64 for those)."""
+        """keys (n,) int64 sorted -> (positions (m,) int64 ascending of those that may be here, the
+        chunks to read for them (c,) int64 sorted unique). Keys outside the segment's first and last
+        key are ruled out by two searches of ``keys``; where there are at least as many keys left as
+        chunks in their range, every chunk of it is read (nearly every one holds a key, and the reads
+        are long sequential runs), found by two searches of the fences."""
+        none = np.empty(0, np.int64)
         if self.n == 0 or len(keys) == 0:
-            return np.zeros(len(keys), bool), np.empty(0, np.int64)
+            return none, none
         fences, filt = self._load()
-        chunk = np.searchsorted(fences, keys, side="right") - 1
-        maybe = chunk >= 0
-        if len(keys) < chunk[-1] - max(int(chunk[0]), 0) + 1:
-            # Fewer keys than chunks in their range: the filter saves reads. More: nearly every chunk
-            # of the range is read anyway, and the reads are long sequential runs; skip it.
-            at = np.flatnonzero(maybe)
-            full = block_words(self.rows_array.chunk_rows * FILTER_BLOCK_CHUNKS, self.rows_array.chunk_rows)
-            maybe[at] = blocks_may_contain(filt, keys[at], chunk[at] // FILTER_BLOCK_CHUNKS, full)
-        return maybe, chunk[maybe].astype(np.int64)
+        lo = int(np.searchsorted(keys, fences[0]))
+        hi = int(np.searchsorted(keys, self._last, side="right"))
+        if lo >= hi:
+            return none, none
+        first, last = (int(c) - 1 for c in np.searchsorted(fences, keys[[lo, hi - 1]], side="right"))
+        if hi - lo >= last - first + 1:
+            return np.arange(lo, hi, dtype=np.int64), np.arange(first, last + 1, dtype=np.int64)
+        # Fewer keys than chunks in their range: the filter saves reads.
+        chunk = np.searchsorted(fences, keys[lo:hi], side="right") - 1
+        full = block_words(self.rows_array.chunk_rows * FILTER_BLOCK_CHUNKS, self.rows_array.chunk_rows)
+        maybe = blocks_may_contain(filt, keys[lo:hi], chunk // FILTER_BLOCK_CHUNKS, full)
+        return lo + np.flatnonzero(maybe), sorted_unique(chunk[maybe].astype(np.int64, copy=False))
 
     def chunk_positions(self, chunks: np.ndarray) -> np.ndarray:
         """Sorted unique chunk indices (c,) -> every row position in them (sorted)."""

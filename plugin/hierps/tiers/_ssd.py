@@ -28,6 +28,7 @@ import os
 import shutil
 import time
 import weakref
+from collections import deque
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
@@ -40,7 +41,8 @@ from zarr.storage import LocalStore
 from hierps._faults import fault_point
 from hierps.errors import StoreFullError
 from hierps.rows import _ids
-from hierps.storage._arrays import encoded_rows_bytes
+from hierps.storage import _native
+from hierps.storage._arrays import Array, encoded_rows_bytes
 from hierps.storage._files import OpenFiles, disk_full_as_error, fsync_dir, fsync_tree
 from hierps.storage._manifest import SegmentRef
 from hierps.storage._merge import merged
@@ -62,8 +64,10 @@ class _Merge:
     out: int
 
 
-# Keys looked up per read dispatch: bounds the chunks held at once (~4 KiB each).
+# Keys looked up in every segment at a time: bounds the chunks one read request holds (~4 KiB each).
 _LOOKUP_KEYS = 1 << 12
+# Bytes of chunks a lookup keeps in flight (read, or being read, and not yet matched to its keys).
+_READ_AHEAD_BYTES = 16 << 20
 # Rows gathered and written per step of a segment write.
 _WRITE_SLICE_BYTES = 8 << 20
 # A write whose rows leave more than this many segments behind compacts at once (x max_segments).
@@ -150,9 +154,10 @@ class SsdTier:
         out = {}
         try:
             for table, (found, _, rows) in self._locate(requests, with_rows=True).items():
-                out[table] = (found, rows[found])
-                self.rows_read += int(found.sum())
-                self.bytes_read += int(found.sum()) * 4 * self.widths[table]
+                hits = int(found.sum())
+                out[table] = (found, rows if hits == len(found) else rows[found])
+                self.rows_read += hits
+                self.bytes_read += hits * 4 * self.widths[table]
         finally:
             self.read_seconds += time.perf_counter() - t0
         return out
@@ -172,36 +177,42 @@ class SsdTier:
     ) -> dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]]:
         """``{table: keys sorted unique}`` -> ``{table: (found (n,) bool, segment (n,) int64 of the
         newest holder (-1 if none), rows (n, width) float32 (valid where found; empty without
-        ``with_rows``))}``, over the live segments (or the ids ``among`` gives per table)."""
+        ``with_rows``))}``, over the live segments (or the ids ``among`` gives per table).
+
+        Keys are looked up ``_LOOKUP_KEYS`` at a time, each slice in every segment newest first; the
+        chunks each segment may hold them in are read as one request of a single :func:`read_arrays`
+        for the whole lookup, which keeps up to ``_READ_AHEAD_BYTES`` of them in flight while the
+        blocks read are matched to the keys."""
         out = {}
         for table, keys in requests.items():
             rows = np.empty((len(keys), self.widths[table]) if with_rows else (0, 0), np.float32)
             out[table] = (np.zeros(len(keys), bool), np.full(len(keys), -1, np.int64), rows)
-        units = [(t, a) for t, k in requests.items() for a in range(0, len(k), _LOOKUP_KEYS)]
-        for table, start in units:
-            keys = requests[table][start : start + _LOOKUP_KEYS]
-            ids = among[table] if among is not None else list(self._segs[table])
-            self._locate_slice(table, keys, sorted(ids, reverse=True), start, out[table], with_rows)
-        return out
+        wanted: deque[tuple[str, int, np.ndarray, Segment, np.ndarray]] = deque()
 
-    def _locate_slice(
-        self,
-        table: str,
-        keys: np.ndarray,
-        newest_first: list[int],
-        start: int,
-        out: tuple[np.ndarray, np.ndarray, np.ndarray],
-        with_rows: bool,
-    ) -> None:
-        found, holder, rows = out
-        reads = []  # per segment that may hold some keys: (segment, which keys, chunks to read)
-        for seg_id in newest_first:
-            seg = self._segs[table][seg_id]
-            maybe, chunks = seg.candidates(keys)
-            if len(chunks):
-                reads.append((seg, np.flatnonzero(maybe), seg.chunk_positions(np.unique(chunks))))
-        blocks = read_arrays([(seg.rows_array, positions) for seg, _, positions in reads], self._files)
-        for (seg, which, _), block in zip(reads, blocks):
+        def reads() -> Iterator[tuple[Array, np.ndarray]]:
+            for table, keys in requests.items():
+                ids = among[table] if among is not None else list(self._segs[table])
+                newest_first = [self._segs[table][i] for i in sorted(ids, reverse=True)]
+                for start in range(0, len(keys), _LOOKUP_KEYS):
+                    part = np.ascontiguousarray(keys[start : start + _LOOKUP_KEYS])
+                    for seg in newest_first:
+                        which, chunks = seg.candidates(part)
+                        if len(chunks):
+                            wanted.append((table, start, part, seg, which))
+                            yield seg.rows_array, seg.chunk_positions(chunks)
+
+        native = _native.enabled()
+        for block in read_arrays(reads(), self._files, ahead_bytes=_READ_AHEAD_BYTES):
+            table, start, keys, seg, which = wanted.popleft()
+            found, holder, rows = out[table]
+            end, width = start + len(keys), self.widths[table]
+            if native and block.dtype == np.float32 and block.flags.c_contiguous:
+                # One merge walk of the block's keys with the keys asked (the same as below).
+                target = rows[start:end] if with_rows else None
+                _native.match_rows(
+                    block, width, keys, which, found[start:end], holder[start:end], seg.seg, target
+                )
+                continue
             stored, stored_rows = split_block(block)
             hit, at = _ids.find_sorted(stored, keys[which])
             fresh = hit & ~found[start + which]  # newest first: an older copy is stale
@@ -209,6 +220,7 @@ class SsdTier:
             found[dest], holder[dest] = True, seg.seg
             if with_rows:
                 rows[dest] = stored_rows[at[fresh]]
+        return out
 
     # -- scans --------------------------------------------------------------------------------
     def iter_rows(self, table: str) -> Iterator[tuple[np.ndarray, np.ndarray]]:

@@ -47,6 +47,7 @@ __all__ = [
     "enabled",
     "encode_chunks",
     "hardware_crc",
+    "match_rows",
     "merge_runs",
     "plan_chunks",
     "plan_runs",
@@ -206,6 +207,20 @@ def slot_find(index: Buffer, keys: Buffer, slots: Buffer, found: Buffer) -> int:
 def slot_put(index: Buffer, used: int, keys: Buffer, slots: Buffer) -> int:
     """:func:`._core.slot_put` (the compiled core only)."""
     return _core.slot_put(index, used, keys, slots)
+
+
+def match_rows(
+    block: Buffer,
+    width: int,
+    keys: Buffer,
+    which: Buffer,
+    found: Buffer,
+    holder: Buffer,
+    seg: int,
+    rows: Buffer | None,
+) -> int:
+    """:func:`._core.match_rows` (the compiled core only)."""
+    return _core.match_rows(block, width, keys, which, found, holder, seg, rows)
 
 
 def unique_ids(ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -930,6 +930,78 @@ done:
     return result;
 }
 
+/* -- matching a segment's rows to the keys asked (hierps.tiers._ssd) ------------------------- */
+/* match_rows(block, width, keys, which, found, holder, seg, rows) -> n: `block` holds a segment's rows
+ * read for a lookup, (k, 2 + width) float32, in key order, each row's key in its first 8 bytes; `keys` (n,)
+ * int64 the sorted keys of the lookup and `which` (m,) int64 ascending the positions of those this segment
+ * may hold. Where keys[which[j]] is in the block and found[which[j]] is still 0 (segments come newest
+ * first, so an older copy is stale): found = 1, holder = seg, and, unless `rows` is None,
+ * rows[which[j]] ((n, width) float32) = the block row's last `width` floats. Returns how many it found.
+ * One merge walk over both sorted lists, where numpy takes hierps.rows._ids.find_sorted, a mask and two
+ * gathers. */
+static PyObject *py_match_rows(PyObject *self, PyObject *args) {
+    PyObject *o_block, *o_keys, *o_which, *o_found, *o_holder, *o_rows;
+    Py_ssize_t width;
+    long long seg;
+    if (!PyArg_ParseTuple(args, "OnOOOOLO", &o_block, &width, &o_keys, &o_which, &o_found, &o_holder, &seg,
+                          &o_rows))
+        return NULL;
+    Buf block = {0}, keys = {0}, which = {0}, found = {0}, holder = {0}, rows = {0};
+    PyObject *result = NULL;
+    if (get_bytes(o_block, &block, 0, "block") < 0 || get_words(o_keys, &keys, 0, "keys") < 0 ||
+        get_words(o_which, &which, 0, "which") < 0 || get_bytes(o_found, &found, 1, "found") < 0 ||
+        get_words(o_holder, &holder, 1, "holder") < 0 ||
+        (o_rows != Py_None && get_bytes(o_rows, &rows, 1, "rows") < 0))
+        goto done;
+    Py_ssize_t n = NWORDS(keys), m = NWORDS(which), stride = (width + 2) * 4;
+    if (width < 0 || block.view.len % stride != 0) {
+        PyErr_SetString(PyExc_ValueError, "match_rows: block rows are not 8 bytes of key + width float32");
+        goto done;
+    }
+    if (found.view.len != n || NWORDS(holder) != n || (o_rows != Py_None && rows.view.len != n * width * 4)) {
+        PyErr_SetString(PyExc_ValueError, "match_rows: expected one found flag, holder and row per key");
+        goto done;
+    }
+    Py_ssize_t k = block.view.len / stride;
+    const unsigned char *b = block.view.buf;
+    const int64_t *key = WORDS(keys), *at = WORDS(which);
+    unsigned char *f = found.view.buf;
+    int64_t *h = holder.view.buf;
+    unsigned char *out = o_rows != Py_None ? rows.view.buf : NULL;
+    Py_ssize_t width_bytes = width * 4, hits = 0, bad = -1;
+    /* A walk of tens of microseconds: the GIL is kept (released, it would wait for the read threads'
+     * Python between their reads to have it back). */
+    {
+        for (Py_ssize_t j = 0; j < m && bad < 0; j++)  /* checked first: nothing is written then */
+            if (at[j] < 0 || at[j] >= n) bad = j;
+        Py_ssize_t i = 0;
+        for (Py_ssize_t j = 0; j < m && i < k && bad < 0; j++) {
+            Py_ssize_t q = at[j];
+            int64_t want = key[q], have;
+            memcpy(&have, b + i * stride, 8);
+            while (have < want && ++i < k) memcpy(&have, b + i * stride, 8);
+            if (i == k || have != want || f[q]) continue;
+            f[q] = 1;
+            h[q] = seg;
+            if (out) memcpy(out + q * width_bytes, b + i * stride + 8, (size_t)width_bytes);
+            hits++;
+        }
+    }
+    if (bad >= 0) {
+        PyErr_Format(PyExc_ValueError, "match_rows: which[%zd] is not a position among the %zd keys", bad, n);
+        goto done;
+    }
+    result = PyLong_FromSsize_t(hits);
+done:
+    release(&block);
+    release(&keys);
+    release(&which);
+    release(&found);
+    release(&holder);
+    release(&rows);
+    return result;
+}
+
 /* -- distinct ids of a lookup (hierps.modules) ------------------------------------------------ */
 typedef struct {
     int64_t key;
@@ -1144,6 +1216,8 @@ static PyMethodDef methods[] = {
      "bloom_may_contain(filter, keys, block, full_words, out): False where the filter proves a key absent."},
     {"slot_find", py_slot_find, METH_VARARGS, "slot_find(index, keys, slots, found) -> n: look keys up; see _core.pyi."},
     {"slot_put", py_slot_put, METH_VARARGS, "slot_put(index, used, keys, slots) -> n: add or move keys; see _core.pyi."},
+    {"match_rows", py_match_rows, METH_VARARGS,
+     "match_rows(block, width, keys, which, found, holder, seg, rows) -> n: a segment's rows to the keys asked; see _core.pyi."},
     {"unique_ids", py_unique_ids, METH_VARARGS, "unique_ids(ids, keys, inverse, counts) -> u: see _core.pyi."},
     {"merge_runs", py_merge_runs, METH_VARARGS, "Merge sorted parts by key, then rank descending; see _core.pyi."},
     {"encode_chunks", py_encode_chunks, METH_VARARGS,

@@ -122,6 +122,23 @@ def slot_put(index: Buffer, used: int, keys: Buffer, slots: Buffer) -> int:
     (added, or moved where present); returns how many were added. ``ValueError`` (and no later key put) where a slot is
     negative or the index would be more than half full."""
 
+def match_rows(
+    block: Buffer,
+    width: int,
+    keys: Buffer,
+    which: Buffer,
+    found: Buffer,
+    holder: Buffer,
+    seg: int,
+    rows: Buffer | None,
+) -> int:
+    """A segment's rows read for a lookup to the keys asked: ``block`` (k, 2 + width) float32 in key
+    order (each row's int64 key in its first 8 bytes), ``keys`` (n,) int64 sorted, ``which`` (m,) int64
+    ascending positions among them. Where ``keys[which[j]]`` is in the block and ``found`` (n,) bool is
+    still False there: ``found`` True, ``holder`` (n,) int64 = ``seg`` and, unless ``rows`` is None,
+    ``rows`` (n, width) float32 at that position = the block row's weights. Returns how many it found
+    (as ``hierps.tiers._ssd.SsdTier._locate_slice``'s numpy code)."""
+
 def unique_ids(ids: Buffer, keys: Buffer, inverse: Buffer, counts: Buffer) -> int:
     """``torch.unique(ids, sorted=True, return_inverse=True, return_counts=True)`` of ``ids`` (n,) int64:
     returns u, the distinct ids, sorted, in ``keys[:u]`` and their counts in ``counts[:u]`` ((n,) int64
