@@ -287,3 +287,86 @@ def test_bench_plan_compares_the_scale_workload_on_the_machine_it_measured():
     want = segment / 5e7 + 0.01 + 2_000 / 40_000.0
     assert got["checkpoint_seconds_predicted"] == pytest.approx(want, rel=1e-3)
     assert got["checkpoint_ratio"] == pytest.approx(0.1 / want, rel=1e-3)
+
+
+def test_a_dropin_deepfm_run_is_predicted_from_a_sample_of_its_batches(tmp_path):
+    """The drop-in DeepFM (``hierps bench --dropin``'s model: 26 ``nn.Embedding`` fields fed
+    ``X[:, j:j+1].long()``) swapped into the store by ``hierps.deepspeed.initialize`` and trained
+    pass by pass through a ``PassLoader``, its RAM tier a fraction of its rows; planned from the ids
+    of the very batches it trained on."""
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    import deepspeed.ops
+
+    import hierps.deepspeed as hds
+    from hierps.bench._worker import one_rank_ds_config, single_rank_env
+    from hierps.bench.dropin import FieldModel, _dataset, _loader
+
+    single_rank_env()
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False  # one rank: no shared-memory op
+    cfg = {"rows": 40_000, "seed": 3, "examples": 4_096, "batch_size": 128}
+    pass_batches, memory_budget, device_budget = 4, "384KiB", "64MiB"
+    data, sizes, _ = _dataset(cfg)
+    torch.manual_seed(0)
+    section = {
+        "path": str(tmp_path / "store"),
+        "memory_budget": memory_budget,
+        "device_budget": device_budget,
+        "modules": "auto",
+        "auto_min_rows": 1,
+        "optimizer": {"type": "adagrad", "params": {"lr": 0.05}},
+    }
+    model = FieldModel(sizes, 16)
+    engine, *_ = hds.initialize(
+        model=model,
+        optimizer=torch.optim.Adam(model.parameters(), lr=1e-3),
+        config=one_rank_ds_config(cfg["batch_size"], section, dataloader_drop_last=True),
+    )
+    names = list(engine.hierps_modules)
+    assert len(names) == 26
+
+    def ids_of(batch):
+        return {name: batch[0][:, 13 + j].long() for j, name in enumerate(names)}
+
+    loss_fn = torch.nn.BCEWithLogitsLoss()
+    try:
+        for x, y in hds.PassLoader(_loader(data, cfg), ids_of, engine, pass_batches=pass_batches):
+            engine.backward(loss_fn(engine(x), y))
+            engine.step()
+        store = engine.hierps_store
+        records = store.stats.history
+    finally:
+        engine.destroy()
+    ids = data.tensors[0][:, 13:].long().numpy()
+    spec = hierps.TableSpec.of(optimizer="adagrad")
+    plan = hp.plan(
+        {n: hp.TableInput(dim=16, keys=sizes[j], spec=spec) for j, n in enumerate(names)},
+        hp.SampledTraffic({n: ids[:, j] for j, n in enumerate(names)}, cfg["batch_size"] * pass_batches),
+        memory_budget=memory_budget,
+        device_budget=device_budget,
+        checkpoint_every=None,
+        read_ahead=True,
+        copied_in=True,
+    )
+    assert len(plan.passes) == len(records) == 8
+    for i, (want, got) in enumerate(zip(plan.passes, records, strict=True)):
+        assert got.rows_loaded == pytest.approx(want.rows_loaded, rel=0.03), i
+        assert got.ram_hit_rate == pytest.approx(want.ram_hit_rate, abs=0.05), i
+        assert got.ssd_hit_rate == pytest.approx(want.ssd_hit_rate, abs=0.05), i
+    read = sum(r.ssd_bytes_read for r in records)
+    assert read == pytest.approx(sum(p.ssd_bytes_read for p in plan.passes), rel=0.03)
+    assert max(r.ssd_hit_rate for r in records) > 0.2 and max(r.ram_hit_rate for r in records) > 0.02
+
+
+def test_a_copy_in_needs_each_tables_rows_and_one_rank():
+    traffic = hp.SampledTraffic({"t": np.concatenate(zipf_passes(passes=2))}, BATCH)
+    with pytest.raises(ConfigError, match="copied_in: table 't' has no keys"):
+        hp.plan({"t": hp.TableInput(dim=DIM, spec=SPEC)}, traffic, copied_in=True)
+    with pytest.raises(ConfigError, match="copied_in: planned for one rank only"):
+        hp.plan(
+            {"t": hp.TableInput(dim=DIM, keys=KEYS * 7, spec=SPEC)}, traffic, copied_in=True, world_size=2
+        )
+    # Copied in, the first pass's rows come from the tiers (none is new); fresh, all are new.
+    copied = hp.plan({"t": hp.TableInput(dim=DIM, keys=KEYS * 7 + 3, spec=SPEC)}, traffic, copied_in=True)
+    fresh = hp.plan({"t": hp.TableInput(dim=DIM, keys=KEYS * 7 + 3, spec=SPEC)}, traffic)
+    assert copied.passes[0].ram_hit_rate + copied.passes[0].ssd_hit_rate == pytest.approx(1.0)
+    assert fresh.passes[0].ram_hit_rate + fresh.passes[0].ssd_hit_rate == 0.0

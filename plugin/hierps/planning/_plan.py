@@ -151,6 +151,7 @@ def plan(
     max_ids_per_pass: int = 2_000_000,
     read_ahead: bool = False,
     restored: bool = False,
+    copied_in: bool = False,
 ) -> Plan:
     """Plan a store of ``tables`` (name -> :class:`TableInput`) for ``traffic`` (passes of ids,
     :class:`SampledTraffic` or :class:`PowerLaw`), at ``world_size`` ranks each with these budgets.
@@ -161,7 +162,10 @@ def plan(
     ``read_ahead``: each pass is announced while the one before trains (``store.prefetch``, as
     ``PassLoader`` and ``hierps demo`` do), so its rows are read before that pass's write-back.
     ``restored``: the tables already hold every key (the store opens at a checkpoint): rows are read
-    from the SSD tier, none is new.
+    from the SSD tier, none is new. ``copied_in``: each table's ``keys`` rows (ids ``0..keys-1``) are
+    copied into the store before the first pass, as ``hierps.deepspeed.initialize`` copies a model's
+    ``nn.Embedding`` / ``nn.EmbeddingBag`` tables in (not built on the meta device): the RAM tier holds
+    what its budget takes of them, in table order, and the rest starts on the SSD tier.
     """
     if not tables:
         raise ConfigError("plan: no tables given; give at least one table with its dim.")
@@ -174,7 +178,20 @@ def plan(
     unknown = sorted(set(_traffic_tables(traffic)) - set(tables))
     if unknown:
         raise ConfigError(f"traffic has ids for table {unknown[0]!r}, which the plan has no table for.")
+    if copied_in:
+        unsized = [t for t, i in tables.items() if i.keys is None]
+        if unsized:
+            raise ConfigError(f"copied_in: table {unsized[0]!r} has no keys; give each table's rows (keys=).")
+        if world_size != 1:
+            raise ConfigError(
+                "copied_in: planned for one rank only (a sharded copy-in splits rows by owner)."
+            )
     fraction = _choose_fraction(traffic, world_size, max_ids_per_pass)
+    if copied_in and fraction < 1:
+        raise ConfigError(
+            f"copied_in: the traffic would be sampled down to {fraction:.3f} of its ids, and a copy-in "
+            "cannot be; raise max_ids_per_pass."
+        )
     traffic.fraction = fraction / world_size
     counts = replay(
         traffic.passes(),
@@ -189,6 +206,7 @@ def plan(
         checkpoint_every=checkpoint_every,
         read_ahead=read_ahead,
         restored=restored,
+        copied_in={t: int(i.keys or 0) for t, i in tables.items()} if copied_in else None,
     )
     seen = _distinct_seen(counts)
     tplans = [

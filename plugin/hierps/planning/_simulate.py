@@ -110,6 +110,7 @@ def replay(
     checkpoint_every: int | None = None,
     read_ahead: bool = False,
     restored: bool = False,
+    copied_in: Mapping[str, int] | None = None,
 ) -> list[PassCounts]:
     """Replay ``passes`` (``{table: ids}`` each) through the store's tiers, budgets in bytes (already
     scaled to the keys kept); one :class:`PassCounts` per pass. Per table: ``ram_row_bytes`` and
@@ -117,10 +118,15 @@ def replay(
     the SSD tier counts per row read / written. ``read_ahead``: each pass after the first is read
     while the one before trains (``prefetch``, as ``PassLoader`` and ``hierps demo`` do): its RAM
     hits are touched at that pass's clock. ``restored``: the tables already hold every key (a store
-    opened at a checkpoint of the model): a row no tier above holds is read from the SSD tier."""
+    opened at a checkpoint of the model): a row no tier above holds is read from the SSD tier.
+    ``copied_in``: rows ``0..n-1`` of each table (``{table: n}``, in that order) were written into the
+    store before the first pass, as ``hierps.deepspeed.initialize`` copies a model's tables in: the
+    RAM tier keeps what its budget holds, the rest is on the SSD tier."""
     tables = list(ram_row_bytes)
     sink = _Sink(tables, restored)
     ram = _KeyTier(int(memory_budget), sink, policy, ram_row_bytes)
+    for t, n in (copied_in or {}).items():  # Store.write of each table's rows: one put, at tick 0
+        ram.put(t, np.arange(n, dtype=np.int64), np.zeros((n, 1), np.float32))
     resident = {t: np.empty(0, np.int64) for t in tables}
     dirty = False  # the device tier's rows were trained since the last write to RAM
     out = []

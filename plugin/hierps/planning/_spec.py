@@ -12,6 +12,8 @@
     read_ahead: false             # each pass announced while the one before trains (store.prefetch);
                                   #   default true with a hierarchical_ps section (PassLoader does it)
     restored: false               # the tables already hold their keys (a store opened at a checkpoint)
+    copied_in: false              # each table's keys rows copied in before the first pass (a model's
+                                  #   tables handed to hierps.deepspeed.initialize; one rank)
     traffic:                      # a sample of batches ...
       sample: ids.npz             #   .npz / .parquet, one array (column) of ids per table
       examples_per_pass: 100000
@@ -47,6 +49,7 @@ _KEYS = {
     "checkpoint_every",
     "read_ahead",
     "restored",
+    "copied_in",
     "traffic",
     "machine",
     "hierarchical_ps",
@@ -105,6 +108,7 @@ def plan_from_spec(
         machine=machine,
         read_ahead=bool(spec.get("read_ahead", "hierarchical_ps" in spec)),
         restored=bool(spec.get("restored", False)),
+        copied_in=bool(spec.get("copied_in", False)),
     )
 
 
