@@ -193,6 +193,14 @@ def test_power_law_spec_in_yaml_and_bad_specs(tmp_path):
         hp.plan_from_spec({"tables": {"user": {"dim": 8}}, "traffic": {"examples_per_pass": 3}})
 
 
+def _assert_passes_as_planned(plan, records) -> None:
+    """Each pass's rows loaded within 3%, its RAM and SSD hit rates within ±0.05 of the plan's."""
+    for i, (want, got) in enumerate(zip(plan.passes, records, strict=True)):
+        assert got.rows_loaded == pytest.approx(want.rows_loaded, rel=0.03), i
+        assert got.ram_hit_rate == pytest.approx(want.ram_hit_rate, abs=0.05), i
+        assert got.ssd_hit_rate == pytest.approx(want.ssd_hit_rate, abs=0.05), i
+
+
 def test_a_demo_dlrm_run_is_predicted_from_a_sample_of_its_batches(tmp_path):
     """26 tables of the demo's DLRM trained pass by pass as ``hierps demo`` trains them (the next
     pass read ahead while one trains), planned from the ids of the very batches it trained on."""
@@ -235,10 +243,7 @@ def test_a_demo_dlrm_run_is_predicted_from_a_sample_of_its_batches(tmp_path):
         read_ahead=True,
     )
     assert len(plan.passes) == len(records) == 6
-    for i, (want, got) in enumerate(zip(plan.passes, records, strict=True)):
-        assert got.rows_loaded == pytest.approx(want.rows_loaded, rel=0.03), i
-        assert got.ram_hit_rate == pytest.approx(want.ram_hit_rate, abs=0.05), i
-        assert got.ssd_hit_rate == pytest.approx(want.ssd_hit_rate, abs=0.05), i
+    _assert_passes_as_planned(plan, records)
     # A record is taken while the pass's write-back may still run (its RAM bytes mid-eviction, in no
     # state a pass closes in): only the budget holds both.
     budget = parse_size(cfg.memory_budget)
@@ -348,10 +353,7 @@ def test_a_dropin_deepfm_run_is_predicted_from_a_sample_of_its_batches(tmp_path)
         copied_in=True,
     )
     assert len(plan.passes) == len(records) == 8
-    for i, (want, got) in enumerate(zip(plan.passes, records, strict=True)):
-        assert got.rows_loaded == pytest.approx(want.rows_loaded, rel=0.03), i
-        assert got.ram_hit_rate == pytest.approx(want.ram_hit_rate, abs=0.05), i
-        assert got.ssd_hit_rate == pytest.approx(want.ssd_hit_rate, abs=0.05), i
+    _assert_passes_as_planned(plan, records)
     read = sum(r.ssd_bytes_read for r in records)
     assert read == pytest.approx(sum(p.ssd_bytes_read for p in plan.passes), rel=0.03)
     assert max(r.ssd_hit_rate for r in records) > 0.2 and max(r.ram_hit_rate for r in records) > 0.02
