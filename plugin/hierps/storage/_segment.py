@@ -31,7 +31,7 @@ from hierps.rows._ids import sorted_unique
 from hierps.storage._arrays import TRAILER, Array, ArrayWriter, make_dir, open_array
 from hierps.storage._files import OpenFiles
 from hierps.storage._filter import FILTER_BLOCK_CHUNKS, block_words, blocks_may_contain, bloom_build
-from hierps.storage._reads import chunk_positions, read_array
+from hierps.storage._reads import chunk_positions, read_array, read_arrays
 
 __all__ = [
     "KEY_COLUMNS",
@@ -46,6 +46,7 @@ _PAGE = (
     4 << 10
 )  # inner chunks of at most a page (with their checksum and tag), page-aligned: a lookup reads one page
 _MIN_CHUNK_ROWS = 16  # wide rows: chunks of 16 rows, so fences stay under 0.5 B per key
+_SCAN_AHEAD = 2  # batches of a scan read ahead of the one it yields
 
 
 def segment_name(table: str, seg: int) -> str:
@@ -266,7 +267,9 @@ class Segment:
                     "the segment is damaged. Restore the store from a backup or open an earlier checkpoint."
                 )
             last = int(
-                split_block(read_array(rows, self.root, f"{self.name}/rows", np.array([self.n - 1])))[0][0]
+                split_block(
+                    read_array(rows, self.root, f"{self.name}/rows", np.array([self.n - 1]), self.files)
+                )[0][0]
             )
             if last < fences[-1]:
                 raise CorruptStoreError(
@@ -311,10 +314,11 @@ class Segment:
         """Yield ``(keys (b,) int64, rows (b, width) float32)`` of every row, in key order."""
         arr = self.rows_array
         step = max(arr.chunk_rows, batch_rows - batch_rows % arr.chunk_rows)
-        for start in range(0, self.n, step):
-            block = read_array(
-                arr, self.root, f"{self.name}/rows", np.arange(start, min(start + step, self.n)), self.files
-            )
+        # The next batches are read on the read threads while this one is merged (one lazy read,
+        # _SCAN_AHEAD batches in flight at most): a scan waits for the device only when it outruns it.
+        batches = ((arr, np.arange(start, min(start + step, self.n))) for start in range(0, self.n, step))
+        ahead = _SCAN_AHEAD * -(-step // arr.chunk_rows) * arr.chunk_bytes
+        for block in read_arrays(batches, self.files, ahead_bytes=ahead):
             yield split_block(block)
 
 
