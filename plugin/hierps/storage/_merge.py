@@ -141,7 +141,8 @@ def merged(
     """Yield ``(keys (b,) int64 sorted unique, rows (b, width) float32, segment of each (b,) int64)``
     over ``segments``: every key once, with its row from the newest of them that holds it.
 
-    Memory: one buffer of ``buffer_bytes`` per input.
+    Memory: per input, the buffer of ``buffer_bytes`` being merged and the next two read ahead
+    (:meth:`Segment.scan`).
     """
     batch_rows = max(1, buffer_bytes // (4 * (width + 2)))
     ordered = sorted(segments, key=lambda s: s.seg)  # a higher source index is a newer segment
