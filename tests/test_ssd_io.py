@@ -4,9 +4,11 @@ refused), and damage is reported."""
 
 from __future__ import annotations
 
+import gc
 import json
 import re
 import shutil
+import threading
 from pathlib import Path
 
 import crc32c
@@ -294,3 +296,36 @@ def test_read_many_names_the_corrupted_segment(tmp_path):
         tier.read_many(requests)
     with pytest.raises(CorruptStoreError, match=re.escape(str(shard)) + ".*crc32c"):
         tier.read("t2", requests["t2"])
+
+
+def test_a_scan_abandoned_in_a_reference_cycle_is_finalized_under_the_files_lock(tmp_path):
+    """A scan left half read inside a reference cycle (as an exception's traceback leaves one) holds
+    its files until the garbage collector finalizes it, which may happen while the very thread holds
+    the open-files lock: its reads end and its files are released there, without a deadlock."""
+    tier = SsdTier(tmp_path, store_id="test")
+    tier.add_table("t", 16)
+    keys = np.arange(200_000, dtype=np.int64)
+    tier.write("t", keys, np.ones((len(keys), 16), np.float32))
+    seg = next(iter(tier._segs["t"].values()))
+    scan = seg.scan(4096)
+    assert 0 < len(next(scan)[0]) < len(keys)  # half read: its next batches in flight
+    cycle: list = [scan]
+    cycle.append(cycle)
+    del scan, cycle
+    files = tier._files
+    done = threading.Event()
+
+    def collect_holding_the_lock() -> None:
+        gc.disable()  # collected here, at this point, not at an allocation elsewhere
+        try:
+            with files._lock:
+                gc.collect()
+        finally:
+            gc.enable()
+            done.set()
+
+    worker = threading.Thread(target=collect_holding_the_lock, daemon=True)
+    worker.start()
+    assert done.wait(30), "the scan's finalizer waited for the lock its own thread held"
+    assert not files._pins  # every descriptor the scan held is released
+    assert np.array_equal(tier.keys("t"), keys)  # and the tier reads on

@@ -80,6 +80,10 @@ TRAILER = 4 + TAG_BYTES  # bytes after each chunk's rows: its crc32c and its bin
 _ATTRIBUTES = {"hierps": {"chunk_tag": TAG_BYTES}}
 # Inner chunks per write block: a crash test can stop between two blocks.
 _BLOCK_CHUNKS = 2048
+# A writer hands each this many bytes it wrote to the kernel's writeback at once (not waiting for
+# it): the disk writes while the rows after them are made, and the fsync that makes the array
+# durable waits for the tail only.
+_WRITEBACK_BYTES = 8 << 20
 
 
 def _sharded_codecs(inner: list[int]) -> list[dict[str, Any]]:
@@ -218,6 +222,7 @@ class ArrayWriter:
         self._block_point = block_point
         self._partial = np.empty((0, self._row_bytes), np.uint8)
         self._fd: int | None = None
+        self._written = self._handed = 0  # bytes in the shard file; of those, handed to the writeback
         self._chunks = 0
         self._checksum = checksum
         self.n = 0
@@ -255,6 +260,12 @@ class ArrayWriter:
         except BaseException:
             self.abort()  # the array cannot be finished (e.g. a full disk)
             raise
+        self._written += encoded.nbytes
+        if self._written - self._handed >= _WRITEBACK_BYTES:
+            # Dirty pages are written back, not dropped: DONTNEED starts the writeback of the range
+            # and drops only its pages that are clean already (none: they were just written).
+            os.posix_fadvise(self._fd, self._handed, self._written - self._handed, os.POSIX_FADV_DONTNEED)
+            self._handed = self._written
         self._chunks += len(payloads)
         if self._block_point is not None:
             fault_point(self._block_point)

@@ -183,7 +183,10 @@ class OpenFiles:
 
     def __init__(self, capacity: int = 512) -> None:
         self.capacity = capacity
-        self._lock = threading.Lock()
+        # Reentrant: a read abandoned with its files acquired (a lazy ``read_arrays`` left in a
+        # reference cycle by an exception) releases them when the garbage collector finalizes it,
+        # which may happen in any thread at any allocation, this lock's holder included.
+        self._lock = threading.RLock()
         self._fds: OrderedDict[Path, int] = OrderedDict()
         self._pins: dict[int, int] = {}  # fd -> reads using it
         self._retired: set[int] = set()  # forgotten while in use: closed on the last release

@@ -147,5 +147,10 @@ def merged(
     batch_rows = max(1, buffer_bytes // (4 * (width + 2)))
     ordered = sorted(segments, key=lambda s: s.seg)  # a higher source index is a newer segment
     ids = np.array([s.seg for s in ordered], np.int64)
-    for keys, rows, src in _merged([s.scan(batch_rows) for s in ordered], width, newest_only=True):
-        yield keys, rows, ids[src]
+    scans = [s.scan(batch_rows) for s in ordered]
+    try:
+        for keys, rows, src in _merged(scans, width, newest_only=True):
+            yield keys, rows, ids[src]
+    finally:
+        for scan in scans:  # closed early (an error, a consumer that stopped): their reads end here
+            scan.close()

@@ -20,7 +20,7 @@ from __future__ import annotations
 import os
 import threading
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Generator, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as futures_wait
 from dataclasses import dataclass, field
@@ -72,7 +72,7 @@ def read_arrays(
     requests: Iterable[tuple[Array, np.ndarray | None]],
     open_files: OpenFiles | None = None,
     ahead_bytes: int | None = None,
-) -> Iterator[np.ndarray]:
+) -> Generator[np.ndarray, None, None]:
     """Rows of many arrays at once: for each ``(arr, positions)``, all of ``arr`` (n, ...) when
     ``positions`` is None, else its rows at ``positions`` (k,) int64 -> (k, ...), in request order.
 

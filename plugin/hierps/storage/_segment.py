@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 import zlib
-from collections.abc import Iterator
+from collections.abc import Generator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -310,7 +310,7 @@ class Segment:
         """Sorted unique chunk indices (c,) -> every row position in them (sorted)."""
         return chunk_positions(chunks, self.rows_array.chunk_rows, self.n)
 
-    def scan(self, batch_rows: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    def scan(self, batch_rows: int) -> Generator[tuple[np.ndarray, np.ndarray], None, None]:
         """Yield ``(keys (b,) int64, rows (b, width) float32)`` of every row, in key order."""
         arr = self.rows_array
         step = max(arr.chunk_rows, batch_rows - batch_rows % arr.chunk_rows)
@@ -318,8 +318,12 @@ class Segment:
         # _SCAN_AHEAD batches in flight at most): a scan waits for the device only when it outruns it.
         batches = ((arr, np.arange(start, min(start + step, self.n))) for start in range(0, self.n, step))
         ahead = _SCAN_AHEAD * -(-step // arr.chunk_rows) * arr.chunk_bytes
-        for block in read_arrays(batches, self.files, ahead_bytes=ahead):
-            yield split_block(block)
+        blocks = read_arrays(batches, self.files, ahead_bytes=ahead)
+        try:
+            for block in blocks:
+                yield split_block(block)
+        finally:
+            blocks.close()  # a scan closed early lets its reads finish and releases its files now
 
 
 def split_block(block: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

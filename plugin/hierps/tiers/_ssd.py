@@ -202,7 +202,23 @@ class SsdTier:
                             yield seg.rows_array, seg.chunk_positions(chunks)
 
         native = _native.enabled()
-        for block in read_arrays(reads(), self._files, ahead_bytes=_READ_AHEAD_BYTES):
+        blocks = read_arrays(reads(), self._files, ahead_bytes=_READ_AHEAD_BYTES)
+        try:
+            self._match(blocks, wanted, out, with_rows, native)
+        finally:
+            blocks.close()  # on an error: the reads in flight end, and their files are released, here
+        return out
+
+    def _match(
+        self,
+        blocks: Iterator[np.ndarray],
+        wanted: deque[tuple[str, int, np.ndarray, Segment, np.ndarray]],
+        out: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]],
+        with_rows: bool,
+        native: bool,
+    ) -> None:
+        """Each block read to the keys of its slice (newest segments first): found flags, holders and rows."""
+        for block in blocks:
             table, start, keys, seg, which = wanted.popleft()
             found, holder, rows = out[table]
             end, width = start + len(keys), self.widths[table]
@@ -220,7 +236,6 @@ class SsdTier:
             found[dest], holder[dest] = True, seg.seg
             if with_rows:
                 rows[dest] = stored_rows[at[fresh]]
-        return out
 
     # -- scans --------------------------------------------------------------------------------
     def iter_rows(self, table: str) -> Iterator[tuple[np.ndarray, np.ndarray]]:
