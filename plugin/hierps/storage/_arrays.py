@@ -29,6 +29,7 @@ reported with its file name. Writing and opening are here; reading is in :mod:`h
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -264,7 +265,8 @@ class ArrayWriter:
         if self._written - self._handed >= _WRITEBACK_BYTES:
             # Dirty pages are written back, not dropped: DONTNEED starts the writeback of the range
             # and drops only its pages that are clean already (none: they were just written).
-            os.posix_fadvise(self._fd, self._handed, self._written - self._handed, os.POSIX_FADV_DONTNEED)
+            with contextlib.suppress(OSError):  # advice only: a file system that refuses it writes alike
+                os.posix_fadvise(self._fd, self._handed, self._written - self._handed, os.POSIX_FADV_DONTNEED)
             self._handed = self._written
         self._chunks += len(payloads)
         if self._block_point is not None:
