@@ -91,30 +91,22 @@ def read_arrays(
     reads of the next requests go on while the caller works on this one. Positions outside an array
     are then refused before that request's reads.
     """
-    if ahead_bytes is None:
-        plans = [_plan(arr, positions) for arr, positions in requests]
-        reader = _Reader(open_files)
-        try:
-            marks = [reader.start(plan, inline=len(plans) == 1) for plan in plans]
-            for plan, mark in zip(plans, marks):
-                reader.wait(mark)
-                yield plan.decode()
-        finally:
-            reader.close()
-        return
-    pending = iter(requests)
+    if ahead_bytes is None:  # every request planned (and checked) before any read; all in flight
+        planned = [_plan(arr, positions) for arr, positions in requests]
+        plans, inline, ahead = iter(planned), len(planned) == 1, float("inf")
+    else:
+        plans, inline, ahead = (_plan(arr, positions) for arr, positions in requests), False, ahead_bytes
     started: deque[tuple[_Plan, int, int]] = deque()  # (plan, mark, its chunks' bytes)
     reader, held, more = _Reader(open_files), 0, True
     try:
         while True:
-            while more and (not started or held < ahead_bytes):
-                request = next(pending, None)
-                if request is None:
+            while more and (not started or held < ahead):
+                plan = next(plans, None)
+                if plan is None:
                     more = False
                     break
-                plan = _plan(*request)
                 size = len(plan.chunks) * plan.arr.chunk_bytes
-                started.append((plan, reader.start(plan, inline=False), size))
+                started.append((plan, reader.start(plan, inline=inline), size))
                 held += size
             if not started:
                 return
