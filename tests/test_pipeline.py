@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 import torch
@@ -169,3 +171,27 @@ def test_a_pass_loaded_group_by_group_is_not_read_ahead_past(make_store):
     assert loss_small == loss_whole
     for small, whole in zip(rows_small, rows_whole):
         np.testing.assert_array_equal(small, whole)
+
+
+def test_the_ram_tiers_lru_clock_does_not_depend_on_when_the_worker_runs(make_store):
+    """The worker's read-ahead scores the RAM tier's rows at the pass that asked for it, even when it
+    gets to them after that pass ended (as when it waits for the disk): which rows the RAM tier
+    evicts, and so where later rows come from and what a plan predicts, does not depend on timing."""
+    store = make_store(memory_budget="1MiB", device_budget="1MiB")
+    bag = hierps.EmbeddingBag(None, DIM, mode="sum", store=store, name="t")
+    first, second = np.arange(100, dtype=np.int64), np.arange(100, 200, dtype=np.int64)
+    store.begin_pass([{"t": first}])
+    bag(torch.from_numpy(first), torch.arange(0, 100, 10)).sum().backward()
+    store.step()
+    store.end_pass()
+    store.begin_pass([{"t": second}])  # the first pass's rows go back to RAM, scored 1
+    pipe, submit = store._pipe, store._pipe._submit
+    pipe._submit = lambda fn, *args: submit(lambda: (time.sleep(0.2), fn(*args))[1])  # a slow worker
+    store.prefetch([{"t": first}])  # asked during pass 1, read during pass 2
+    store.end_pass()
+    assert store_parts(store).core.memory.tick == 2
+    store.begin_pass([{"t": first}])
+    memory = store_parts(store).core.memory
+    assert memory.scores("t", first).tolist() == [1] * 100
+    store.end_pass()
+    assert store.stats.history[-1].ram_rows == 100  # read ahead from RAM

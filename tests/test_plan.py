@@ -172,6 +172,28 @@ def test_cli_plans_a_deepspeed_config_with_a_sample_and_warns_of_a_small_device_
     assert got.total_ssd_bytes == 2 * got.ssd_live_bytes
     assert got.restore_seconds == pytest.approx(got.index_ram_bytes / 1e9)
     assert all(p.seconds_low <= p.seconds_high for p in got.passes)
+    # The config's micro-batch cuts the sample into mini-batches, and its PassLoader halves a pass
+    # after each that loads in groups.
+    batches = [p.batches for p in got.passes]
+    assert batches[:3] == [500, 250, 125] and sum(batches) == 3 * BATCH // 8
+    assert got.passes[0].groups > 1 and got.passes[-1].groups == 1
+
+
+def test_mini_batches_of_a_traffic_and_the_loaders_cuts():
+    ids = np.arange(100, dtype=np.int64)
+    sample = hp.SampledTraffic({"t": ids}, examples_per_pass=40, examples_per_batch=10)
+    passes = list(sample.passes())
+    # 10 mini-batches of 10 examples, 4 a pass: the last pass is partial, not dropped.
+    assert [len(p) for p in passes] == [4, 4, 2] and sample.count == 3
+    assert np.array_equal(np.concatenate([b["t"] for p in passes for b in p]), ids)
+    with pytest.raises(ConfigError, match="examples_per_batch: expected a divisor of examples_per_pass"):
+        hp.SampledTraffic({"t": ids}, examples_per_pass=40, examples_per_batch=15)
+    law = hp.PowerLaw({"t": hp.TableDraw(1000, 1.1)}, examples_per_pass=400, count=2, examples_per_batch=100)
+    whole = list(hp.PowerLaw({"t": hp.TableDraw(1000, 1.1)}, examples_per_pass=400, count=2).passes())
+    for p, w in zip(law.passes(), whole, strict=True):  # the same draws, dealt out in order
+        assert len(p) == 4 and np.array_equal(np.concatenate([b["t"] for b in p]), w["t"])
+    with pytest.raises(ConfigError, match="pass_loader: the traffic needs its mini-batches"):
+        hp.plan({"t": hp.TableInput(dim=DIM, spec=SPEC)}, hp.SampledTraffic({"t": ids}, 40), pass_loader=True)
 
 
 def test_power_law_spec_in_yaml_and_bad_specs(tmp_path):
@@ -297,8 +319,10 @@ def test_bench_plan_compares_the_scale_workload_on_the_machine_it_measured():
 def test_a_dropin_deepfm_run_is_predicted_from_a_sample_of_its_batches(tmp_path):
     """The drop-in DeepFM (``hierps bench --dropin``'s model: 26 ``nn.Embedding`` fields fed
     ``X[:, j:j+1].long()``) swapped into the store by ``hierps.deepspeed.initialize`` and trained
-    pass by pass through a ``PassLoader``, its RAM tier a fraction of its rows; planned from the ids
-    of the very batches it trained on."""
+    pass by pass through a ``PassLoader``, its RAM tier a fraction of its rows and its device tier
+    about one mini-batch's: the first passes load in groups, the loader halves the passes after each
+    (4 mini-batches, then 2, then 1), the rest are pipelined. Planned from the ids of the very
+    batches it trained on, with the store's mini-batches and the loader's cuts."""
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     import deepspeed.ops
 
@@ -309,7 +333,7 @@ def test_a_dropin_deepfm_run_is_predicted_from_a_sample_of_its_batches(tmp_path)
     single_rank_env()
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False  # one rank: no shared-memory op
     cfg = {"rows": 40_000, "seed": 3, "examples": 4_096, "batch_size": 128}
-    pass_batches, memory_budget, device_budget = 4, "384KiB", "64MiB"
+    pass_batches, memory_budget, device_budget = 4, "384KiB", "256KiB"
     data, sizes, _ = _dataset(cfg)
     torch.manual_seed(0)
     section = {
@@ -345,15 +369,24 @@ def test_a_dropin_deepfm_run_is_predicted_from_a_sample_of_its_batches(tmp_path)
     spec = hierps.TableSpec.of(optimizer="adagrad")
     plan = hp.plan(
         {n: hp.TableInput(dim=16, keys=sizes[j], spec=spec) for j, n in enumerate(names)},
-        hp.SampledTraffic({n: ids[:, j] for j, n in enumerate(names)}, cfg["batch_size"] * pass_batches),
+        hp.SampledTraffic(
+            {n: ids[:, j] for j, n in enumerate(names)},
+            cfg["batch_size"] * pass_batches,
+            examples_per_batch=cfg["batch_size"],
+        ),
         memory_budget=memory_budget,
         device_budget=device_budget,
         checkpoint_every=None,
         read_ahead=True,
         copied_in=True,
+        pass_loader=True,
     )
-    assert len(plan.passes) == len(records) == 8
+    assert len(plan.passes) == len(records) == 1 + 1 + 26  # 32 mini-batches: 4, 2, then 1 a pass
+    assert [(p.batches, p.groups) for p in plan.passes[:3]] == [(4, 4), (2, 2), (1, 1)]
+    assert any("load in groups" in w for w in plan.warnings)
     _assert_passes_as_planned(plan, records)
+    # The store's worker scores its RAM tier at the pass that asked, so the replay is the store's count.
+    assert [r.rows_loaded for r in records] == [round(p.rows_loaded) for p in plan.passes]
     read = sum(r.ssd_bytes_read for r in records)
     assert read == pytest.approx(sum(p.ssd_bytes_read for p in plan.passes), rel=0.03)
     assert max(r.ssd_hit_rate for r in records) > 0.2 and max(r.ram_hit_rate for r in records) > 0.02

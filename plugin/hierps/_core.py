@@ -335,9 +335,10 @@ class StoreCore:
         return self.fetch_many({table: keys}, touch=touch, ahead=ahead)[table]
 
     def fetch_many(
-        self, requests: dict[str, np.ndarray], *, touch: bool, ahead: bool = False
+        self, requests: dict[str, np.ndarray], *, touch: bool, ahead: bool = False, tick: int | None = None
     ) -> dict[str, np.ndarray]:
         """:meth:`fetch` for many tables at once: the SSD reads of all of them go out together.
+        ``tick``: the RAM tier's LRU clock its touches score (see :meth:`MemoryTier.get`).
 
         The core walks the hierarchy: each tier answers for itself and knows no other. Writes go
         the same way, from the core down (:meth:`put_dirty`); the RAM tier's evictions reach the
@@ -346,7 +347,7 @@ class StoreCore:
         out, hits, rests = {}, {}, {}
         with self.pipe.lock:
             for table, keys in requests.items():
-                hit, ram_rows = self.memory.get(table, keys, touch=touch)
+                hit, ram_rows = self.memory.get(table, keys, touch=touch, tick=tick)
                 hits[table] = hit
                 if len(ram_rows) == len(keys):  # all in RAM: its copy is the answer
                     out[table], rests[table] = ram_rows, _NO_POSITIONS
@@ -416,8 +417,9 @@ class StoreCore:
         with self.pipe.lock:
             self.put_dirty(self.device_tier.drain())
 
-    def put_dirty(self, drained: dict[str, DrainedRows]) -> None:
-        """Hand dirty rows that left the device tier to the RAM tier, every table even if one fails.
+    def put_dirty(self, drained: dict[str, DrainedRows], tick: int | None = None) -> None:
+        """Hand dirty rows that left the device tier to the RAM tier, every table even if one fails
+        (``tick``: their LRU clock, see :meth:`MemoryTier.put`).
 
         The RAM tier keeps the rows its sink (the SSD tier) refused, over budget, so nothing is
         lost; the first error (:class:`StoreFullError` for a full disk) is raised once every
@@ -431,7 +433,7 @@ class StoreCore:
             keys, rows = d.keys[d.dirty], d.rows[d.dirty]
             order = np.argsort(keys, kind="stable")
             try:
-                self.memory.put(table, keys[order], rows[order], dirty=True)
+                self.memory.put(table, keys[order], rows[order], dirty=True, tick=tick)
             except Exception as exc:
                 failed = failed or exc
         if failed is not None:

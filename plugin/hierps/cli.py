@@ -154,6 +154,8 @@ def _plan(args: argparse.Namespace) -> int:
             "sample": str(Path(args.sample).resolve()),
             "examples_per_pass": args.examples_per_pass,
         }
+        if args.examples_per_batch is not None:
+            spec["traffic"]["examples_per_batch"] = args.examples_per_batch
     machine = None
     if args.machine == "measure":
         machine = measure_machine(args.tmp)
@@ -277,7 +279,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         "spec", help="a plan spec (.json / .yaml) or a DeepSpeed config with 'tables' beside its section"
     )
     pln.add_argument("--sample", help="a sample of batches (.npz / .parquet, one array of ids per table)")
-    pln.add_argument("--examples-per-pass", type=int, default=0, help="examples of the sample in one pass")
+    pln.add_argument(
+        "--examples-per-pass",
+        type=int,
+        default=0,
+        help="examples of the sample in one pass (a DeepSpeed config's default: pass_batches micro-batches)",
+    )
+    pln.add_argument(
+        "--examples-per-batch",
+        type=int,
+        help="examples of one mini-batch (a DeepSpeed config's default: its micro-batch): a pass over the "
+        "device budget is planned in the groups the store loads it in",
+    )
     pln.add_argument("--world-size", type=int, help="ranks (default: the spec's, else 1)")
     pln.add_argument("--memory-budget", help="RAM tier budget per rank (default: the spec's or section's)")
     pln.add_argument("--device-budget", help="device tier budget per rank (default: the spec's or section's)")

@@ -88,6 +88,10 @@ class PassPlan:
     seconds_low: float
     seconds_high: float
     stage_seconds: dict[str, float]
+    groups: int = 1
+    """Groups the pass loads in: more than one when its working set exceeds the device budget."""
+    batches: int = 0
+    """Mini-batches of the pass (0: the traffic gives passes, not their mini-batches)."""
 
 
 @dataclass(frozen=True)
@@ -152,6 +156,7 @@ def plan(
     read_ahead: bool = False,
     restored: bool = False,
     copied_in: bool = False,
+    pass_loader: bool = False,
 ) -> Plan:
     """Plan a store of ``tables`` (name -> :class:`TableInput`) for ``traffic`` (passes of ids,
     :class:`SampledTraffic` or :class:`PowerLaw`), at ``world_size`` ranks each with these budgets.
@@ -166,6 +171,9 @@ def plan(
     copied into the store before the first pass, as ``hierps.deepspeed.initialize`` copies a model's
     ``nn.Embedding`` / ``nn.EmbeddingBag`` tables in (not built on the meta device): the RAM tier holds
     what its budget takes of them, in table order, and the rest starts on the SSD tier.
+    ``pass_loader``: the passes are cut by a ``PassLoader`` (the traffic needs ``examples_per_batch``):
+    after a pass that loads in groups (over the device budget), the next passes have half as many
+    mini-batches, down to one.
     """
     if not tables:
         raise ConfigError("plan: no tables given; give at least one table with its dim.")
@@ -186,6 +194,10 @@ def plan(
             raise ConfigError(
                 "copied_in: planned for one rank only (a sharded copy-in splits rows by owner)."
             )
+    if pass_loader and traffic.examples_per_batch is None:
+        raise ConfigError(
+            "pass_loader: the traffic needs its mini-batches; give it examples_per_batch (the loader's batch size)."
+        )
     fraction = _choose_fraction(traffic, world_size, max_ids_per_pass)
     if copied_in and fraction < 1:
         raise ConfigError(
@@ -207,6 +219,7 @@ def plan(
         read_ahead=read_ahead,
         restored=restored,
         copied_in={t: int(i.keys or 0) for t, i in tables.items()} if copied_in else None,
+        pass_loader=pass_loader,
     )
     seen = _distinct_seen(counts)
     tplans = [
@@ -346,6 +359,8 @@ def _pass_plan(
         seconds_low=max(stages.values(), default=0.0),
         seconds_high=sum(stages.values()),
         stage_seconds=stages,
+        groups=c.groups,
+        batches=c.batches,
     )
 
 
@@ -401,13 +416,21 @@ def _warnings(
     world: int,
 ) -> list[str]:
     out = []
+    oversized = [p.pass_index for p, c in zip(passes, counts, strict=True) if c.oversized]
+    if oversized:
+        out.append(
+            f"device_budget {_fmt(device_budget)} cannot hold one mini-batch's rows (passes "
+            f"{_some(oversized)}): the store refuses such a mini-batch (DeviceBudgetError). Raise "
+            "device_budget or use smaller mini-batches."
+        )
     split = [p.pass_index for p, c in zip(passes, counts, strict=True) if c.split]
     if split:
         need = max(p.working_set_bytes for p in passes)
         out.append(
             f"device_budget {_fmt(device_budget)} cannot hold a pass's working set ({_fmt(need)} per rank at "
-            f"the peak; passes {split[:5]}{'...' if len(split) > 5 else ''}): those passes load in groups "
-            "one after another, without the pipeline. Raise device_budget, or make passes shorter."
+            f"the peak; passes {_some(split)}): those passes load in groups one after another, without "
+            "the pipeline (a PassLoader halves the passes after each). Raise device_budget, or make "
+            "passes shorter."
         )
     need = max((p.working_set_bytes for p in passes), default=0.0)
     if need > memory_budget:
@@ -422,6 +445,10 @@ def _warnings(
         if inp.spec.admission is not None and inp.spec.admission.filters:
             out.append(f"table {name!r} filters admission: the replay counts every key as admitted.")
     return out
+
+
+def _some(indices: list[int]) -> str:
+    return f"{indices[:5]}{'...' if len(indices) > 5 else ''}"
 
 
 def format_plan(p: Plan) -> str:

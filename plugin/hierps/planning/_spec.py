@@ -14,9 +14,13 @@
     restored: false               # the tables already hold their keys (a store opened at a checkpoint)
     copied_in: false              # each table's keys rows copied in before the first pass (a model's
                                   #   tables handed to hierps.deepspeed.initialize; one rank)
+    pass_loader: false            # passes cut by a PassLoader, halved after one over the device budget;
+                                  #   default true with a hierarchical_ps section and known mini-batches
     traffic:                      # a sample of batches ...
       sample: ids.npz             #   .npz / .parquet, one array (column) of ids per table
-      examples_per_pass: 100000
+      examples_per_pass: 100000   #   a DeepSpeed config's default: pass_batches x its micro-batch
+      examples_per_batch: 1000    #   the mini-batch (optional; a DeepSpeed config's micro-batch): a
+                                  #   pass over the device budget is then loaded in the store's groups
     # traffic: {power_law: {user: {exponent: 1.05, ids_per_example: 1}}, examples_per_pass: 1e7, passes: 4}
     machine: machine.json         # `hierps bench --json` output, or {disk_read, disk_write, ram_copy}
 
@@ -50,6 +54,7 @@ _KEYS = {
     "read_ahead",
     "restored",
     "copied_in",
+    "pass_loader",
     "traffic",
     "machine",
     "hierarchical_ps",
@@ -90,7 +95,7 @@ def plan_from_spec(
     if unknown:
         raise ConfigError(f"plan spec: unknown key {unknown[0]!r}; the keys are {sorted(_KEYS)}.")
     tables = _tables(spec.get("tables"), section)
-    traffic = _traffic(spec.get("traffic"), tables, folder)
+    traffic = _traffic(spec.get("traffic"), tables, folder, section)
     if machine is None and spec.get("machine") is not None:
         m = spec["machine"]
         machine = load_machine(folder / m if isinstance(m, str) else m)
@@ -109,6 +114,9 @@ def plan_from_spec(
         read_ahead=bool(spec.get("read_ahead", "hierarchical_ps" in spec)),
         restored=bool(spec.get("restored", False)),
         copied_in=bool(spec.get("copied_in", False)),
+        pass_loader=bool(
+            spec.get("pass_loader", "hierarchical_ps" in spec and traffic.examples_per_batch is not None)
+        ),
     )
 
 
@@ -121,7 +129,10 @@ def _section(spec: Mapping[str, Any]) -> dict[str, Any]:
     from hierps.integrations.config import parse_section
 
     cfg = parse_section(raw)
+    micro = spec.get("train_micro_batch_size_per_gpu")
     return {
+        "examples_per_batch": None if micro is None else _int(micro, "train_micro_batch_size_per_gpu"),
+        "pass_batches": cfg.pass_batches,
         "memory_budget": cfg.memory_budget,
         "device_budget": cfg.device_budget,
         "pipeline": cfg.pipeline,
@@ -160,15 +171,19 @@ def _tables(raw: Any, section: Mapping[str, Any]) -> dict[str, TableInput]:
     return out
 
 
-def _traffic(raw: Any, tables: Mapping[str, TableInput], folder: Path) -> Traffic:
+def _traffic(raw: Any, tables: Mapping[str, TableInput], folder: Path, section: Mapping[str, Any]) -> Traffic:
     if not isinstance(raw, Mapping):
         raise ConfigError(
             "plan spec: 'traffic' must be {'sample': 'ids.npz', 'examples_per_pass': N} or "
             "{'power_law': {table: {'exponent': s}}, 'examples_per_pass': N, 'passes': P}."
         )
-    per_pass = _int(raw.get("examples_per_pass", 0), "traffic.examples_per_pass")
+    batch = raw.get("examples_per_batch", section.get("examples_per_batch"))
+    batch = None if batch is None else _int(batch, "traffic.examples_per_batch")
+    # A DeepSpeed config's PassLoader cuts passes of pass_batches micro-batches.
+    default = batch * section["pass_batches"] if batch is not None and "pass_batches" in section else 0
+    per_pass = _int(raw.get("examples_per_pass") or default, "traffic.examples_per_pass")
     if "sample" in raw:
-        return load_sample(folder / str(raw["sample"]), per_pass, tables=None)
+        return load_sample(folder / str(raw["sample"]), per_pass, tables=None, examples_per_batch=batch)
     if "power_law" in raw:
         draws = {}
         for name, d in raw["power_law"].items():
@@ -189,6 +204,7 @@ def _traffic(raw: Any, tables: Mapping[str, TableInput], folder: Path) -> Traffi
             per_pass,
             count=_int(raw.get("passes", 4), "traffic.passes"),
             seed=_int(raw.get("seed", 0), "seed"),
+            examples_per_batch=batch,
         )
     raise ConfigError("plan spec: 'traffic' needs 'sample' (a file of ids) or 'power_law'.")
 

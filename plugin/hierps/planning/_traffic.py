@@ -1,7 +1,9 @@
 """The id traffic a plan is made for: passes of ids per table, from a sample of real batches or
 drawn from a power law.
 
-A pass is ``{table: ids}`` (int64, repeats included, in arrival order). Either source can be
+A pass is ``{table: ids}`` (int64, repeats included, in arrival order), or, when the traffic knows
+its mini-batches (``examples_per_batch``), a list of such, one per mini-batch: the replay then loads a
+pass over the device budget in the groups the store plans, as the store does. Either source can be
 *spatially sampled*: only the keys whose hash falls in a fraction ``f`` of the hash space are kept
 (the way cache simulators such as SHARDS sample a trace), so that a plan of 10^9 keys simulates
 a few million; the simulator then scales every budget by ``f``. A key is kept or dropped with all
@@ -26,6 +28,7 @@ from hierps.rows import splitmix64
 __all__ = ["PowerLaw", "SampledTraffic", "Traffic", "keep_fraction", "load_sample"]
 
 Pass = dict[str, np.ndarray]
+Batches = list[Pass]
 
 
 def keep_fraction(keys: np.ndarray, fraction: float, salt: int = 0) -> np.ndarray:
@@ -45,10 +48,23 @@ class Traffic(ABC):
 
     fraction: float = 1.0
     examples_per_pass: int = 0
+    examples_per_batch: int | None = None
 
     @abstractmethod
-    def passes(self) -> Iterator[Pass]:
-        """The passes, in order."""
+    def passes(self) -> Iterator[Pass | Batches]:
+        """The passes, in order: ``{table: ids}`` each, or their mini-batches when ``examples_per_batch`` is set."""
+
+    def _check_batches(self) -> None:
+        if self.examples_per_pass < 1:
+            raise ConfigError(
+                f"examples_per_pass: expected at least 1. Got {self.examples_per_pass} instead."
+            )
+        b = self.examples_per_batch
+        if b is not None and (b < 1 or self.examples_per_pass % b):
+            raise ConfigError(
+                f"examples_per_batch: expected a divisor of examples_per_pass ({self.examples_per_pass}) of "
+                f"at least 1. Got {b} instead."
+            )
 
     @abstractmethod
     def describe(self) -> dict[str, Any]:
@@ -58,12 +74,17 @@ class Traffic(ABC):
 @dataclass
 class SampledTraffic(Traffic):
     """Passes cut from a sample of real batches: ``ids[table]`` (N,) or (N, L) int64, one row per
-    example, ``examples_per_pass`` rows a pass (the last, partial pass dropped unless it is the only one)."""
+    example, ``examples_per_pass`` rows a pass (the last, partial pass dropped unless it is the only one).
+
+    With ``examples_per_batch``, each pass is its mini-batches of that many rows, and the passes are
+    cut as a loader with ``drop_last`` cuts them: the last partial mini-batch is dropped, the last
+    partial pass kept."""
 
     ids: Mapping[str, np.ndarray]
     examples_per_pass: int
     fraction: float = 1.0
     source: str = "arrays"
+    examples_per_batch: int | None = None
 
     def __post_init__(self) -> None:
         lengths = {t: len(a) for t, a in self.ids.items()}
@@ -73,25 +94,36 @@ class SampledTraffic(Traffic):
             raise ConfigError(
                 f"traffic sample: every table needs one row of ids per example; got rows per table {lengths}."
             )
-        if self.examples_per_pass < 1:
-            raise ConfigError(
-                f"examples_per_pass: expected at least 1. Got {self.examples_per_pass} instead."
-            )
+        self._check_batches()
 
     @property
     def examples(self) -> int:
         return len(next(iter(self.ids.values())))
 
-    def passes(self) -> Iterator[Pass]:
-        n = self.examples
-        count = max(1, n // self.examples_per_pass)
-        for p in range(count):
+    @property
+    def count(self) -> int:
+        """Passes of the sample."""
+        if self.examples_per_batch is None:
+            return max(1, self.examples // self.examples_per_pass)
+        return -(
+            -(self.examples // self.examples_per_batch) // (self.examples_per_pass // self.examples_per_batch)
+        )
+
+    def passes(self) -> Iterator[Pass | Batches]:
+        n, step = self.examples, self.examples_per_batch
+        for p in range(self.count):
             a, b = p * self.examples_per_pass, min(n, (p + 1) * self.examples_per_pass)
-            out = {}
-            for table, ids in self.ids.items():
-                flat = np.asarray(ids[a:b], np.int64).reshape(-1)
-                out[table] = flat[keep_fraction(flat, self.fraction)]
-            yield out
+            if step is None:
+                yield self._rows(a, b)
+            else:
+                yield [self._rows(c, c + step) for c in range(a, b - step + 1, step)]
+
+    def _rows(self, a: int, b: int) -> Pass:
+        out = {}
+        for table, ids in self.ids.items():
+            flat = np.asarray(ids[a:b], np.int64).reshape(-1)
+            out[table] = flat[keep_fraction(flat, self.fraction)]
+        return out
 
     def describe(self) -> dict[str, Any]:
         return {
@@ -99,13 +131,17 @@ class SampledTraffic(Traffic):
             "source": self.source,
             "examples": self.examples,
             "examples_per_pass": self.examples_per_pass,
-            "passes": max(1, self.examples // self.examples_per_pass),
+            "examples_per_batch": self.examples_per_batch,
+            "passes": self.count,
             "fraction": self.fraction,
         }
 
 
 def load_sample(
-    path: str | os.PathLike[str], examples_per_pass: int, tables: list[str] | None = None
+    path: str | os.PathLike[str],
+    examples_per_pass: int,
+    tables: list[str] | None = None,
+    examples_per_batch: int | None = None,
 ) -> SampledTraffic:
     """A sample of batches from ``path``: an ``.npz`` with one array of ids per table (named by the
     table; (N,) or (N, L) int64), or a Parquet file with one column per table (ints, or lists of
@@ -146,7 +182,7 @@ def load_sample(
     for name, a in arrays.items():
         if not np.issubdtype(a.dtype, np.integer):
             raise ConfigError(f"traffic sample {str(p)!r}: ids of {name!r} are {a.dtype}, not integers.")
-    return SampledTraffic(arrays, examples_per_pass, source=str(p))
+    return SampledTraffic(arrays, examples_per_pass, source=str(p), examples_per_batch=examples_per_batch)
 
 
 @dataclass(frozen=True)
@@ -165,7 +201,8 @@ class PowerLaw(Traffic):
 
     Spatial sampling here keeps a random subset of ``fraction * keys`` ranks per table and draws
     only their occurrences (their number from the binomial law of the whole pass), so a pass of
-    10^8 ids over 10^9 keys costs what a pass over the kept keys costs.
+    10^8 ids over 10^9 keys costs what a pass over the kept keys costs. With ``examples_per_batch``
+    each pass is split into its mini-batches, its ids dealt out in order (they are independent draws).
     """
 
     tables: Mapping[str, TableDraw]
@@ -173,8 +210,12 @@ class PowerLaw(Traffic):
     count: int = 4
     fraction: float = 1.0
     seed: int = 0
+    examples_per_batch: int | None = None
 
-    def passes(self) -> Iterator[Pass]:
+    def __post_init__(self) -> None:
+        self._check_batches()
+
+    def passes(self) -> Iterator[Pass | Batches]:
         rng = np.random.default_rng(self.seed)
         kept = {t: self._kept(d, rng) for t, d in self.tables.items()}
         for _ in range(self.count):
@@ -183,7 +224,12 @@ class PowerLaw(Traffic):
                 ranks, cdf, mass = kept[table]
                 n = int(rng.binomial(self.examples_per_pass * d.ids_per_example, min(1.0, mass)))
                 out[table] = ranks[np.searchsorted(cdf, rng.random(n) * cdf[-1], side="right")]
-            yield out
+            if self.examples_per_batch is None:
+                yield out
+            else:
+                k = self.examples_per_pass // self.examples_per_batch
+                split = {t: np.array_split(ids, k) for t, ids in out.items()}
+                yield [{t: parts[i] for t, parts in split.items()} for i in range(k)]
 
     def _kept(self, d: TableDraw, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray, float]:
         """(kept ranks (k,) int64 sorted, their cumulative weights, their share of the probability)."""
@@ -197,6 +243,7 @@ class PowerLaw(Traffic):
             "kind": "power_law",
             "tables": {t: d.__dict__ for t, d in self.tables.items()},
             "examples_per_pass": self.examples_per_pass,
+            "examples_per_batch": self.examples_per_batch,
             "passes": self.count,
             "fraction": self.fraction,
             "seed": self.seed,

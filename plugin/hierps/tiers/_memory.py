@@ -149,32 +149,48 @@ class MemoryTier:
         """keys: (n,) int64 -> (n,) bool, True where the row is cached."""
         return self._slabs[table].find(keys)[0]
 
+    def scores(self, table: str, keys: np.ndarray) -> np.ndarray:
+        """keys: (n,) int64 sorted unique, all cached -> (n,) int64: their eviction scores (the
+        clock of their last use under LRU, their uses under LFU)."""
+        slab = self._slabs[table]
+        hit, at = slab.find(keys)
+        if not hit.all():
+            raise KeyError(f"table {table!r}: {int((~hit).sum())} of the keys are not cached")
+        return slab.score[slab.slots[at]].copy()
+
     def columns(self, table: str, columns: slice) -> tuple[np.ndarray, np.ndarray]:
         """Every cached row's ``columns``: (keys (n,) int64 sorted, values (n, k) float32 copy)."""
         slab = self._slabs[table]
         return slab.keys.copy(), slab.rows[slab.slots, columns]
 
-    def _touch(self, slab: _Slab, slots: np.ndarray) -> None:
+    def _touch(self, slab: _Slab, slots: np.ndarray, tick: int | None) -> None:
         if self.policy == "lru":
-            slab.score[slots] = self.tick
+            slab.score[slots] = self.tick if tick is None else tick
         else:
             slab.score[slots] += 1
 
     # -- reads --------------------------------------------------------------------------------
-    def get(self, table: str, keys: np.ndarray, touch: bool = True) -> tuple[np.ndarray, np.ndarray]:
-        """keys: (n,) int64 sorted unique -> (hit (n,) bool, rows (hit.sum(), width) float32 copy)."""
+    def get(
+        self, table: str, keys: np.ndarray, touch: bool = True, tick: int | None = None
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """keys: (n,) int64 sorted unique -> (hit (n,) bool, rows (hit.sum(), width) float32 copy).
+        ``tick``: the LRU clock the touch scores (default :attr:`tick`; work done in the background
+        passes the clock of when it was asked for, so that its scores do not depend on its timing)."""
         slab = self._slabs[table]
         hit, at = slab.find(keys)
         slots = slab.slots[at[hit]]
         if touch:
-            self._touch(slab, slots)
+            self._touch(slab, slots, tick)
             self.hits += int(hit.sum())
             self.misses += int(len(keys) - hit.sum())
         return hit, slab.rows[slots]
 
     # -- writes -------------------------------------------------------------------------------
-    def put(self, table: str, keys: np.ndarray, rows: np.ndarray, dirty: bool = True) -> None:
-        """Cache rows (newer than the sink's when ``dirty``), evicting others to stay in budget.
+    def put(
+        self, table: str, keys: np.ndarray, rows: np.ndarray, dirty: bool = True, tick: int | None = None
+    ) -> None:
+        """Cache rows (newer than the sink's when ``dirty``), evicting others to stay in budget;
+        ``tick`` as for :meth:`get`.
 
         keys: (n,) int64 sorted unique; rows: (n, width) float32. When the sink refuses rows
         (``OSError``, e.g. a full disk), every row given stays cached and the error is raised.
@@ -190,7 +206,7 @@ class MemoryTier:
             slots = slab.slots[at[hit]]
             slab.rows[slots] = rows[hit]
             slab.dirty[slots] |= dirty
-            self._touch(slab, slots)
+            self._touch(slab, slots, tick)
             new = ~hit
             n_new = int(new.sum())
             new_keys, new_rows = keys[new], rows[new]
@@ -209,11 +225,11 @@ class MemoryTier:
         except OSError:
             # The sink took nothing (e.g. the disk is full): keep every row here, over budget,
             # so that none is lost, and let the caller see the error.
-            self._insert(slab, new_keys, new_rows, dirty)
+            self._insert(slab, new_keys, new_rows, dirty, tick)
             raise
-        self._insert(slab, new_keys[:fit], new_rows[:fit], dirty)
+        self._insert(slab, new_keys[:fit], new_rows[:fit], dirty, tick)
 
-    def _insert(self, slab: _Slab, keys: np.ndarray, rows: np.ndarray, dirty: bool) -> None:
+    def _insert(self, slab: _Slab, keys: np.ndarray, rows: np.ndarray, dirty: bool, tick: int | None) -> None:
         if len(keys) == 0:
             return
         slots = slab.take_slots(len(keys))
@@ -223,7 +239,10 @@ class MemoryTier:
             at = slice(int(slots[0]), int(slots[-1]) + 1)
         slab.rows[at] = rows
         slab.dirty[at] = dirty
-        slab.score[at] = self.tick if self.policy == "lru" else 1  # as _touch scores a fresh row
+        if self.policy == "lru":  # as _touch scores a fresh row
+            slab.score[at] = self.tick if tick is None else tick
+        else:
+            slab.score[at] = 1
         slab.insert(keys, slots)
 
     def _evict(self, nbytes: int) -> None:

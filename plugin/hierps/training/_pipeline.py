@@ -98,12 +98,13 @@ class PassPipeline:
     # -- write-back ----------------------------------------------------------------------------
     def submit_writeback(self, drained: dict[str, DrainedRows]) -> None:
         if any(d.dirty.any() for d in drained.values()):
-            self._writebacks.append(self._submit(self._writeback, drained))
+            # The RAM tier scores the rows at the clock of now, however late the worker gets to them.
+            self._writebacks.append(self._submit(self._writeback, drained, self._core.memory.tick))
 
-    def _writeback(self, drained: dict[str, DrainedRows]) -> None:
+    def _writeback(self, drained: dict[str, DrainedRows], tick: int) -> None:
         t0 = time.perf_counter()
         with self.lock:
-            self._core.put_dirty(drained)
+            self._core.put_dirty(drained, tick)
         self.writeback_seconds += time.perf_counter() - t0
 
     def wait_writebacks(self) -> None:
@@ -126,16 +127,17 @@ class PassPipeline:
         tier from ``resident`` to it, the rows not in ``resident``, and the mini-batches
         translated into the slots they will have: see :class:`ReadAhead`.
         """
-        self._prepared = (batches, self._submit(self._prepare, batches, group, resident))
+        tick = self._core.memory.tick  # its RAM hits are scored now, however late the worker reads them
+        self._prepared = (batches, self._submit(self._prepare, batches, group, resident, tick))
 
-    def _prepare(self, batches: list[Ids], group: Ids | None, resident: ResidentKeys) -> ReadAhead:
+    def _prepare(self, batches: list[Ids], group: Ids | None, resident: ResidentKeys, tick: int) -> ReadAhead:
         t0 = time.perf_counter()
         positions = None
         if group is None:
             group, positions = union_positions(batches)
         relayout = resident.relayout_to(group)
         with self.lock:
-            rows = self._core.fetch_many(relayout.missing, touch=True, ahead=True)
+            rows = self._core.fetch_many(relayout.missing, touch=True, ahead=True, tick=tick)
         plans = translate(batches, group, relayout.first_slot, self._core.device, positions)
         self.prepare_seconds += time.perf_counter() - t0
         return ReadAhead(group, relayout, rows, plans)
