@@ -248,11 +248,18 @@ class DeviceTier:
         if m == 0:
             return torch.empty(0, dtype=torch.int64, device=self.device)
         r = self._tables[table]
-        start = r.arena.append(m)
-        r.arena.rows[start : start + m] = torch.from_numpy(np.ascontiguousarray(rows)).to(self.device)
-        r.arena.dirty[start : start + m] = False
-        r.arena.used[start : start + m] = self.clock
-        slots = np.arange(start, start + m, dtype=np.int64)
+        arena = r.arena
+        start = arena.append(m)
+        end = start + m
+        if self.device.type == "cpu":  # numpy views of the arena: a slice assigned at memory speed
+            arena.rows.numpy()[start:end] = rows
+            arena.dirty.numpy()[start:end] = False
+            arena.used.numpy()[start:end] = self.clock
+        else:
+            arena.rows[start:end] = torch.from_numpy(np.ascontiguousarray(rows)).to(self.device)
+            arena.dirty[start:end] = False
+            arena.used[start:end] = self.clock
+        slots = np.arange(start, end, dtype=np.int64)
         r.add(keys, slots)
         self._bytes += m * self.row_bytes(table)
         self.version += 1

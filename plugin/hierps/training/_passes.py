@@ -369,7 +369,7 @@ class PassRunner:
         need = tier.bytes_for({table: int(keys.numel())})
         if need > tier.budget:
             raise DeviceBudgetError(self._budget_message(need))
-        missing = keys[~found].cpu().numpy()
+        missing = keys.numpy()[~found.numpy()] if keys.device.type == "cpu" else keys[~found].cpu().numpy()
         if (
             tier.bytes_used + tier.bytes_for({table: len(missing)}) > tier.budget
             and len(self.plan.groups) <= 1
@@ -393,8 +393,13 @@ class PassRunner:
                     self._load(nxt, create=False)
         else:  # the missing rows fit beside the resident ones: load them, their slots known
             self._pipe.wait_writebacks()
+            new = tier.insert(table, missing, self._core.fetch(table, missing, touch=True))
+            if slots.device.type == "cpu":  # numpy masks: a few µs where torch's take tens
+                out = slots.numpy().copy()
+                out[~found.numpy()] = new.numpy()
+                return torch.from_numpy(out)
             slots = slots.clone()
-            slots[~found] = tier.insert(table, missing, self._core.fetch(table, missing, touch=True))
+            slots[~found] = new
             return slots
         found, slots = tier.resolve(table, keys)
         return slots
