@@ -367,21 +367,28 @@ def test_a_dropin_deepfm_run_is_predicted_from_a_sample_of_its_batches(tmp_path)
         engine.destroy()
     ids = data.tensors[0][:, 13:].long().numpy()
     spec = hierps.TableSpec.of(optimizer="adagrad")
-    plan = hp.plan(
-        {n: hp.TableInput(dim=16, keys=sizes[j], spec=spec) for j, n in enumerate(names)},
-        hp.SampledTraffic(
-            {n: ids[:, j] for j, n in enumerate(names)},
-            cfg["batch_size"] * pass_batches,
-            examples_per_batch=cfg["batch_size"],
-        ),
-        memory_budget=memory_budget,
-        device_budget=device_budget,
-        checkpoint_every=None,
-        read_ahead=True,
-        copied_in=True,
-        pass_loader=True,
-    )
+
+    def planned(traffic):
+        return hp.plan(
+            {n: hp.TableInput(dim=16, keys=sizes[j], spec=spec) for j, n in enumerate(names)},
+            traffic,
+            memory_budget=memory_budget,
+            device_budget=device_budget,
+            checkpoint_every=None,
+            read_ahead=True,
+            copied_in=True,
+            pass_loader=True,
+        )
+
+    sample = {n: ids[:, j] for j, n in enumerate(names)}
+    batch = cfg["batch_size"]
+    plan = planned(hp.SampledTraffic(sample, batch * pass_batches, examples_per_batch=batch))
     assert len(plan.passes) == len(records) == 1 + 1 + 26  # 32 mini-batches: 4, 2, then 1 a pass
+    # The same plan from the batches of the user's own loader, taken as they come.
+    from_loader = planned(
+        hp.sample_loader(_loader(data, cfg), ids_of, batches=10**6, pass_batches=pass_batches)
+    )
+    assert from_loader.passes == plan.passes and from_loader.traffic["batches"] == 32
     assert [(p.batches, p.groups) for p in plan.passes[:3]] == [(4, 4), (2, 2), (1, 1)]
     assert any("load in groups" in w for w in plan.warnings)
     _assert_passes_as_planned(plan, records)
@@ -405,3 +412,33 @@ def test_a_copy_in_needs_each_tables_rows_and_one_rank():
     fresh = hp.plan({"t": hp.TableInput(dim=DIM, keys=KEYS * 7 + 3, spec=SPEC)}, traffic)
     assert copied.passes[0].ram_hit_rate + copied.passes[0].ssd_hit_rate == pytest.approx(1.0)
     assert fresh.passes[0].ram_hit_rate + fresh.passes[0].ssd_hit_rate == 0.0
+
+
+def test_bench_machine_probes_the_rates_a_plan_reads(tmp_path, capsys):
+    out = tmp_path / "machine.json"
+    argv = ["bench", "--machine", "--disk-bytes", "8MiB", "--tmp", str(tmp_path), "--json", str(out)]
+    assert cli.main(argv) == 0
+    assert "random 4 KiB reads, 16 in flight" in capsys.readouterr().out
+    machine = hp.load_machine(out)
+    for rate in ("disk_read", "disk_write", "ram_copy", "random_read", "segment_write", "replace_rate"):
+        assert getattr(machine, rate) > 0, rate
+    assert machine.checkpoint_latency is not None and machine.checkpoint_latency >= 0
+    got = hp.plan(
+        {"t": hp.TableInput(dim=DIM, spec=SPEC)},
+        hp.SampledTraffic({"t": np.concatenate(zipf_passes(passes=2))}, BATCH),
+        memory_budget="64KiB",
+        machine=machine,
+    )
+    assert got.machine == machine.to_json() and all(p.seconds_high > 0 for p in got.passes[1:])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["machine.json"]  # the probes' files are gone
+
+
+def test_a_sample_of_the_users_loader_needs_whole_ids_and_a_batch():
+    loader = [{"user": torch.tensor([[1, 2], [3, 3]]), "x": torch.zeros(2)} for _ in range(5)]
+    traffic = hp.sample_loader(loader, {"user": "user"}, batches=3, pass_batches=2)
+    assert [len(p) for p in traffic.passes()] == [2, 1] and traffic.examples_per_batch == 2
+    assert np.array_equal(next(traffic.passes())[0]["user"], [1, 2, 3, 3])
+    with pytest.raises(ConfigError, match="ids of 'x' are float32, not whole numbers"):
+        hp.sample_loader([{"x": torch.tensor([0.5])}], {"x": "x"})
+    with pytest.raises(ConfigError, match="sample_loader: the list gave no batch"):
+        hp.sample_loader([], {"x": "x"})

@@ -311,6 +311,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--scaling", action="store_true", help="run only the SSD scaling experiment")
     a("--no-scaling", action="store_true", help="skip the SSD scaling experiment")
     a("--no-machine", action="store_true", help="skip the RAM / disk / SSD tier bandwidth probes")
+    a(
+        "--machine",
+        action="store_true",
+        help="instead: probe this machine only (RAM copy, the disk's sequential and random 4 KiB reads, "
+        "store checkpoints in --tmp) and write with --json what `hierps plan --machine FILE` reads",
+    )
     a("--disk-bytes", help="size of the disk probe file (default 1GiB; --quick 256MiB)")
     a("--tmp", help="directory for stores and probe files (default: the system temp dir; put it on the SSD)")
     a(
@@ -442,6 +448,10 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
 
 def run_from_args(args: argparse.Namespace) -> int:
     """``hierps bench``: run, print the report, write ``--json`` / ``--plot``."""
+    if args.machine:
+        from hierps.bench.plan import run_machine
+
+        return run_machine(args)
     if args.scale:
         from hierps.bench import plan, scale
 

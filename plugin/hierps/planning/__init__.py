@@ -11,7 +11,8 @@ checkpoints and restores will go, before it trains (``hierps plan``).
     print(hp.format_plan(p))
 
 - :mod:`._sizes` — bytes per row in each tier, from the store's layout and its segment writer;
-- :mod:`._traffic` — passes of ids: a sample of real batches, or a power law; spatial sampling;
+- :mod:`._traffic` — passes of ids: a sample of real batches (a file, or :func:`sample_loader` of the
+  user's loader), or a power law; spatial sampling;
 - :mod:`._simulate` — the passes replayed through the store's RAM tier on keys alone;
 - :mod:`._machine` — the machine's rates, from ``hierps bench`` JSON or measured now;
 - :mod:`._plan` — the plan itself and its text; :mod:`._spec` — inputs from a spec or DeepSpeed config;
@@ -24,9 +25,18 @@ from hierps.planning._plot import plot_plan
 from hierps.planning._simulate import PassCounts, replay
 from hierps.planning._sizes import RowBytes, row_bytes
 from hierps.planning._spec import plan_from_spec, read_spec
-from hierps.planning._traffic import PowerLaw, SampledTraffic, TableDraw, keep_fraction, load_sample
+from hierps.planning._traffic import (
+    BatchTraffic,
+    PowerLaw,
+    SampledTraffic,
+    TableDraw,
+    keep_fraction,
+    load_sample,
+    sample_loader,
+)
 
 __all__ = [
+    "BatchTraffic",
     "Machine",
     "PassCounts",
     "PassPlan",
@@ -49,4 +59,5 @@ __all__ = [
     "read_spec",
     "replay",
     "row_bytes",
+    "sample_loader",
 ]

@@ -22,7 +22,7 @@ from hierps.errors import ConfigError
 from hierps.planning._machine import Machine
 from hierps.planning._simulate import PassCounts, replay
 from hierps.planning._sizes import RowBytes, row_bytes
-from hierps.planning._traffic import PowerLaw, SampledTraffic, Traffic
+from hierps.planning._traffic import BatchTraffic, PowerLaw, SampledTraffic, Traffic
 
 __all__ = ["PassPlan", "Plan", "TablePlan", "TableInput", "format_plan", "plan"]
 
@@ -265,6 +265,8 @@ def _traffic_tables(traffic: Traffic) -> list[str]:
         return list(traffic.ids)
     if isinstance(traffic, PowerLaw):
         return list(traffic.tables)
+    if isinstance(traffic, BatchTraffic):
+        return sorted({t for b in traffic.batches for t in b})
     return []
 
 
@@ -282,6 +284,8 @@ def _choose_fraction(traffic: Traffic, world_size: int, max_ids: int) -> float:
         # A power law is drawn over every key it keeps: keep at most ``max_ids`` keys a rank too.
         keys = sum(d.keys for d in traffic.tables.values())
         per_pass = max(per_pass, keys)
+    elif isinstance(traffic, BatchTraffic):
+        per_pass = round(traffic.ids_per_pass)
     else:
         return 1.0
     return min(1.0, max_ids / max(per_pass / world_size, 1))

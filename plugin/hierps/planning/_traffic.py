@@ -12,10 +12,11 @@ its occurrences, so per-key behaviour (its reuse from pass to pass) is that of t
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 from abc import ABC, abstractmethod
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -25,7 +26,15 @@ import numpy as np
 from hierps.errors import ConfigError
 from hierps.rows import splitmix64
 
-__all__ = ["PowerLaw", "SampledTraffic", "Traffic", "keep_fraction", "load_sample"]
+__all__ = [
+    "BatchTraffic",
+    "PowerLaw",
+    "SampledTraffic",
+    "Traffic",
+    "keep_fraction",
+    "load_sample",
+    "sample_loader",
+]
 
 Pass = dict[str, np.ndarray]
 Batches = list[Pass]
@@ -135,6 +144,96 @@ class SampledTraffic(Traffic):
             "passes": self.count,
             "fraction": self.fraction,
         }
+
+
+@dataclass
+class BatchTraffic(Traffic):
+    """Passes of ``pass_batches`` mini-batches taken as they are: ``batches`` is ``{table: ids}`` per
+    mini-batch (any shape, flattened; bags of any lengths), in training order, the last pass
+    partial. Made by :func:`sample_loader` from a few batches of the user's own loader."""
+
+    batches: list[dict[str, np.ndarray]]
+    pass_batches: int
+    fraction: float = 1.0
+    source: str = "batches"
+    examples_per_batch: int | None = None
+    """Examples of a mini-batch (informative; default: the most ids a table has in the first)."""
+
+    def __post_init__(self) -> None:
+        if not self.batches or not self.batches[0]:
+            raise ConfigError(
+                "traffic of batches: no batch (or no table's ids in the first); give at least one."
+            )
+        if isinstance(self.pass_batches, bool) or self.pass_batches < 1:
+            raise ConfigError(f"pass_batches: expected an int >= 1. Got {self.pass_batches!r} instead.")
+        if self.examples_per_batch is None:
+            self.examples_per_batch = max(1, int(max(len(a) for a in self.batches[0].values())))
+        self.examples_per_pass = self.examples_per_batch * self.pass_batches
+
+    @property
+    def ids_per_pass(self) -> float:
+        """Mean ids of a pass over every table (repeats included)."""
+        total = sum(len(a) for b in self.batches for a in b.values())
+        return total / len(self.batches) * self.pass_batches
+
+    def passes(self) -> Iterator[Batches]:
+        for start in range(0, len(self.batches), self.pass_batches):
+            yield [
+                {t: ids[keep_fraction(ids, self.fraction)] for t, ids in b.items()}
+                for b in self.batches[start : start + self.pass_batches]
+            ]
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "kind": "batches",
+            "source": self.source,
+            "batches": len(self.batches),
+            "pass_batches": self.pass_batches,
+            "examples_per_batch": self.examples_per_batch,
+            "passes": -(-len(self.batches) // self.pass_batches),
+            "fraction": self.fraction,
+        }
+
+
+def sample_loader(
+    loader: Iterable[Any],
+    ids: Callable[[Any], Mapping[str, Any]] | Mapping[str, Any],
+    *,
+    batches: int = 64,
+    pass_batches: int = 16,
+) -> BatchTraffic:
+    """The traffic of the first ``batches`` batches of ``loader`` (the user's own ``DataLoader``, or
+    any iterable of batches), cut into passes of ``pass_batches`` as a ``PassLoader`` cuts them.
+
+    ``ids``: a function batch -> ``{table: ids}`` (a tensor or array of any shape, or a
+    :class:`hierps.Bags`), or a mapping ``{table: key}`` that picks ``batch[key]``. The ids are
+    copied out (int64) as each batch comes, so the loader may reuse its buffers."""
+    if isinstance(batches, bool) or not isinstance(batches, int) or batches < 1:
+        raise ConfigError(f"batches: expected an int >= 1. Got {batches!r} instead.")
+    pick = ids if callable(ids) else (lambda batch: {t: batch[k] for t, k in ids.items()})
+    taken: list[dict[str, np.ndarray]] = []
+    examples = None
+    for batch in itertools.islice(loader, batches):
+        one = {}
+        for table, value in pick(batch).items():
+            if examples is None:  # a bag per example, else a row of ids per example
+                examples = len(value.offsets) if hasattr(value, "offsets") else len(value)
+            value = getattr(value, "ids", value)  # hierps.Bags: its ids
+            if hasattr(value, "detach"):
+                value = value.detach().cpu().numpy()
+            array = np.asarray(value)
+            if not np.issubdtype(array.dtype, np.integer) and not (
+                np.issubdtype(array.dtype, np.floating) and np.array_equal(array, np.round(array))
+            ):
+                raise ConfigError(f"sample_loader: ids of {table!r} are {array.dtype}, not whole numbers.")
+            one[str(table)] = array.astype(np.int64).reshape(-1)
+        taken.append(one)
+    name = type(loader).__name__
+    if not taken:
+        raise ConfigError(f"sample_loader: the {name} gave no batch.")
+    return BatchTraffic(
+        taken, pass_batches, source=f"{len(taken)} batches of a {name}", examples_per_batch=examples
+    )
 
 
 def load_sample(
