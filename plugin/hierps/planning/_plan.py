@@ -471,6 +471,13 @@ def format_plan(p: Plan) -> str:
         f"  checkpoint: {_fmt(p.checkpoint_bytes_per_pass)} per pass",
     ]
     skip = 1 if len(p.passes) > 1 else 0
+    if any(q.batches for q in p.passes):
+        sizes = sorted({q.batches for q in p.passes}, reverse=True)
+        split = sum(1 for q in p.passes if q.groups > 1)
+        lines.append(
+            f"  passes: {len(p.passes)} of {'/'.join(map(str, sizes))} mini-batches; {split} load in groups "
+            "(over the device budget)"
+        )
     lines.append(
         f"  per pass (after the first): device hit {p.mean('device_hit_rate', skip):.1%}, of rows loaded: RAM "
         f"{p.mean('ram_hit_rate', skip):.1%}, SSD {p.mean('ssd_hit_rate', skip):.1%}, new "
