@@ -195,9 +195,11 @@ def read_series(folder: Path) -> dict[str, list[tuple[int, float]]]:
     return out
 
 
-def test_deepspeed_monitor_writes_each_pass_record_and_the_section_serves_metrics(tmp_path, process_group):
+def monitored_engine(tmp_path, **config_keys):
+    """An engine of the test model whose DeepSpeed config writes ``csv_monitor`` files under tmp_path/csv/j."""
     _, model = twins()
-    config = ds_config(tmp_path / "store", metrics_port=0)
+    config = ds_config(tmp_path / "store", **config_keys.pop("section", {}))
+    config.update(config_keys)
     config["csv_monitor"] = {"enabled": True, "output_path": str(tmp_path / "csv"), "job_name": "j"}
     engine, _, _, _ = hds.initialize(
         model=model,
@@ -205,6 +207,11 @@ def test_deepspeed_monitor_writes_each_pass_record_and_the_section_serves_metric
         optimizer=torch.optim.Adam(model.parameters(), lr=0.01),
         config=config,
     )
+    return engine
+
+
+def test_deepspeed_monitor_writes_each_pass_record_and_the_section_serves_metrics(tmp_path, process_group):
+    engine = monitored_engine(tmp_path, section={"metrics_port": 0})
     try:
         server = engine.hierps_metrics
         assert server is not None and server.port > 0
@@ -225,3 +232,25 @@ def test_deepspeed_monitor_writes_each_pass_record_and_the_section_serves_metric
     steps = [4, 8, 10]  # the engine's global step when each pass closed
     for field, rows in series.items():
         assert rows == [(s, float(getattr(r, field))) for s, r in zip(steps, history, strict=True)], field
+
+
+def test_a_loop_without_passes_reports_every_steps_per_print_steps(tmp_path, process_group):
+    """The user's own loop, no PassLoader: the rows its gathers load on demand are recorded every
+    ``steps_per_print`` steps (``on_demand``), and DeepSpeed's monitor writes them as it writes passes."""
+    engine = monitored_engine(tmp_path, steps_per_print=3)
+    try:
+        store = engine.hierps_store
+        train_engine(engine, zipf_batches(10, batch=BATCH, bag=BAG, vocab=VOCAB))
+        last = store.record_stats()  # the 10th step, not recorded yet
+        assert store.record_stats() is None  # nothing since
+        history = list(store.stats.history)
+    finally:
+        engine.destroy()
+    assert [(r.on_demand, r.steps, r.pass_index) for r in history] == [(True, 3, 0)] * 3 + [(True, 1, 0)]
+    assert last is history[-1]
+    # The model's table was copied in: its rows come from the RAM and SSD tiers as the gathers ask.
+    assert history[0].rows_loaded > 0 and sum(r.ssd_rows for r in history) > 0
+    series = read_series(tmp_path / "csv" / "j")
+    assert series["on_demand"] == [(3, 1.0), (6, 1.0), (9, 1.0), (10, 1.0)]
+    steps = (3, 6, 9, 10)
+    assert series["rows_loaded"] == [(s, float(r.rows_loaded)) for s, r in zip(steps, history, strict=True)]

@@ -47,7 +47,7 @@ from hierps.lifecycle._features import Features
 from hierps.lifecycle._lifecycle import FeatureLifeCycle
 from hierps.rows._table import TableInfo
 from hierps.storage._format import FORMAT_VERSION
-from hierps.tiers._stats import PassStats
+from hierps.tiers._stats import PassRecord, PassStats
 from hierps.tiers._usage import StoreUsage, usage_of
 from hierps.training._batchplan import BatchPlan
 from hierps.training._passes import PassRunner
@@ -245,6 +245,18 @@ class Store:
         """Close the pass: its rows are written back to the RAM tier (in the background with the
         pipeline on), eviction runs when its schedule says so, and the pass counter advances."""
         self._passes.end_pass()
+
+    def record_stats(self) -> PassRecord | None:
+        """For a loop that announces no passes (rows loaded on demand): close a record of the steps
+        since the last one, as ``end_pass`` closes a pass's (``on_demand`` True; it goes to
+        :attr:`stats` and its listeners, such as DeepSpeed's monitor). None while a pass is open
+        (its record comes at ``end_pass``) or when nothing happened since the last record.
+        ``hierps.deepspeed`` calls it every ``steps_per_print`` steps taken outside passes (100 when unset)."""
+        self._core.check_open()
+        if self._passes.in_pass:
+            return None
+        core = self._core
+        return core.stats.record_on_demand(core.ssd, core.memory, list(core.tables), core.passes)
 
     def run_pass(self, batches: Batches) -> AbstractContextManager[None]:
         """``with store.run_pass(batches): ...`` = begin_pass(batches) ... end_pass()."""

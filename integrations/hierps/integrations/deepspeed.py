@@ -156,6 +156,8 @@ _log = logging.getLogger("hierps.deepspeed")
 if _log.level == logging.NOTSET:  # a level set before this import is the application's
     _log.setLevel(logging.INFO)
 _log.addHandler(_UnconfiguredLogging())
+# Steps between the records of a loop that announces no passes, when the config sets no steps_per_print.
+_ON_DEMAND_RECORD_STEPS = 100
 
 
 def _single_process_env(dist_init_required: bool | None) -> dict[str, str]:
@@ -579,6 +581,7 @@ class HierpsEngine:
         def was_step_applied(self) -> bool: ...
         def load_universal_checkpoint(self) -> bool: ...
         def use_node_local_storage(self) -> bool: ...
+        def steps_per_print(self) -> int | None: ...
 
         local_rank: int
 
@@ -602,6 +605,12 @@ class HierpsEngine:
                 self.hierps_store.step()
             else:
                 self.hierps_store.zero_grad()
+            # A loop that announces no passes still reports: a record of its on-demand loads every
+            # steps_per_print steps (one per pass otherwise, at end_pass).
+            local = _rank_store(self.hierps_store)
+            every = self.steps_per_print() or _ON_DEMAND_RECORD_STEPS
+            if local.stats.steps_unrecorded >= max(1, int(every)):
+                local.record_stats()
 
     def save_checkpoint(
         self,
@@ -747,13 +756,18 @@ class HierpsEngine:
         return ckpt
 
 
+def _rank_store(store: Store | ShardedStore) -> Store:
+    """This rank's store: the store, or of a sharded one its part here."""
+    return store.local if isinstance(store, ShardedStore) else store
+
+
 def _monitor_passes(engine: Any) -> Callable[[], None]:
     """Hand each pass record of this rank's store (of a sharded store: its part here) to DeepSpeed's
     monitor (the config's ``tensorboard`` / ``csv_monitor`` / ``wandb`` sections, written at rank 0)
     as ``hierps/<field>`` events at the global step the pass closed at
     (:func:`hierps.metrics.monitor_events`); with the section's ``metrics_port``, serve the store's
     figures at ``engine.hierps_metrics``. Returns what stops both (at ``destroy``)."""
-    local: Store = getattr(engine.hierps_store, "local", engine.hierps_store)
+    local = _rank_store(engine.hierps_store)
     monitor = getattr(engine, "monitor", None)
     stop: list[Callable[[], None]] = []
     if monitor is not None and getattr(monitor, "enabled", False):

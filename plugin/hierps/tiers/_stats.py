@@ -23,7 +23,9 @@ __all__ = ["PassRecord", "PassStats"]
 
 @dataclass(frozen=True)
 class PassRecord:
-    """What one pass did, recorded when it closed (:meth:`hierps.Store.end_pass`).
+    """What one pass did, recorded when it closed (:meth:`hierps.Store.end_pass`); or, for a loop
+    that announces no passes, what its steps did since the last record (:meth:`hierps.Store.record_stats`,
+    ``on_demand`` True: rows loaded as the gathers asked for them).
 
     Rows "loaded" are the rows of the pass's working set that were not resident in the device tier
     already (with the pipeline on, rows shared with the previous pass stay there): each came from
@@ -60,6 +62,10 @@ class PassRecord:
     """Bytes the RAM tier charges against its budget (rows and their bookkeeping)."""
     index_ram_bytes: int
     """RAM the SSD tier holds to find keys (fences and filters of the segments loaded so far)."""
+    steps: int = 0
+    """Optimizer steps (``store.step``) the record covers."""
+    on_demand: bool = False
+    """No pass was open: the record covers the steps since the previous record, their rows loaded on demand."""
 
     def to_json(self) -> dict[str, Any]:
         """The record as a JSON-able dict, one key per field."""
@@ -115,9 +121,10 @@ class PassStats:
     _loads: dict[str, list[int]] = field(default_factory=dict)
     _ahead: dict[str, list[int]] = field(default_factory=dict)  # read ahead for the next pass
     _pass: int = 0
-    _t0: float = 0.0
+    _t0: float = field(default_factory=time.perf_counter)  # when the pass (or what a record covers) began
     _ssd0: tuple[int, int] = (0, 0)
     on_demand_rebuilds: int = 0  # times rows fetched on demand overflowed the device tier (all passes)
+    _steps: int = 0  # optimizer steps since the last record
 
     @property
     def last(self) -> PassRecord | None:
@@ -127,6 +134,7 @@ class PassStats:
     def begin_pass(self, index: int) -> None:
         self._pass, self._t0 = index, time.perf_counter()
         self._loads, self._ahead = self._ahead, {}
+        self._steps = 0
 
     def count_load(self, table: str, *, ram: int, ssd: int, new: int, ahead: bool = False) -> None:
         c = (self._ahead if ahead else self._loads).setdefault(table, [0, 0, 0])
@@ -137,6 +145,27 @@ class PassStats:
     def count_on_demand_rebuild(self) -> None:
         self.on_demand_rebuilds += 1
 
+    def count_step(self) -> None:
+        self._steps += 1
+
+    @property
+    def steps_unrecorded(self) -> int:
+        """Optimizer steps since the last record."""
+        return self._steps
+
+    def record_on_demand(
+        self, ssd: SsdTier, memory: MemoryTier, tables: list[str], pass_index: int
+    ) -> PassRecord | None:
+        """A record of the steps since the last one, no pass open (the rows they loaded on demand);
+        None when nothing happened since (no step, no row loaded)."""
+        if not self._steps and not self._loads:
+            return None
+        self._pass = pass_index
+        ram = sum(c[0] for c in self._loads.values())
+        ssd_rows = sum(c[1] for c in self._loads.values())
+        new = sum(c[2] for c in self._loads.values())
+        return self._record(ssd, memory, tables, ram, ssd_rows, new, on_demand=True)
+
     def end_pass(self, ssd: SsdTier, memory: MemoryTier, tables: list[str]) -> PassRecord:
         ram = sum(c[0] for c in self._loads.values())
         ssd_rows = sum(c[1] for c in self._loads.values())
@@ -146,7 +175,14 @@ class PassStats:
         return self._record(ssd, memory, tables, ram, ssd_rows, new)
 
     def _record(
-        self, ssd: SsdTier, memory: MemoryTier, tables: list[str], ram: int, ssd_rows: int, new: int
+        self,
+        ssd: SsdTier,
+        memory: MemoryTier,
+        tables: list[str],
+        ram: int,
+        ssd_rows: int,
+        new: int,
+        on_demand: bool = False,
     ) -> PassRecord:
         loaded = ram + ssd_rows + new
         read, written = ssd.bytes_read, ssd.bytes_written
@@ -165,8 +201,11 @@ class PassStats:
             rows_ssd=sum(ssd.num_rows(t) for t in tables),
             memory_bytes=memory.bytes_used,
             index_ram_bytes=ssd.index_ram_bytes,
+            steps=self._steps,
+            on_demand=on_demand,
         )
         self._ssd0 = (read, written)
+        self._steps, self._t0 = 0, time.perf_counter()
         self.history.append(record)
         self._loads = {}
         for listener in list(self.listeners):

@@ -486,6 +486,7 @@ class SparseTrainer:
         """
         self._core.check_open()
         self._core.device_tier.tick()
+        self._core.stats.count_step()
         pending, self.pending, self._gathers = self.pending, [], {}
         leaves = list(
             {id(p.leaf): p.leaf for p in pending if p.leaf is not None and p.leaf.grad is not None}.values()
