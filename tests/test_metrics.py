@@ -254,3 +254,15 @@ def test_a_loop_without_passes_reports_every_steps_per_print_steps(tmp_path, pro
     assert series["on_demand"] == [(3, 1.0), (6, 1.0), (9, 1.0), (10, 1.0)]
     steps = (3, 6, 9, 10)
     assert series["rows_loaded"] == [(s, float(r.rows_loaded)) for s, r in zip(steps, history, strict=True)]
+
+
+def test_a_pass_record_round_trips_and_reads_a_record_older_than_its_last_fields(make_store):
+    store = make_store(memory_budget="4KiB")
+    store.table("t", 4)
+    train_passes(store, 2)
+    record = store.stats.last
+    assert hierps.PassRecord.from_json(record.to_json()) == record and record.steps > 0
+    older = {k: v for k, v in record.to_json().items() if k not in ("steps", "on_demand")}
+    assert hierps.PassRecord.from_json(older) == dataclasses.replace(record, steps=0, on_demand=False)
+    with pytest.raises(ConfigError, match=r"missing \['rows_loaded'\], unknown \['rows'\]"):
+        hierps.PassRecord.from_json({**{k: v for k, v in older.items() if k != "rows_loaded"}, "rows": 1})

@@ -74,13 +74,15 @@ class PassRecord:
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> PassRecord:
         """The record of :meth:`to_json`; ``ConfigError`` naming a missing or unknown field."""
-        names = [f.name for f in dataclasses.fields(cls)]
-        missing, unknown = sorted(set(names) - set(data)), sorted(set(data) - set(names))
+        fields = dataclasses.fields(cls)
+        names = [f.name for f in fields]
+        required = {f.name for f in fields if f.default is dataclasses.MISSING}  # later fields have defaults
+        missing, unknown = sorted(required - set(data)), sorted(set(data) - set(names))
         if missing or unknown:
             raise ConfigError(
                 f"a pass record needs exactly the fields {names}; missing {missing}, unknown {unknown}."
             )
-        record = cls(**{n: data[n] for n in names})
+        record = cls(**{n: data[n] for n in names if n in data})
         record.check()
         return record
 
