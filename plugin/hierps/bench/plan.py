@@ -26,7 +26,7 @@ from typing import Any
 
 from hierps.config import TableSpec
 
-__all__ = ["compare_scale", "measure_this_machine", "run_from_args", "run_machine", "scale_machine"]
+__all__ = ["compare_scale", "run_from_args", "run_machine", "scale_machine"]
 
 
 def scale_machine(results: dict[str, Any], ram_copy: float | None = None) -> Any:
@@ -128,59 +128,29 @@ def run_from_args(args: argparse.Namespace) -> int:
     return 0
 
 
-def measure_this_machine(
-    folder: str | None = None, disk_bytes: int = 1 << 30, out: Callable[[str], Any] = print
-) -> dict[str, Any]:
-    """``hierps bench --machine``: the rates a plan's times are bounded by, probed on this machine
-    (``folder``: on the disk the store will use): a RAM copy, the disk's sequential write (with
-    fsync) and cold read of ``disk_bytes``, its random 4 KiB reads with 16 in flight, and store
-    checkpoints (:func:`hierps.planning.checkpoint_costs`). -> ``{"machine": Machine.to_json(),
-    "probes": ...}``, what ``hierps plan --machine FILE`` reads."""
-    import tempfile
-
-    from hierps.bench.machine import disk_read, ram_copy
-    from hierps.bench.scale import random_read
-    from hierps.planning import Machine, checkpoint_costs
-
-    with tempfile.TemporaryDirectory(prefix="hierps-machine-", dir=folder) as tmp:
-        ram = ram_copy(min(disk_bytes, 256 << 20), repeats=3)
-        out(f"  RAM copy: {ram['bytes_per_s'] / 1e9:.2f} GB/s")
-        disk = disk_read(Path(tmp), disk_bytes)
-        out(
-            f"  disk: sequential write (with fsync) {disk['write_bytes_per_s'] / 1e9:.2f} GB/s, "
-            f"cold read {disk['bytes_per_s'] / 1e9:.2f} GB/s"
-        )
-        random = random_read(Path(tmp), disk_bytes)
-        out(
-            f"  disk: random 4 KiB reads, 16 in flight: {random['reads_per_s']:,.0f} reads/s "
-            f"({random['device_bytes_per_read'] / 1024:.1f} KiB from the device per read)"
-        )
-        latency, segment_write, replace_rate = checkpoint_costs(tmp)
-        out(
-            f"  store checkpoints: {latency * 1e3:.2f} ms per segment made durable, segments written at "
-            f"{segment_write / 1e6:.0f} MB/s, {replace_rate:,.0f} replaced rows located per second"
-        )
-    machine = Machine(
-        disk_read=float(disk["bytes_per_s"]),
-        disk_write=float(disk["write_bytes_per_s"]),
-        ram_copy=float(ram["bytes_per_s"]),
-        random_read=float(random["reads_per_s"]),
-        checkpoint_latency=latency,
-        segment_write=segment_write,
-        replace_rate=replace_rate,
-        name=f"hierps bench --machine ({platform.node() or 'this machine'})",
-    )
-    return {"machine": machine.to_json(), "probes": {"ram_copy": ram, "disk": disk, "random_4k": random}}
-
-
 def run_machine(args: argparse.Namespace) -> int:
-    """``hierps bench --machine [--disk-bytes SIZE] [--tmp DIR] [--json FILE]``."""
+    """``hierps bench --machine [--disk-bytes SIZE] [--tmp DIR] [--json FILE]``: the rates a plan's
+    times are bounded by, probed on this machine (:func:`hierps.planning.measure_machine` with the
+    disk's random reads), written as what ``hierps plan --machine FILE`` reads."""
+    import dataclasses
+
     from hierps.config import parse_size
+    from hierps.planning import measure_machine
 
     size = args.disk_bytes or ("256MiB" if args.quick else "1GiB")
     print(f"hierps bench --machine: probing {args.tmp or 'the system temp dir'} with {size}")
-    results = measure_this_machine(args.tmp, parse_size(size, "--disk-bytes"))
+    m = measure_machine(args.tmp, parse_size(size, "--disk-bytes"), random_reads=True)
+    m = dataclasses.replace(m, name=f"hierps bench --machine ({platform.node() or 'this machine'})")
+    print(f"  RAM copy: {m.ram_copy / 1e9:.2f} GB/s")
+    print(
+        f"  disk: sequential write (with fsync) {m.disk_write / 1e9:.2f} GB/s, cold read {m.disk_read / 1e9:.2f} GB/s"
+    )
+    print(f"  disk: random 4 KiB reads, 16 in flight: {m.random_read or 0:,.0f} reads/s")
+    print(
+        f"  store checkpoints: {(m.checkpoint_latency or 0) * 1e3:.2f} ms per segment made durable, segments "
+        f"written at {(m.segment_write or 0) / 1e6:.0f} MB/s, {m.replace_rate or 0:,.0f} replaced rows located per second"
+    )
     if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=1), encoding="utf-8")
+        Path(args.json).write_text(json.dumps({"machine": m.to_json()}, indent=1), encoding="utf-8")
         print(f"  written to {args.json}: hierps plan SPEC --machine {args.json}")
     return 0

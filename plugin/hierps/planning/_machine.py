@@ -94,19 +94,26 @@ def load_machine(source: str | os.PathLike[str] | dict[str, Any]) -> Machine:
         raise ConfigError(f"machine {str(path)!r}: not JSON ({exc}).") from None
 
 
-def measure_machine(folder: str | os.PathLike[str] | None = None, nbytes: int = 128 << 20) -> Machine:
+def measure_machine(
+    folder: str | os.PathLike[str] | None = None, nbytes: int = 128 << 20, random_reads: bool = False
+) -> Machine:
     """Measure RAM copy and disk rates now (a few seconds): the probes of ``hierps bench``, smaller.
-    ``folder`` should be on the disk the store will use (default: the system temp dir)."""
+    ``folder`` should be on the disk the store will use (default: the system temp dir).
+    ``random_reads``: also the disk's random 4 KiB reads, 16 in flight, over a file of ``nbytes``
+    (``hierps bench --machine``)."""
     from hierps.bench.machine import disk_read, ram_copy
+    from hierps.bench.scale import random_read
 
     ram = ram_copy(min(nbytes, 64 << 20), repeats=3)
     with tempfile.TemporaryDirectory(prefix="hierps-plan-", dir=folder) as tmp:
         disk = disk_read(Path(tmp), nbytes)
+        random = random_read(Path(tmp), nbytes)["reads_per_s"] if random_reads else None
         latency, segment_write, replace_rate = checkpoint_costs(tmp)
     return Machine(
         disk_read=disk["bytes_per_s"],
         disk_write=disk["write_bytes_per_s"],
         ram_copy=ram["bytes_per_s"],
+        random_read=random,
         checkpoint_latency=latency,
         segment_write=segment_write,
         replace_rate=replace_rate,

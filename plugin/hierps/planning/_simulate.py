@@ -27,13 +27,14 @@ and the read-ahead of the next pass (whose reads see the RAM tier a write-back e
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from hierps.errors import ConfigError
 from hierps.tiers import MemoryTier
+from hierps.training._passes import plan_groups
 
 __all__ = ["PassCounts", "replay"]
 
@@ -153,8 +154,11 @@ def replay(
     ahead_ok = False  # the last pass loaded in one group: it read this one ahead
     out: list[PassCounts] = []
 
+    def row_bytes(counts: dict[str, int]) -> float:
+        return sum(n * device_row_bytes[t] for t, n in counts.items())
+
     def device_bytes(keys: Mapping[str, np.ndarray]) -> float:
-        return sum(len(k) * device_row_bytes[t] for t, k in keys.items())
+        return row_bytes({t: len(k) for t, k in keys.items()})
 
     def fetch(counts: dict[str, dict[str, int]], table: str, keys: np.ndarray) -> None:
         """Rows of ``keys`` (none resident) loaded into the device tier: from RAM, the SSD tier, or new."""
@@ -185,7 +189,7 @@ def replay(
         )
         ws_bytes = device_bytes(work)
         groups = (
-            _groups(batches, device_bytes, device_budget)
+            plan_groups(batches, row_bytes, device_budget)
             if known and ws_bytes > device_budget
             else [(0, work)]
         )
@@ -280,27 +284,6 @@ def replay(
 
 def _no_keys(tables: Iterable[str]) -> dict[str, np.ndarray]:
     return {t: _EMPTY for t in tables}
-
-
-def _groups(
-    batches: list[dict[str, np.ndarray]],
-    device_bytes: Callable[[Mapping[str, np.ndarray]], float],
-    budget: float,
-) -> list[tuple[int, dict[str, np.ndarray]]]:
-    """Consecutive mini-batches (unique keys per table) merged while their keys fit ``budget``, as the
-    store plans a pass over its device budget: (first mini-batch, keys) per group. A mini-batch over
-    the budget alone is a group of its own (the store refuses it)."""
-    groups: list[tuple[int, dict[str, np.ndarray]]] = []
-    start, current = 0, None
-    for i, keys in enumerate(batches):
-        merged = keys if current is None else {t: np.union1d(current[t], k) for t, k in keys.items()}
-        if current is not None and device_bytes(merged) > budget:
-            groups.append((start, current))
-            start, merged = i, keys
-        current = merged
-    if current is not None:
-        groups.append((start, current))
-    return groups
 
 
 class _LoaderCut:

@@ -163,29 +163,22 @@ class PassStats:
         if not self._steps and not self._loads:
             return None
         self._pass = pass_index
-        ram = sum(c[0] for c in self._loads.values())
-        ssd_rows = sum(c[1] for c in self._loads.values())
-        new = sum(c[2] for c in self._loads.values())
-        return self._record(ssd, memory, tables, ram, ssd_rows, new, on_demand=True)
+        return self._record(ssd, memory, tables, on_demand=True)
 
     def end_pass(self, ssd: SsdTier, memory: MemoryTier, tables: list[str]) -> PassRecord:
-        ram = sum(c[0] for c in self._loads.values())
-        ssd_rows = sum(c[1] for c in self._loads.values())
-        new = sum(c[2] for c in self._loads.values())
         # No lock: each figure is one length or counter read (atomic under the GIL), so the training
         # thread never waits here for the pipeline's worker; figures may be a write-back apart.
-        return self._record(ssd, memory, tables, ram, ssd_rows, new)
+        return self._record(ssd, memory, tables)
 
     def _record(
         self,
         ssd: SsdTier,
         memory: MemoryTier,
         tables: list[str],
-        ram: int,
-        ssd_rows: int,
-        new: int,
         on_demand: bool = False,
     ) -> PassRecord:
+        """A record of the rows loaded since the last one (``_loads``), appended and handed to the listeners."""
+        ram, ssd_rows, new = (sum(c[i] for c in self._loads.values()) for i in range(3))
         loaded = ram + ssd_rows + new
         read, written = ssd.bytes_read, ssd.bytes_written
         record = PassRecord(

@@ -8,7 +8,7 @@ background half.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
@@ -32,7 +32,7 @@ from hierps.training._batchplan import (
 )
 from hierps.training._pipeline import PassPipeline
 
-__all__ = ["PassRunner"]
+__all__ = ["PassRunner", "plan_groups"]
 
 _EMPTY = np.empty(0, np.int64)
 
@@ -58,6 +58,30 @@ def _id_counts(batches: list[dict[str, np.ndarray]]) -> dict[str, int]:
         for table, keys in batch.items():
             out[table] = out.get(table, 0) + len(keys)
     return out
+
+
+def plan_groups(
+    batches: Sequence[Mapping[str, np.ndarray]], nbytes: Callable[[dict[str, int]], float], budget: float
+) -> list[tuple[int, dict[str, np.ndarray]]]:
+    """Consecutive mini-batches (sorted unique keys per table) merged while their rows fit ``budget``
+    (``nbytes``: bytes of ``{table: rows}``): ``(first mini-batch, keys per table)`` per group, in order.
+    A mini-batch over the budget alone is a group of its own (the store refuses it before)."""
+    groups: list[tuple[int, dict[str, np.ndarray]]] = []
+    start, current = 0, None
+    for i, keys in enumerate(batches):
+        merged = dict(keys)
+        if current is not None:
+            merged = {
+                t: np.union1d(current.get(t, _EMPTY), keys.get(t, _EMPTY))
+                for t in current.keys() | keys.keys()
+            }
+            if nbytes({t: len(k) for t, k in merged.items()}) > budget:
+                groups.append((start, current))
+                start, merged = i, dict(keys)
+        current = merged
+    if current:
+        groups.append((start, current))
+    return groups
 
 
 class PassRunner:
@@ -311,23 +335,12 @@ class PassRunner:
                 return [], None
             keys, positions = union_positions(batches)
             return [keys], positions
-        groups: list[dict[str, np.ndarray]] = []
-        current: dict[str, np.ndarray] = {}
-        for keys in [{t: np.unique(k) for t, k in b.items()} for b in batches]:
+        uniques = [{t: np.unique(k) for t, k in b.items()} for b in batches]
+        for keys in uniques:
             alone = self._core.device_tier.bytes_for({t: len(k) for t, k in keys.items()})
             if alone > budget:
                 raise DeviceBudgetError(self._budget_message(alone))
-            merged = {
-                t: np.union1d(current.get(t, _EMPTY), keys.get(t, _EMPTY))
-                for t in current.keys() | keys.keys()
-            }
-            if self._core.device_tier.bytes_for({t: len(k) for t, k in merged.items()}) > budget:
-                groups.append(current)
-                merged = dict(keys)
-            current = merged
-        if current:
-            groups.append(current)
-        return groups, None
+        return [g for _, g in plan_groups(uniques, self._core.device_tier.bytes_for, budget)], None
 
     def _budget_message(self, need: int) -> str:
         return (
