@@ -237,6 +237,11 @@ class StoreCore:
         except KeyError:
             raise ConfigError(f"unknown table {table!r}; the store has {sorted(self.tables)}.") from None
 
+    @property
+    def coalesced(self) -> set[str]:
+        """The tables whose gradients are summed in torch's coalesce order (:attr:`TableInfo.coalesced`)."""
+        return {name for name, info in self.tables.items() if info.coalesced}
+
     def register(self, info: TableInfo, pending: PendingKeys | None = None) -> None:
         """Give table ``info`` its place in every tier (and its keys pending admission)."""
         self.tables[info.name] = info

@@ -43,7 +43,7 @@ import torch
 
 from hierps.config import OptimizerConfig
 
-__all__ = ["apply_step", "ftrl_weights", "initial_state", "state_parts", "state_width"]
+__all__ = ["apply_step", "coalesces", "ftrl_weights", "initial_state", "state_parts", "state_width"]
 
 # (name, per coordinate?) of each optimizer's state parts, in row order.
 _PARTS: dict[str, tuple[tuple[str, bool], ...]] = {
@@ -85,6 +85,19 @@ def ftrl_weights(opt: OptimizerConfig, z: torch.Tensor, n: torch.Tensor) -> torc
     denom = _sqrt(n).add_(p["beta"]).div_(_const(p["alpha"], z)).add_(p["lambda2"])
     w = (z - z.sign() * lambda1).neg_().div_(denom)
     return w.masked_fill_(z.abs() <= lambda1, 0.0)
+
+
+def coalesces(opt: OptimizerConfig) -> bool:
+    """Whether a key's gradients are summed in the order torch's sparse optimizers sum them.
+
+    ``torch.optim.Adagrad`` and ``SparseAdam`` coalesce a sparse gradient before their step, and
+    ``coalesce`` sums each row's duplicates in the order of a non-stable ``torch.sort`` of the ids.
+    Summing in that order (:func:`hierps.training._batchplan.sum_order`) keeps such a table's rows
+    bit-equal to torch's. ``torch.optim.SGD`` adds an uncoalesced gradient as it comes, so an SGD
+    table sums in the order of the ids. Optimizers torch has no sparse form of (FTRL, the
+    row-wise ones) sum as Adagrad's.
+    """
+    return opt.type != "sgd"
 
 
 def apply_step(opt: OptimizerConfig, rows: torch.Tensor, grads: torch.Tensor, step: int) -> None:

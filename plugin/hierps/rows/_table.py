@@ -20,7 +20,7 @@ from hierps.errors import StoreFormatError
 from hierps.rows._counters import initial_counters
 from hierps.rows._initializers import initial_rows, table_salt
 from hierps.rows._layout import RowLayout, row_layout
-from hierps.rows._optim import initial_state
+from hierps.rows._optim import coalesces, initial_state
 
 __all__ = ["TableInfo"]
 
@@ -62,6 +62,12 @@ class TableInfo:
             self.weights_dtype,
             self.state_dtype,
         )
+
+    @property
+    def coalesced(self) -> bool:
+        """Whether a key's gradients are summed in torch's ``coalesce`` order (see
+        :func:`hierps.rows._optim.coalesces`), else in the order of the ids."""
+        return coalesces(self.optimizer)
 
     @property
     def state_end(self) -> int:

@@ -16,14 +16,15 @@ table's forward then pools (or looks up) its own slice with its own offsets
 (:func:`table_rows`), and its backward leaves that table's gradient, summed per row, for the step,
 which updates them all with one optimizer call. A sum-pooled table's gradient is itself one
 ``embedding_bag``: of the output gradients, over each key's ids (``BatchPlan.order`` /
-``.starts``, sorted ahead), in the order ``index_add_`` would sum them.
+``.starts``, sorted ahead), in the order torch's own sparse optimizer would sum them
+(:func:`sum_order`).
 (The sharded store pools the tables of one offsets tensor with one ``embedding_bag``:
 :class:`FusedBags`, :func:`pool_bags`.)
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -40,7 +41,9 @@ __all__ = [
     "RowGroup",
     "look_up",
     "pool_bags",
+    "add_in_sum_order",
     "same_batches",
+    "sum_order",
     "table_rows",
     "translate",
     "union_positions",
@@ -65,6 +68,32 @@ def bag_ids(ids: np.ndarray, offsets: np.ndarray) -> BagIds:
     return out
 
 
+def sum_order(ids: torch.Tensor, coalesced: bool) -> torch.Tensor:
+    """Positions of ``ids`` (n,) int64 grouped by id, each id's in the order its gradients are
+    summed -> (n,) int64.
+
+    coalesced: in the order ``Tensor.coalesce`` sums a sparse gradient's duplicates, the permutation
+    of its non-stable ``torch.sort`` (what ``torch.optim.Adagrad`` and ``SparseAdam`` step with);
+    else in the order the ids come (``index_add_``'s, as ``torch.optim.SGD`` adds them). A sort
+    decides by comparing ids only, so any order-preserving renumbering of the ids (a table's
+    local ids) gives the same positions.
+    """
+    if coalesced:
+        return torch.sort(ids).indices
+    return torch.sort(ids, stable=True).indices
+
+
+def add_in_sum_order(
+    grad: torch.Tensor, rows: torch.Tensor, values: torch.Tensor, coalesced: bool
+) -> torch.Tensor:
+    """``grad`` (U, dim) plus each of ``values`` (n, dim) at its row ``rows`` (n,), each row's
+    summed in :func:`sum_order` -> ``grad``, changed in place."""
+    if coalesced:
+        order = sum_order(rows, True)
+        rows, values = rows[order], values[order]
+    return grad.index_add_(0, rows, values)
+
+
 @dataclass
 class BatchPlan:
     """One table's ids of one mini-batch, translated (all tensors on the training device)."""
@@ -74,11 +103,12 @@ class BatchPlan:
     local: torch.Tensor  # (n,) int64 position of each id in keys
     counts: torch.Tensor  # (U,) float32 occurrences of each key
     slots: torch.Tensor  # (U,) int64 device-tier slots of the keys' rows
-    order: torch.Tensor  # (n,) int64 positions of the ids sorted by key (stable)
+    order: torch.Tensor  # (n,) int64 positions of the ids sorted by key, in sum_order
     starts: torch.Tensor  # (U,) int64 each key's first entry in order
     # Announced bags (hierps.Bags), else None: their offsets (B,) and the bag of each id in ``order``.
     offsets: torch.Tensor | None = None
     bags: torch.Tensor | None = None
+    coalesced: bool = False  # the table sums a key's gradients in torch's coalesce order (sum_order)
 
 
 @dataclass
@@ -190,8 +220,8 @@ class RowGroup:
 class _TableRows(torch.autograd.Function):
     """One table's forward on its slice of a :class:`RowGroup`: torch's own kernels, so the floats
     are those of ``F.embedding`` / ``F.embedding_bag`` on the table's gathered rows. The backward
-    sums the gradient per row as ``summed_grads`` sums torch's sparse gradient (``index_add_`` in
-    the order of the ids) and leaves it in the group."""
+    sums the gradient per row as ``summed_grads`` sums torch's sparse gradient (in
+    :func:`sum_order`) and leaves it in the group."""
 
     @staticmethod
     def forward(ctx, weights, group, table, plan, shape, mode, offsets, psw, include_last, pad):
@@ -220,9 +250,10 @@ class _TableRows(torch.autograd.Function):
             if pad is None:
                 grad = F.embedding_bag(plan.order, grad_ids, plan.starts, mode="sum")
             else:
-                keep = plan.local != pad
-                grad = grad_out.new_zeros((n_rows, dim))
-                grad.index_add_(0, plan.local[keep], grad_ids[keep])
+                keep = plan.local != pad  # torch's sparse gradient leaves the padding row's ids out
+                grad = add_in_sum_order(
+                    grad_out.new_zeros((n_rows, dim)), plan.local[keep], grad_ids[keep], plan.coalesced
+                )
         elif by_products is None:
             # Each key's gradient: the sum of its ids' bags' gradients, an embedding_bag of them.
             bags = _bags_of(offsets, plan.local.numel(), plan.order)
@@ -244,8 +275,9 @@ class _TableRows(torch.autograd.Function):
                 _pad(pad),
             )
             if spread.is_sparse:
-                grad = grad_out.new_zeros((n_rows, dim))
-                grad.index_add_(0, spread._indices()[0], spread._values())
+                grad = add_in_sum_order(
+                    grad_out.new_zeros((n_rows, dim)), spread._indices()[0], spread._values(), plan.coalesced
+                )
             else:
                 grad = spread
         before = group.grads.get(table)
@@ -352,7 +384,7 @@ class _PooledBags(torch.autograd.Function):
                 None,
             )
         if one_hot:
-            values = grad_out.split([m.numel() for m, _ in members])  # each id's bag is itself
+            values = grad_out.split([m.numel() for m, _, _ in members])  # each id's bag is itself
         else:
             spread = torch.ops.aten._embedding_bag_backward(
                 grad_out,
@@ -368,11 +400,11 @@ class _PooledBags(torch.autograd.Function):
                 None,
                 -1,
             )
-            values = spread._values().split([m.numel() for m, _ in members])  # one row per id, in order
+            values = spread._values().split([m.numel() for m, _, _ in members])  # one row per id, in order
         grad = torch.zeros(shape, dtype=some.dtype, device=some.device)
         rows = 0
-        for (member_local, n_rows), member_values in zip(members, values):
-            grad.narrow(0, rows, n_rows).index_add_(0, member_local, member_values)
+        for (member_local, n_rows, coalesced), member_values in zip(members, values):
+            add_in_sum_order(grad.narrow(0, rows, n_rows), member_local, member_values, coalesced)
             rows += n_rows
         return grad, None, None, None, None, None, None, None
 
@@ -383,7 +415,7 @@ def pool_bags(
     bags: torch.Tensor,
     mode: str,
     bag_count: int | list[int],
-    members: list[tuple[torch.Tensor, int]],
+    members: list[tuple[torch.Tensor, int, bool]],
     backed: set[int] | None = None,
     by_key: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, ...]:
@@ -392,10 +424,11 @@ def pool_bags(
     leaf: (U, dim) the tables' rows one table after the other; local: (N,) each id's row of
     leaf; bags: (sum B_t,) bag starts in local, table after table; bag_count: B (every table's)
     or each B_t; mode ``"sum"`` or ``"mean"``; members: per table, its ids' rows within its own
-    slice (n_t,) and its row count U_t. The leaf's gradient is dense. ``backed``: if given, gets
+    slice (n_t,), its row count U_t and whether it sums in torch's coalesce order
+    (:func:`sum_order`; ``by_key`` was sorted so already). The leaf's gradient is dense. ``backed``: if given, gets
     the index of each output a backward reached. ``by_key`` (sum only): the bag of each id with
     the ids sorted by row (N,), and each row's first entry there (U,): the backward is then one
-    ``embedding_bag`` of the output gradients, summing each row's in the order of its ids.
+    ``embedding_bag`` of the output gradients, summing each row's in that order.
     """
     return _PooledBags.apply(leaf, local, bags, mode, bag_count, members, backed, by_key)
 
@@ -536,13 +569,16 @@ def translate(
     base: Mapping[str, int],
     device: torch.device,
     positions: Sequence[Mapping[str, np.ndarray]] | None = None,
+    coalesced: Collection[str] = (),
 ) -> list[Batch]:
     """Plans of each mini-batch's tables in ``keep``.
 
     batches: per mini-batch ``{table: (n,) int64 ids}``; keep: per table the sorted distinct
     keys the pass makes resident (every id of ``batches`` among them); base: the table's first
     slot (:meth:`~hierps.tiers.DeviceTier.layout` of ``keep``); positions: each id's position
-    in ``keep`` if known (:func:`union_positions`), else searched.
+    in ``keep`` if known (:func:`union_positions`), else searched; coalesced: the tables whose
+    gradients are summed in torch's coalesce order (:func:`sum_order`), the others' in the order
+    of their ids.
     """
     out: list[Batch] = []
     for k, batch in enumerate(batches):
@@ -565,7 +601,10 @@ def translate(
             t_counts = seen[where]
             counts.append(t_counts.astype(np.float32))
             slots.append(base[table] + where)
-            orders.append(np.argsort(t_local, kind="stable"))
+            if table in coalesced:  # torch sorts the ids themselves: sort them as it does
+                orders.append(sum_order(torch.from_numpy(t_ids), True).numpy())
+            else:
+                orders.append(np.argsort(t_local, kind="stable"))
             starts.append(np.cumsum(t_counts) - t_counts)
             if t_offsets is None:
                 bags.append(None)
@@ -617,6 +656,7 @@ def translate(
                 order=torch.from_numpy(orders[i].astype(np.int64)).to(device),
                 starts=torch.from_numpy(starts[i].astype(np.int64)).to(device),
                 **_bag_tensors(bags[i], device),
+                coalesced=table in coalesced,
             )
             for i, (table, p_slots, p_counts) in enumerate(
                 zip(tables, j_slots.split(sizes), j_counts.split(sizes))

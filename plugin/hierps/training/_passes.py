@@ -184,7 +184,7 @@ class PassRunner:
         keep = {t: k for t, k in group.items() if not self._core.tables[t].admission.filters}
         if plans is None or len(keep) != len(group):
             base = self._core.device_tier.layout({t: len(k) for t, k in group.items()})
-            plans = translate(raw, keep, base, self._core.device, positions)
+            plans = translate(raw, keep, base, self._core.device, positions, self._core.coalesced)
         self.batches = PassBatches(list[Batch | None](plans), self._core.device_tier.generation)
 
     def prefetch(self, batches: Mapping[str, Any] | Sequence[Mapping[str, Any]]) -> None:

@@ -138,7 +138,9 @@ class PassPipeline:
         relayout = resident.relayout_to(group)
         with self.lock:
             rows = self._core.fetch_many(relayout.missing, touch=True, ahead=True, tick=tick)
-        plans = translate(batches, group, relayout.first_slot, self._core.device, positions)
+        plans = translate(
+            batches, group, relayout.first_slot, self._core.device, positions, self._core.coalesced
+        )
         self.prepare_seconds += time.perf_counter() - t0
         return ReadAhead(group, relayout, rows, plans)
 

@@ -27,7 +27,7 @@ since the last step (or ``zero_grad()``), a :class:`MissingStepWarning` says so,
 from __future__ import annotations
 
 import warnings
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,7 +44,15 @@ from hierps.rows._counters import record_seen_rows
 from hierps.rows._layout import rounding_bits
 from hierps.rows._optim import apply_step
 from hierps.rows._table import TableInfo
-from hierps.training._batchplan import Batch, BatchPlan, RowGroup, look_up, pool_bags, table_rows
+from hierps.training._batchplan import (
+    Batch,
+    BatchPlan,
+    RowGroup,
+    add_in_sum_order,
+    look_up,
+    pool_bags,
+    table_rows,
+)
 from hierps.training._passes import PassRunner
 from hierps.training._readahead import ReadAhead
 
@@ -262,7 +270,7 @@ class SparseTrainer:
             local = batch.local
         else:
             local = torch.cat([p.local + group.start[t] for t, p in zip(members, plans)])
-        parts = [(p.local, p.keys.numel()) for p in plans]
+        parts = [(p.local, p.keys.numel(), p.coalesced) for p in plans]
         announced = [p.offsets for p in plans]
         joined = batch.bags
         if joined is not None and len(members) == len(batch.plans):  # joined ahead, on the worker
@@ -491,7 +499,10 @@ class SparseTrainer:
         leaves = list(
             {id(p.leaf): p.leaf for p in pending if p.leaf is not None and p.leaf.grad is not None}.values()
         )
-        summed = dict(zip(map(id, leaves), summed_grads(leaves)))
+        coalesced = {
+            id(p.leaf) for p in pending if p.leaf is not None and self._core.tables[p.table].coalesced
+        }
+        summed = dict(zip(map(id, leaves), summed_grads(leaves, coalesced)))
         found = [(p, p.gradient(summed)) for p in pending]
         with_grad = [(p, g) for p, g in found if g is not None]
         if not with_grad:
@@ -628,11 +639,13 @@ class SparseTrainer:
         self.pending, self._gathers = [], {}
 
 
-def summed_grads(leaves: list[torch.Tensor]) -> list[torch.Tensor]:
+def summed_grads(leaves: list[torch.Tensor], coalesced: Collection[int] = ()) -> list[torch.Tensor]:
     """The gradients of gathered leaves as dense (U_i, dim_i) tensors, duplicates summed.
 
-    Sparse gradients of one dim are summed by one ``index_add_`` into one buffer, of which the
-    results are views (see :func:`_distinct_buffers`).
+    Sparse gradients of one dim are summed into one buffer, of which the results are views (see
+    :func:`_distinct_buffers`): each row's in torch's coalesce order for the leaves whose ``id``
+    is in ``coalesced``, else in the order of the gradient's entries
+    (:func:`~hierps.training._batchplan.sum_order`).
     """
     grads = [_grad_of(leaf) for leaf in leaves]
     out = list(grads)
@@ -647,7 +660,7 @@ def summed_grads(leaves: list[torch.Tensor]) -> list[torch.Tensor]:
         sparse = [grads[i] for i in idx]
         total = torch.zeros((sum(sizes), dim), dtype=sparse[0].dtype, device=sparse[0].device)
         for i, g, part in zip(idx, sparse, total.split(sizes)):
-            out[i] = part.index_add_(0, g._indices()[0], g._values())
+            out[i] = add_in_sum_order(part, g._indices()[0], g._values(), id(leaves[i]) in coalesced)
     return out
 
 
