@@ -9,6 +9,7 @@ rest into the RAM tier as dirty rows, which a checkpoint makes durable.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -27,6 +28,9 @@ __all__ = ["RowAccess", "real_array"]
 _FRESH_ROWS = 1 << 14  # rows made afresh per step of a write: its temporaries stay in cache
 # Rows gathered (sorted) and encoded per step of write_rows: the caller's array is never copied whole.
 _ENCODE_ROWS = 1 << 18
+# A write_rows of at least this many bytes of rows, more than the RAM tier has room for, in a key
+# range no tier holds a key of, is a bulk load: written straight to the SSD tier as one segment.
+INGEST_BYTES = 32 << 20
 
 
 class RowAccess:
@@ -95,12 +99,49 @@ class RowAccess:
         _refuse_bad_rows(info, rows)
         self.pipe.drain()
         core.device_tier.discard(table)
-        for start in range(0, len(keys), _ENCODE_ROWS):
-            part = (
-                slice(start, start + _ENCODE_ROWS) if order is None else order[start : start + _ENCODE_ROWS]
-            )
-            encoded = info.layout.encode_np(np.ascontiguousarray(rows[part], dtype=np.float32))
-            core.memory.put(table, keys[part], encoded, dirty=True)
+        steps = [
+            slice(start, start + _ENCODE_ROWS) if order is None else order[start : start + _ENCODE_ROWS]
+            for start in range(0, len(keys), _ENCODE_ROWS)
+        ]
+
+        def encoded() -> Iterator[tuple[np.ndarray, np.ndarray]]:
+            for part in steps:
+                yield keys[part], info.layout.encode_np(np.ascontiguousarray(rows[part], dtype=np.float32))
+
+        if self._ingest(info, keys, order, encoded):
+            return
+        for part_keys, part_rows in encoded():
+            core.memory.put(table, part_keys, part_rows, dirty=True)
+
+    def _ingest(
+        self,
+        info: TableInfo,
+        keys: np.ndarray,
+        order: np.ndarray | None,
+        encoded: Callable[[], Iterator[tuple[np.ndarray, np.ndarray]]],
+    ) -> bool:
+        """Write a bulk load (see :data:`INGEST_BYTES`) straight to the SSD tier as one segment, the
+        rows sorted and encoded a step at a time (``encoded()``), written once: the RAM tier would
+        only pass them on, a step at a time, as segments that compaction rewrites. True when done;
+        False when the write is no bulk load, or when the SSD tier refused it (``OSError``, e.g. a
+        full disk: it stored none of it; the caller's RAM tier takes the rows as ever, keeping them
+        over budget if it must)."""
+        core, table = self.core, info.name
+        n, row_bytes = len(keys), core.memory.row_bytes(table)
+        room = core.memory.budget - core.memory.bytes_used
+        if n * 4 * info.words < INGEST_BYTES or n * row_bytes <= room:
+            return False
+        lo, hi = (
+            (int(keys[0]), int(keys[-1])) if order is None else (int(keys[order[0]]), int(keys[order[-1]]))
+        )
+        if core.memory.holds_between(table, lo, hi) or not core.ssd.disjoint(table, lo, hi):
+            return False
+        try:
+            core.ssd.ingest(table, encoded(), n, lo, hi)
+        except OSError:
+            return False
+        core.ssd.settle(table)
+        return True
 
     def _checked(
         self, what: str, table: str, keys: Any, data: Any, name: str, columns: str

@@ -5,6 +5,10 @@ the highest segment id holds its newest row. :func:`merged` streams the union of
 key order, the newest row of each key once, holding one buffer of each input at a time: the
 compaction, the scans (shrink, export, resharding, inspection) and the readers all go through it.
 
+Segments of a run (a block of consecutive segments, by id, whose key ranges are pairwise disjoint,
+as a bulk load writes them: :func:`runs`) are one input, read one segment after the other in key
+order: the inputs of a merge are its runs, however many segments each holds.
+
 Each batch of the inputs' buffered rows is merged in one pass by the compiled core
 (:mod:`hierps.storage._native`), or, without it, sorted with ``np.lexsort`` (the reference it is
 tested against).
@@ -12,6 +16,7 @@ tested against).
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Iterator, Sequence
 
 import numpy as np
@@ -19,10 +24,46 @@ import numpy as np
 from hierps.storage import _native
 from hierps.storage._segment import Segment
 
-__all__ = ["BUFFER_BYTES", "first_of_each", "merged", "merged_sources"]
+__all__ = ["BUFFER_BYTES", "RUN_BYTES", "first_of_each", "merged", "merged_sources", "run_rows", "runs"]
 
 # Bytes each input of a merge holds in RAM at a time.
 BUFFER_BYTES = 512 << 10
+# Segments of at least this many bytes of rows join runs (smaller ones stay runs of their own).
+RUN_BYTES = 32 << 20
+
+
+def run_rows(width: int) -> int:
+    """Rows of ``width`` floats a segment holds at least to join a run (:data:`RUN_BYTES` of rows)."""
+    return max(1, RUN_BYTES // (4 * (width + 2)))
+
+
+def runs(segments: Sequence[Segment], min_rows: int) -> list[list[Segment]]:
+    """``segments`` grouped into runs, oldest first: blocks of consecutive segments (by id) of at
+    least ``min_rows`` rows each whose key ranges are pairwise disjoint, each run in key order; a
+    smaller segment is a run of its own. Every segment of a run is older than every segment of a
+    later run, and a key lies in one segment of a run at most. Reads the first and last rows of a
+    segment whose key range is not known yet (:meth:`Segment.key_range`)."""
+    out: list[list[Segment]] = []
+    firsts: list[int] = []  # first keys of the run being gathered, ascending
+    current: list[Segment] = []  # its segments, in the same order
+    for seg in sorted(segments, key=lambda s: s.seg):
+        span = seg.key_range() if seg.n >= min_rows else None
+        if span is not None and current:
+            at = bisect.bisect_left(firsts, span[0])
+            before = current[at - 1].key_range() if at else None
+            after = firsts[at] if at < len(firsts) else None
+            if (before is None or before[1] < span[0]) and (after is None or after > span[1]):
+                firsts.insert(at, span[0])
+                current.insert(at, seg)
+                continue
+        if current:
+            out.append(current)
+        firsts, current = ([span[0]], [seg]) if span is not None else ([], [])
+        if span is None:
+            out.append([seg])
+    if current:
+        out.append(current)
+    return out
 
 
 class _Input:
@@ -135,22 +176,52 @@ def first_of_each(keys: np.ndarray) -> np.ndarray:
     return first
 
 
+class _RunScan:
+    """The rows of a run's segments in key order: one :meth:`Segment.scan` at a time."""
+
+    def __init__(self, run: list[Segment], batch_rows: int) -> None:
+        self.run = run
+        self._batch_rows = batch_rows
+        self.ids = np.array([s.seg for s in run], np.int64)
+        spans = [s.key_range() for s in run] if len(run) > 1 else []
+        self._firsts = np.array([span[0] for span in spans if span is not None], np.int64)
+
+    def __iter__(self) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        for seg in self.run:
+            yield from seg.scan(self._batch_rows)  # closing this closes the scan under way
+
+    def segment_of(self, keys: np.ndarray) -> np.ndarray:
+        """(b,) keys of this run -> (b,) int64 ids of the segments holding them."""
+        if len(self.run) == 1:
+            return np.full(len(keys), self.ids[0], np.int64)
+        return self.ids[np.searchsorted(self._firsts, keys, side="right") - 1]
+
+
 def merged(
     segments: Sequence[Segment], width: int, buffer_bytes: int = BUFFER_BYTES
 ) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray]]:
     """Yield ``(keys (b,) int64 sorted unique, rows (b, width) float32, segment of each (b,) int64)``
     over ``segments``: every key once, with its row from the newest of them that holds it.
 
-    Memory: per input, the buffer of ``buffer_bytes`` being merged and the next two read ahead
-    (:meth:`Segment.scan`).
+    The segments of a run (:func:`runs`) are one input. Memory: per input, the buffer of
+    ``buffer_bytes`` being merged and the next two read ahead (:meth:`Segment.scan`).
     """
     batch_rows = max(1, buffer_bytes // (4 * (width + 2)))
-    ordered = sorted(segments, key=lambda s: s.seg)  # a higher source index is a newer segment
-    ids = np.array([s.seg for s in ordered], np.int64)
-    scans = [s.scan(batch_rows) for s in ordered]
+    # Runs oldest first: a higher source index is a newer segment wherever two inputs hold a key.
+    inputs = [_RunScan(run, batch_rows) for run in runs(segments, run_rows(width))]
+    scans = [iter(i) for i in inputs]
+    single = all(len(i.run) == 1 for i in inputs)
+    ids = np.array([i.ids[0] for i in inputs], np.int64)
     try:
         for keys, rows, src in _merged(scans, width, newest_only=True):
-            yield keys, rows, ids[src]
+            if single:
+                yield keys, rows, ids[src]
+                continue
+            segs = np.empty(len(keys), np.int64)
+            for s in np.unique(src).tolist():
+                at = src == s
+                segs[at] = inputs[s].segment_of(keys[at])
+            yield keys, rows, segs
     finally:
         for scan in scans:  # closed early (an error, a consumer that stopped): their reads end here
-            scan.close()
+            scan.close()  # type: ignore[attr-defined]

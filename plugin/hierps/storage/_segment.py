@@ -110,6 +110,7 @@ class SegmentWriter:
         self._block_len = 0
         self._fences: list[np.ndarray] = []
         self._last: int | None = None
+        self.first: int | None = None  # the first key appended
         self.n = 0
 
     def append(self, keys: np.ndarray, rows: np.ndarray) -> None:
@@ -129,6 +130,8 @@ class SegmentWriter:
         self._fences.append(keys[first :: self.chunk_rows].astype(np.int64))
         self._add_to_filter(keys)
         self._rows.append(block)
+        if self.first is None:
+            self.first = int(keys[0])
         self.n += len(keys)
         self._last = int(keys[-1])
 
@@ -150,6 +153,11 @@ class SegmentWriter:
         """Close every file of the segment left open by a failed :meth:`append` or :meth:`close`."""
         self._rows.abort()
         self._filter.abort()
+
+    @property
+    def key_range(self) -> tuple[int, int] | None:
+        """The first and last keys appended (None before any)."""
+        return None if self.first is None or self._last is None else (self.first, self._last)
 
     def close(self) -> tuple[int, int]:
         """Finish the segment's arrays; returns its row count and :func:`fences_check`."""
@@ -197,6 +205,7 @@ class Segment:
     _fences: np.ndarray | None = field(default=None, init=False)
     _filter: np.ndarray | None = field(default=None, init=False)
     _last: int = field(default=0, init=False)  # its largest key (valid once loaded)
+    _range: tuple[int, int] | None = field(default=None, init=False)  # its first and last keys, once known
 
     @property
     def name(self) -> str:
@@ -277,7 +286,28 @@ class Segment:
                     "segment is damaged. Restore the store from a backup or open an earlier checkpoint."
                 )
             self._fences, self._filter, self._last = fences, filt, last
+            self._range = (int(fences[0]), last)
         return self._fences, self._filter
+
+    def key_range(self) -> tuple[int, int] | None:
+        """Its first and last keys (None when it holds no row): known once written or loaded, else
+        read from its first and last rows (two chunks, checked; nothing else is loaded)."""
+        if self.n == 0:
+            return None
+        if self._range is None:
+            if self._fences is not None:
+                self._range = (int(self._fences[0]), self._last)
+            else:
+                ends = np.array(sorted({0, self.n - 1}), np.int64)
+                keys = split_block(
+                    read_array(self.rows_array, self.root, f"{self.name}/rows", ends, self.files)
+                )[0]
+                self._range = (int(keys[0]), int(keys[-1]))
+        return self._range
+
+    def known_range(self, first: int, last: int) -> None:
+        """Record its first and last keys, as its writer saw them."""
+        self._range = (first, last)
 
     def unload(self) -> None:
         """Drop the fences and filter from RAM (they load again on the next lookup)."""
@@ -291,6 +321,9 @@ class Segment:
         are long sequential runs), found by two searches of the fences."""
         none = np.empty(0, np.int64)
         if self.n == 0 or len(keys) == 0:
+            return none, none
+        span = self._range  # known (written, loaded or read): a segment the keys miss loads nothing
+        if span is not None and (keys[-1] < span[0] or keys[0] > span[1]):
             return none, none
         fences, filt = self._load()
         lo = int(np.searchsorted(keys, fences[0]))

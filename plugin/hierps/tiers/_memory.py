@@ -149,6 +149,11 @@ class MemoryTier:
         """keys: (n,) int64 -> (n,) bool, True where the row is cached."""
         return self._slabs[table].find(keys)[0]
 
+    def holds_between(self, table: str, lo: int, hi: int) -> bool:
+        """True when a row of a key in ``[lo, hi]`` is cached."""
+        keys = self._slabs[table].keys
+        return bool(np.searchsorted(keys, hi, side="right") > np.searchsorted(keys, lo))
+
     def scores(self, table: str, keys: np.ndarray) -> np.ndarray:
         """keys: (n,) int64 sorted unique, all cached -> (n,) int64: their eviction scores (the
         clock of their last use under LRU, their uses under LFU)."""

@@ -8,14 +8,19 @@ use) and a count of its live rows (those that are the newest of their key).
 
 - A write (a batch of rows leaving the RAM tier) becomes one new segment. The keys it supersedes
   are found with the same lookups as reads, to keep the live counts exact.
+- An ingest (a bulk load: rows in a key range no live segment reaches) becomes one new segment
+  with no lookup: every row of it is live. Written in ascending key order, such segments form a
+  run (:func:`hierps.storage._merge.runs`), which compaction counts and merges as one.
 - A lookup of a sorted batch of keys asks each segment's filter, then reads the one chunk the
   fences point at for each candidate: keys and rows share chunks, so a stored key costs one read,
   and a key no segment holds costs none (but for the filter's ~1% false positives). The reads of
   all tables and segments go out together.
 - Compaction merges segments in bounded memory (:func:`hierps.storage._merge.merged`), keeping
   the newest row of each key that no newer segment outside the merge holds: its output holds only
-  live rows, and takes the next id. Segments at most half live, or too many, are merged; so the
-  live set's segment rows stay within twice the live rows, and its segment count bounded.
+  live rows, and takes the next id. Segments at most half live, or too many runs, are merged; so
+  the live set's segment rows stay within twice the live rows, and its run count bounded. A run of
+  large segments with disjoint key ranges (a bulk load) counts once and is never merged for being
+  many segments: a lookup rules out all but one of them by their key ranges.
 - A segment leaving the live set is deleted at once unless a kept checkpoint names it
   (``protected``): checkpoints name segments, they copy nothing. Deleting a key rewrites the
   segments that hold any version of it without it.
@@ -43,9 +48,9 @@ from hierps.errors import StoreFullError
 from hierps.rows import _ids
 from hierps.storage import _native
 from hierps.storage._arrays import Array, encoded_rows_bytes
-from hierps.storage._files import OpenFiles, disk_full_as_error, fsync_dir, fsync_tree
+from hierps.storage._files import OpenFiles, Remover, disk_full_as_error, fsync_dir, fsync_tree
 from hierps.storage._manifest import SegmentRef
-from hierps.storage._merge import merged
+from hierps.storage._merge import merged, run_rows, runs
 from hierps.storage._reads import read_arrays
 from hierps.storage._segment import KEY_COLUMNS, Segment, SegmentWriter, segment_name, split_block
 
@@ -72,6 +77,8 @@ _READ_AHEAD_BYTES = 16 << 20
 _WRITE_SLICE_BYTES = 8 << 20
 # A write whose rows leave more than this many segments behind compacts at once (x max_segments).
 _HARD_SEGMENTS = 2
+# Where retired segments go to be deleted (no table's name starts with a dot).
+_TRASH = ".removed"
 
 
 class SsdTier:
@@ -99,6 +106,8 @@ class SsdTier:
         self._sync_error: OSError | None = None
         self._files = OpenFiles()  # segment files stay open between reads
         weakref.finalize(self, self._files.close)
+        # Retired segments leave their table's directory at once and are deleted in the background.
+        self._removed = Remover(self.root / _TRASH)
         self.bytes_read = 0
         self.bytes_written = 0
         self.rows_read = 0
@@ -287,7 +296,46 @@ class SsdTier:
         seg = self._write_segment(table, parts, len(keys))
         self._supersede(table, holder[found])
         self._set_live(table, seg.seg, seg.n)
-        self._maybe_compact(table, _HARD_SEGMENTS * self.max_segments)
+        self.settle(table)
+
+    def disjoint(self, table: str, lo: int, hi: int) -> bool:
+        """True when no live segment of ``table`` holds a key in ``[lo, hi]`` (by their key ranges)."""
+        spans = (seg.key_range() for seg in list(self._segs[table].values()))
+        return all(span is None or span[1] < lo or span[0] > hi for span in spans)
+
+    def ingest(
+        self, table: str, parts: Iterable[tuple[np.ndarray, np.ndarray]], n: int, lo: int, hi: int
+    ) -> None:
+        """Write a bulk load as one new segment: ``parts``, runs of (keys (k,) int64 strictly
+        increasing, all above the previous run's, rows (k, width) float32), ``n`` rows in all, every
+        key in ``[lo, hi]``, a range no live segment reaches (:meth:`disjoint`, which the caller
+        asked). Nothing is looked up: every row is live. Raises ``OSError`` having stored nothing
+        (e.g. a full disk); compaction is left to :meth:`settle`."""
+        self.changes += 1
+        if not self.disjoint(table, lo, hi):
+            raise ValueError(f"table {table!r}: an ingest's keys [{lo}, {hi}] reach a live segment's range")
+
+        def within() -> Iterator[tuple[np.ndarray, np.ndarray]]:
+            for keys, rows in parts:
+                if len(keys) and (keys[0] < lo or keys[-1] > hi):
+                    raise ValueError(f"table {table!r}: an ingest's keys leave [{lo}, {hi}]")
+                yield keys, rows
+
+        t0 = time.perf_counter()
+        try:
+            seg = self._write_segment(table, within(), n)
+            self._set_live(table, seg.seg, seg.n)
+        finally:
+            self.write_seconds += time.perf_counter() - t0
+
+    def settle(self, table: str) -> None:
+        """Compact now if the last write left too many runs or too many stale rows (see
+        :meth:`_maybe_compact`)."""
+        t0 = time.perf_counter()
+        try:
+            self._maybe_compact(table, _HARD_SEGMENTS * self.max_segments)
+        finally:
+            self.write_seconds += time.perf_counter() - t0
 
     def _set_live(self, table: str, seg: int, live: int) -> None:
         self._rows[table] = self._rows.get(table, 0) + live - self._live.get((table, seg), 0)
@@ -337,6 +385,8 @@ class SsdTier:
                 n, check = writer.close()
             fault_point("ssd.segment_written")
             seg = self._segment(table, seg_id, n, check)
+            if writer.key_range is not None:
+                seg.known_range(*writer.key_range)
         except BaseException:
             # Nothing names the segment yet: close its files and drop what was written of it (a file
             # removed while still open keeps its space in use).
@@ -405,29 +455,42 @@ class SsdTier:
         return self._finish_merge(merge, None, lock)
 
     def _maybe_compact(self, table: str, limit: int) -> None:
-        """Compact now when a write left more than ``limit`` segments or the disk over twice the live rows."""
+        """Compact now when a write left more than ``limit`` runs or the disk over twice the live rows."""
         segs = self._segs[table]
         stored = sum(s.n for s in segs.values())
-        if table not in self._merging and (len(segs) > limit or stored > 2 * self.num_rows(table) + 4096):
+        if table not in self._merging and (
+            stored > 2 * self.num_rows(table) + 4096 or (len(segs) > limit and len(self.runs(table)) > limit)
+        ):
             self.compact(table)
+
+    def runs(self, table: str) -> list[list[int]]:
+        """The live set of ``table`` as runs (:func:`hierps.storage._merge.runs`), oldest first: each a
+        list of segment ids whose key ranges are disjoint, which compaction counts and merges as one."""
+        segs = list(self._segs[table].values())
+        return [[s.seg for s in run] for run in runs(segs, run_rows(self.widths[table]))]
 
     def _choose(self, table: str, max_segments: int, min_live_fraction: float, forced: set[int]) -> list[int]:
         segs = self._segs[table]
         live = {s: self._live[(table, s)] for s in segs}
         chosen = [s for s in segs if s in forced or live[s] < min_live_fraction * segs[s].n]
-        if len(segs) - len(chosen) + 1 > max_segments:
-            # Too many segments even after merging the stale ones: merge the smallest too.
-            rest = sorted(set(segs) - set(chosen), key=lambda s: live[s])
-            pick = rest[: len(segs) - len(chosen) + 1 - max_segments + 1]
-            # Size-tiered: a merge that would mostly rewrite one large segment to absorb a few small
-            # ones costs O(table) per pass; let small segments gather (up to twice max_segments)
+        # The units counted and merged: runs (one segment each but for bulk loads), less the segments
+        # chosen already.
+        units = self.runs(table) if len(segs) - len(chosen) + 1 > max_segments else [[s] for s in segs]
+        rest = [u for u in ([s for s in run if s not in chosen] for run in units) if u]
+        if len(rest) + 1 > max_segments:
+            # Too many runs even after merging the stale segments: merge the smallest too.
+            size = {id(u): sum(live[s] for s in u) for u in rest}
+            ordered = sorted(rest, key=lambda u: size[id(u)])
+            pick = ordered[: len(rest) + 1 - max_segments + 1]
+            # Size-tiered: a merge that would mostly rewrite one large run to absorb a few small
+            # ones costs O(table) per pass; let small runs gather (up to twice max_segments)
             # and merge among themselves until they are worth a quarter of the large one.
-            if len(segs) <= 2 * max_segments:
-                while len(pick) > 1 and live[pick[-1]] > 4 * sum(live[p] for p in pick[:-1]):
+            if len(units) <= 2 * max_segments:
+                while len(pick) > 1 and size[id(pick[-1])] > 4 * sum(size[id(p)] for p in pick[:-1]):
                     pick.pop()
                 if len(pick) < 2:
                     pick = []
-            chosen += pick
+            chosen += [s for u in pick for s in u]
         return sorted(chosen)
 
     def _merge(self, table: str, chosen: list[int], drop: np.ndarray | None = None) -> int:
@@ -556,7 +619,7 @@ class SsdTier:
         """Take a segment out of the live set, deleting it unless a kept checkpoint names it."""
         self._drop(table, seg)
         if (table, seg) not in self.protected:
-            shutil.rmtree(self.root / segment_name(table, seg), ignore_errors=True)
+            self._removed.remove(self.root / segment_name(table, seg))
             fault_point("ssd.gc_segment")
 
     def collect_garbage(self, keep: set[tuple[str, int]]) -> int:
@@ -567,6 +630,7 @@ class SsdTier:
         removed = 0
         if not self.root.exists():
             return 0
+        self._removed.empty()
         for tdir in self.root.iterdir():
             if not tdir.is_dir():
                 continue
@@ -592,6 +656,7 @@ class SsdTier:
     def disk_bytes(self) -> int:
         """Bytes of the files under the tier's directory now. The pipeline's worker may merge and
         collect segments meanwhile: a file or directory removed during the walk counts as gone."""
+        self._removed.wait()  # retired segments still being deleted are gone
         total = 0
         for folder, _, files in os.walk(self.root):  # a folder removed meanwhile is skipped
             for name in files:
@@ -602,5 +667,7 @@ class SsdTier:
         return total
 
     def close(self) -> None:
-        """Close the segment files kept open for reads (they reopen on the next read)."""
+        """Close the segment files kept open for reads (they reopen on the next read), once retired
+        segments are deleted."""
+        self._removed.close()
         self._files.close()
