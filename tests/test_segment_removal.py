@@ -1,0 +1,95 @@
+"""Retired segments are renamed out of their table's directory at once and deleted in the background
+(:class:`hierps.storage._files.Remover`): the live set, the rows and what is on disk stay as they were."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from hierps.storage._files import OpenFiles, Remover
+from hierps.tiers._ssd import SsdTier
+
+T = "t"
+WIDTH = 5
+
+
+def _dirs(root: Path, table: str) -> set[int]:
+    tdir = root / table
+    return {int(p.name) for p in tdir.iterdir() if p.is_dir()} if tdir.exists() else set()
+
+
+def _tree(root: Path, files: int) -> None:
+    (root / "a" / "b").mkdir(parents=True)
+    for i in range(files):
+        (root / "a" / "b" / f"f{i}").write_bytes(b"x" * 100)
+
+
+def test_remover_renames_at_once_and_deletes_in_the_background(tmp_path):
+    trash = tmp_path / ".removed"
+    remover = Remover(trash)
+    for i in range(5):
+        _tree(tmp_path / f"d{i}", 3)
+        remover.remove(tmp_path / f"d{i}")
+        assert not (tmp_path / f"d{i}").exists()  # gone from its place before the call returns
+    remover.remove(tmp_path / "never-made")  # nothing to delete: no error
+    remover.wait()
+    assert list(trash.iterdir()) == []
+    _tree(trash / "left-by-a-killed-process", 2)
+    remover.empty()
+    assert list(trash.iterdir()) == []
+    remover.close()
+    _tree(tmp_path / "after-close", 1)
+    remover.remove(tmp_path / "after-close")  # a closed remover starts another thread
+    remover.close()
+    assert not (tmp_path / "after-close").exists() and list(trash.iterdir()) == []
+
+
+def test_forget_under_closes_only_the_files_below(tmp_path):
+    files = OpenFiles()
+    paths = [
+        tmp_path / "t" / "00000001" / "x",
+        tmp_path / "t" / "00000011" / "x",
+        tmp_path / "t" / "00000001x",
+    ]
+    for p in paths:
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_bytes(b"1")
+        files.release(files.acquire(p))
+    files.forget_under(tmp_path / "t" / "00000001")
+    assert len(files) == 2  # 00000011/x and 00000001x stay open
+    files.forget_under(tmp_path / "t")
+    assert len(files) == 0
+
+
+def test_compaction_leaves_only_the_live_set_and_exact_rows_after_a_reopen(tmp_path):
+    rng = np.random.default_rng(0)
+    tier = SsdTier(tmp_path, max_segments=2, store_id="test")
+    tier.add_table(T, WIDTH)
+    tier.collect_garbage(set())  # nothing protected: every retired segment is deleted
+    oracle: dict[int, np.ndarray] = {}
+    for _ in range(15):
+        keys = rng.choice(3000, 400, replace=False).astype(np.int64)
+        rows = rng.standard_normal((len(keys), WIDTH)).astype(np.float32)
+        tier.write(T, keys, rows)
+        oracle.update(zip(keys.tolist(), rows))
+        tier.compact(T)
+        # No retired segment is left in the table's directory, whether or not its files are deleted yet.
+        assert _dirs(tmp_path, T) == {s for _, s in tier.segments(T)}
+    keys = np.array(sorted(oracle), np.int64)
+    want = np.stack([oracle[k] for k in keys.tolist()])
+    found, rows = tier.read(T, keys)
+    assert found.all() and np.array_equal(rows.view(np.uint32), want.view(np.uint32))
+    recorded = tier.live_set(T)
+    tier.close()
+    assert list((tmp_path / ".removed").iterdir()) == []  # deleted by the time the tier is closed
+
+    fresh = SsdTier(tmp_path, max_segments=2, store_id="test")
+    fresh.add_table(T, WIDTH)
+    fresh.load_segments(T, WIDTH, recorded)
+    fresh.next_segment = fresh.max_segment_on_disk() + 1  # what a store does on opening
+    fresh.collect_garbage(set())
+    found, rows = fresh.read(T, keys)
+    assert found.all() and np.array_equal(rows.view(np.uint32), want.view(np.uint32))
+    assert fresh.num_rows(T) == len(keys)
+    fresh.close()
