@@ -42,6 +42,7 @@ __all__ = [
     "look_up",
     "pool_bags",
     "add_in_sum_order",
+    "add_parts_in_sum_order",
     "same_batches",
     "sum_order",
     "table_rows",
@@ -83,15 +84,59 @@ def sum_order(ids: torch.Tensor, coalesced: bool) -> torch.Tensor:
     return torch.sort(ids, stable=True).indices
 
 
+# Below this many ids torch's CPU sort is std::sort, row by row of a 2-D input as of a 1-D one;
+# from it on a 1-D sort of integers may take another (stable) algorithm.
+_ROWWISE_BELOW = 32_768
+
+
 def add_in_sum_order(
     grad: torch.Tensor, rows: torch.Tensor, values: torch.Tensor, coalesced: bool
 ) -> torch.Tensor:
     """``grad`` (U, dim) plus each of ``values`` (n, dim) at its row ``rows`` (n,), each row's
     summed in :func:`sum_order` -> ``grad``, changed in place."""
-    if coalesced:
-        order = sum_order(rows, True)
-        rows, values = rows[order], values[order]
-    return grad.index_add_(0, rows, values)
+    return add_parts_in_sum_order(grad, [rows], [values], [coalesced])
+
+
+def add_parts_in_sum_order(
+    grad: torch.Tensor,
+    rows: Sequence[torch.Tensor],
+    values: Sequence[torch.Tensor],
+    coalesced: Sequence[bool],
+) -> torch.Tensor:
+    """``grad`` (U, dim) plus the values of several parts (each ``values[i]`` (n_i, dim) at its
+    ``rows[i]`` (n_i,), parts touching disjoint rows) by one ``index_add_``, each row's summed in
+    :func:`sum_order` of its part -> ``grad``, changed in place. The coalesced parts of one length
+    are sorted by one row-wise sort, which orders each row as a sort of it alone does."""
+    joined_rows = rows[0] if len(rows) == 1 else torch.cat(list(rows))
+    joined = values[0] if len(values) == 1 else torch.cat(list(values))
+    if any(coalesced):
+        order = _joined_sum_order(rows, coalesced)
+        joined_rows, joined = joined_rows.index_select(0, order), joined.index_select(0, order)
+    return grad.index_add_(0, joined_rows, joined)
+
+
+def _joined_sum_order(rows: Sequence[torch.Tensor], coalesced: Sequence[bool]) -> torch.Tensor:
+    """The positions of the joined ``rows`` parts, each part's in its :func:`sum_order`."""
+    sizes = [r.numel() for r in rows]
+    starts = np.cumsum([0, *sizes[:-1]]).tolist()
+    pieces: list[torch.Tensor | None] = [None] * len(rows)
+    alike: dict[int, list[int]] = {}
+    for k, (r, c) in enumerate(zip(rows, coalesced)):
+        if c and 1 < r.numel() < _ROWWISE_BELOW:
+            alike.setdefault(r.numel(), []).append(k)
+        else:
+            pieces[k] = (
+                sum_order(r, c) + starts[k]
+                if c
+                else torch.arange(starts[k], starts[k] + sizes[k], device=r.device)
+            )
+    for ks in alike.values():
+        perm = sum_order(rows[ks[0]], True).unsqueeze(0) if len(ks) == 1 else None
+        if perm is None:
+            perm = torch.sort(torch.stack([rows[k] for k in ks]), dim=1).indices
+        for j, k in enumerate(ks):
+            pieces[k] = perm[j] + starts[k]
+    return torch.cat([p for p in pieces if p is not None])
 
 
 @dataclass
@@ -401,11 +446,13 @@ class _PooledBags(torch.autograd.Function):
                 -1,
             )
             values = spread._values().split([m.numel() for m, _, _ in members])  # one row per id, in order
-        grad = torch.zeros(shape, dtype=some.dtype, device=some.device)
-        rows = 0
-        for (member_local, n_rows, coalesced), member_values in zip(members, values):
-            add_in_sum_order(grad.narrow(0, rows, n_rows), member_local, member_values, coalesced)
-            rows += n_rows
+        firsts = np.cumsum([0, *[n_rows for _, n_rows, _ in members[:-1]]]).tolist()
+        grad = add_parts_in_sum_order(
+            torch.zeros(shape, dtype=some.dtype, device=some.device),
+            [m + first if first else m for (m, _, _), first in zip(members, firsts)],
+            values,
+            [c for _, _, c in members],
+        )
         return grad, None, None, None, None, None, None, None
 
 

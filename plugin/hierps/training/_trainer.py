@@ -48,7 +48,7 @@ from hierps.training._batchplan import (
     Batch,
     BatchPlan,
     RowGroup,
-    add_in_sum_order,
+    add_parts_in_sum_order,
     look_up,
     pool_bags,
     table_rows,
@@ -659,8 +659,15 @@ def summed_grads(leaves: list[torch.Tensor], coalesced: Collection[int] = ()) ->
         sizes = [leaves[i].shape[0] for i in idx]
         sparse = [grads[i] for i in idx]
         total = torch.zeros((sum(sizes), dim), dtype=sparse[0].dtype, device=sparse[0].device)
-        for i, g, part in zip(idx, sparse, total.split(sizes)):
-            out[i] = add_in_sum_order(part, g._indices()[0], g._values(), id(leaves[i]) in coalesced)
+        firsts = np.cumsum([0, *sizes[:-1]]).tolist()
+        add_parts_in_sum_order(
+            total,
+            [g._indices()[0] + first if first else g._indices()[0] for g, first in zip(sparse, firsts)],
+            [g._values() for g in sparse],
+            [id(leaves[i]) in coalesced for i in idx],
+        )
+        for i, part in zip(idx, total.split(sizes)):
+            out[i] = part
     return out
 
 
