@@ -18,7 +18,7 @@ from oracle import make_optimizers, train, twin_models, zipf_batches
 from torch import nn
 
 import hierps
-from hierps.training._batchplan import add_in_sum_order, sum_order
+from hierps.training._batchplan import add_in_sum_order, add_parts_in_sum_order, sum_order
 
 VOCAB, DIM = 400, 8
 
@@ -39,6 +39,29 @@ def test_summing_in_sum_order_is_what_coalesce_sums(n):
     assert torch.equal(sum_order(local, True), sum_order(ids, True))
     if n < 32_768:  # a non-stable sort: here the two orders round differently
         assert not torch.equal(summed, in_order)
+
+
+def test_parts_summed_at_once_are_each_summed_as_coalesce_sums():
+    """Parts of one length are ordered by one row-wise sort: each as its own sort orders it."""
+    rng = np.random.default_rng(2)
+    sizes, rows_of = [256, 256, 300, 256, 1, 40_000], [50, 80, 50, 3, 5, 97]
+    coalesced = [True, True, True, False, True, True]
+    rows, values, expected = [], [], []
+    first = 0
+    for n, u, c in zip(sizes, rows_of, coalesced):
+        local = torch.from_numpy((rng.zipf(1.2, size=n) - 1) % u)
+        v = torch.from_numpy(rng.standard_normal((n, 4)).astype(np.float32))
+        if c:
+            sparse = torch.sparse_coo_tensor(local[None], v, (u, 4), check_invariants=False).coalesce()
+            part = torch.zeros(u, 4).index_copy_(0, sparse.indices()[0], sparse.values())
+        else:
+            part = torch.zeros(u, 4).index_add_(0, local, v)
+        rows.append(local + first)
+        values.append(v)
+        expected.append(part)
+        first += u
+    summed = add_parts_in_sum_order(torch.zeros(first, 4), rows, values, coalesced)
+    assert torch.equal(summed, torch.cat(expected))
 
 
 def _bit_equal(ref: nn.Module, twin: nn.Module, ref_losses: list[float], twin_losses: list[float]) -> None:
