@@ -360,7 +360,8 @@ class StoreCore:
                 out[table] = np.empty((len(keys), self.tables[table].words), dtype=np.float32)
                 out[table][hit] = ram_rows
                 rests[table] = np.flatnonzero(~hit)
-            read = self.ssd.read_many({t: requests[t][rest] for t, rest in rests.items() if len(rest)})
+            lacking = {t: requests[t][rest] for t, rest in rests.items() if len(rest)}
+            read = self.ssd.read_many(lacking) if lacking else {}
         for table, keys in requests.items():
             info, rest = self.tables[table], rests[table]
             if not len(rest):
@@ -432,15 +433,20 @@ class StoreCore:
         """
         fault_point("pass.write_back")
         failed: Exception | None = None
-        for table, d in drained.items():
-            if not d.dirty.any():
-                continue
-            keys, rows = d.keys[d.dirty], d.rows[d.dirty]
-            order = np.argsort(keys, kind="stable")
-            try:
-                self.memory.put(table, keys[order], rows[order], dirty=True, tick=tick)
-            except Exception as exc:
-                failed = failed or exc
+        try:
+            # The rows the RAM tier evicts meanwhile reach the SSD tier as one segment per table.
+            with self.memory.deferred_writes():
+                for table, d in drained.items():
+                    if not d.dirty.any():
+                        continue
+                    keys, rows = d.keys[d.dirty], d.rows[d.dirty]
+                    order = np.argsort(keys, kind="stable")
+                    try:
+                        self.memory.put(table, keys[order], rows[order], dirty=True, tick=tick)
+                    except Exception as exc:
+                        failed = failed or exc
+        except OSError as exc:  # the SSD tier refused evicted rows: they are in RAM again
+            failed = failed or exc
         if failed is not None:
             raise failed
 
