@@ -7,19 +7,24 @@ import json
 
 import pytest
 
-from hierps.bench.dlrm_ref import REF_VARIANTS
+from hierps.bench.dlrm_ref import REF_VARIANTS, torchrec_missing
 from hierps.cli import main
+
+# torchrec (an optional extra) where it is installed; SGD through FBGEMM's exact_sgd gave torch's
+# losses to the bit here, Adagrad's within 6e-8 (FBGEMM sums the same floats in another order)
+VARIANTS = list(REF_VARIANTS) if torchrec_missing() is None else [v for v in REF_VARIANTS if v != "torchrec"]
 
 
 def test_the_dlrm_ref_bench_reports_every_variant_at_torchs_losses(tmp_path, capsys):
     out = tmp_path / "ref.json"
     argv = ["bench", "--model", "dlrm-ref", "--max-ind-range", "200", "--examples", "2048"]
+    argv += ["--variants", ",".join(VARIANTS)]
     argv += ["--batch-size", "512", "--pass-batches", "2", "--repeats", "1", "--tmp", str(tmp_path)]
     argv += ["--memory-budget", "64KiB"]  # hierps-ssd's RAM tier: most of the rows on SSD
     assert main([*argv, "--json", str(out)]) == 0
     results = json.loads(out.read_text())
     variants = results["variants"]
-    assert list(variants) == list(REF_VARIANTS)
+    assert list(variants) == VARIANTS
     torch_run = variants["torch"]
     assert len(torch_run["losses"]) == 2 * 4  # a warm-up epoch and a measured one, 4 batches each
     for name, record in variants.items():
@@ -35,8 +40,28 @@ def test_the_dlrm_ref_bench_reports_every_variant_at_torchs_losses(tmp_path, cap
     assert variants["hierps-ram"]["passes"] == 4  # 8 batches in passes of 2
     assert variants["hierps-no-loader"]["passes"] == 0
     table = capsys.readouterr().out
-    for name in REF_VARIANTS:
+    for name in VARIANTS:
         assert f"\n{name} " in table
+
+
+def test_without_torchrec_its_variant_is_skipped_with_the_reason(tmp_path, monkeypatch, capsys):
+    from hierps.bench import dlrm_ref
+
+    def one_run(spec, timeout):
+        assert spec["name"] == "torch"
+        record = {"examples_per_s": 10.0, "examples_per_train_cpu_s": 10.0, "peak_rss_bytes": 1 << 20}
+        return {**record, "examples": 1, "seconds": 0.1, "losses": [0.5], "final_loss": 0.5}
+
+    monkeypatch.setattr(dlrm_ref, "torchrec_missing", lambda: "torchrec not installed")
+    monkeypatch.setattr(dlrm_ref, "spawn", one_run)
+    cfg = {"variants": ["torch", "torchrec"], "repeats": 1, "examples": 1, "batch_size": 1}
+    cfg |= {"max_ind_range": 1, "optimizer": "sgd", "lr": 0.1, "threads": 1}
+    results = dlrm_ref.run_ref_bench(cfg, tmp=str(tmp_path))
+    assert results["variants"]["torchrec"] == {"skipped": "torchrec not installed"}
+    assert results["variants"]["torch"]["vs_torch"] == 1.0
+    lines: list[str] = []
+    dlrm_ref.format_report(results, lines.append)
+    assert "torchrec           skipped: torchrec not installed" in lines
 
 
 def test_dropin_and_dlrm_ref_are_two_benches(capsys):

@@ -27,7 +27,6 @@ import torch.nn.functional as F
 torchrec = pytest.importorskip("torchrec", reason="torchrec is not installed (make setup installs it)")
 pytest.importorskip("deepspeed", reason="the shared single-rank process group comes from DeepSpeed")
 
-import torch.distributed as dist  # noqa: E402
 from test_deepspeed import engines, launcher_group  # noqa: E402
 from torchrec import (  # noqa: E402
     EmbeddingBagConfig,
@@ -38,17 +37,13 @@ from torchrec import (  # noqa: E402
     PoolingType,
 )
 from torchrec.distributed import DistributedModelParallel  # noqa: E402
-from torchrec.distributed.embedding_types import EmbeddingComputeKernel  # noqa: E402
-from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder  # noqa: E402
-from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology  # noqa: E402
-from torchrec.distributed.types import ShardingType  # noqa: E402
 from torchrec.models.dlrm import DLRM  # noqa: E402
 from torchrec.modules.embedding_configs import DataType  # noqa: E402
 from torchrec.optim import RowWiseAdagrad  # noqa: E402
-from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward  # noqa: E402
 from torchrec.optim.optimizers import in_backward_optimizer_filter  # noqa: E402
 
 import hierps  # noqa: E402
+from hierps.bench.dlrm_ref import shard_fused  # noqa: E402
 from hierps.errors import ConfigError, NotSupportedError, StaleWeightError  # noqa: E402
 from hierps.integrations import deepspeed as hds  # noqa: E402
 from hierps.integrations import torchrec as htr  # noqa: E402
@@ -137,20 +132,7 @@ def train_torchrec_fused(opt, batches):
     model = dlrm()
     init = {k: v.detach().clone() for k, v in model.state_dict().items()}
     cls, params, _ = OPTIMIZERS[opt]
-    apply_optimizer_in_backward(cls, model.sparse_arch.parameters(), dict(params))  # it renames keys in place
-    constraints = {
-        f"t{i}": ParameterConstraints(
-            sharding_types=[ShardingType.TABLE_WISE.value],
-            compute_kernels=[EmbeddingComputeKernel.FUSED.value],
-        )
-        for i in range(TABLES)
-    }
-    sharders = [EmbeddingBagCollectionSharder()]
-    planner = EmbeddingShardingPlanner(
-        topology=Topology(world_size=1, compute_device="cpu"), constraints=constraints
-    )
-    plan = planner.collective_plan(model, sharders, dist.GroupMember.WORLD)
-    dmp = DistributedModelParallel(model, device=torch.device("cpu"), plan=plan, sharders=sharders)
+    dmp = shard_fused(model, model.sparse_arch.embedding_bag_collection, cls, params)
     # the tables are one FBGEMM TBE on the CPU, its optimizer fused: the path claimed above
     tbe = dmp.module.sparse_arch.embedding_bag_collection._lookups[0]._emb_modules[0]._emb_module
     assert type(tbe).__name__ == "SplitTableBatchedEmbeddingBagsCodegen" and str(tbe.optimizer) == FUSED[opt]

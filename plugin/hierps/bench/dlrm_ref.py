@@ -1,4 +1,4 @@
-"""``hierps bench --model dlrm-ref``: the reference DLRM, plain PyTorch against hierps, on the same batches.
+"""``hierps bench --model dlrm-ref``: the reference DLRM in plain PyTorch, TorchRec and hierps, on the same batches.
 
 The model is :class:`hierps.demo.models.ReferenceDLRM` (dlrm's Criteo Kaggle setup: 26 sparse
 ``nn.EmbeddingBag`` tables of dim 16, each called with its own offsets, bottom MLP 13-512-256-64-16,
@@ -11,6 +11,12 @@ variant            training
 =================  ==============================================================================
 torch              the model as written, eager: ``torch.optim.SGD`` (or ``Adagrad``) on the
                    tables' sparse gradients and on the dense layers
+torchrec           the 26 tables in a ``torchrec.EmbeddingBagCollection`` fed a ``KeyedJaggedTensor``,
+                   sharded by ``DistributedModelParallel`` (one gloo rank, table-wise, ``fused``
+                   kernel: FBGEMM's table-batched embedding on the CPU, ``exact_sgd`` or
+                   ``exact_adagrad`` applied in the backward); the MLPs and interaction of the model,
+                   under DMP's ``DistributedDataParallel``, with torch's optimizer. Skipped (a line in
+                   the report) where torchrec cannot be imported
 hierps-ram         built on the meta device and handed to ``hierps.deepspeed.initialize``; a
                    ``PassLoader`` loads each pass's rows; the RAM tier holds every row it creates
 hierps-ssd         the same with a 64 MiB RAM tier: most rows live on SSD
@@ -26,9 +32,10 @@ evaluate=True)`` reading each group's rows ahead; the report sets that against a
 
 Every hierps variant has a 512 MiB device tier. Each variant runs in its own process (the bench
 worker, so peak RSS, ``VmHWM``, is its own): a warm-up epoch, then a timed one over the same
-batches (examples/s), every step's loss recorded. The tables of torch start from the rows the
-store's initializer gives the ids they meet (other rows are never read), so all variants train
-the same model from the same values: their losses agree step by step, which the report checks.
+batches (examples/s), every step's loss recorded. The tables of torch and torchrec start from the
+rows the store's initializer gives the ids they meet (other rows are never read), so all variants
+train the same model from the same values: their losses agree step by step, which the report
+checks (torchrec's within FBGEMM's rounding: its kernels sum the same floats in another order).
 """
 
 from __future__ import annotations
@@ -51,16 +58,27 @@ import torch
 from torch import nn
 
 from hierps.bench._worker import median_record, one_rank_ds_config, single_rank_env, spawn
+from hierps.demo.models import ReferenceDLRM
 
-__all__ = ["REF_VARIANTS", "config_from_args", "format_report", "run_from_args", "run_phase", "run_ref_bench"]
+__all__ = [
+    "REF_VARIANTS",
+    "config_from_args",
+    "format_report",
+    "run_from_args",
+    "run_phase",
+    "run_ref_bench",
+    "shard_fused",
+    "torchrec_missing",
+]
 
-REF_VARIANTS = ("torch", "hierps-ram", "hierps-no-loader", "hierps-ssd")
+REF_VARIANTS = ("torch", "torchrec", "hierps-ram", "hierps-no-loader", "hierps-ssd")
 # The model's 26 tables alone (the mean square of their pooled outputs as the loss, SGD), on the same batches: the
 # part of a step hierps replaces, apart from the MLPs both run alike. Run when asked (--variants).
 TABLE_VARIANTS = ("torch-tables", "hierps-tables")
 # dlrm's Kaggle rate for SGD. (The example trains at 1.0, where its AUC rises faster, but there
 # rounding differences grow step by step: by 1e-5 in about 100 steps.)
 _LR = {"sgd": 0.1, "adagrad": 0.01}
+_ADAGRAD_EPS = 1e-10  # torch.optim.Adagrad's default and the store's, given to FBGEMM's exact_adagrad too
 _INIT_BOUND = 0.01  # the store's initializer: uniform in +-0.01 for every table
 _LOSS = nn.BCELoss()
 _MiB = float(1 << 20)
@@ -109,7 +127,7 @@ def _names(n_tables: int) -> list[str]:
 
 def _optimizer(cfg: dict[str, Any], params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
     if cfg["optimizer"] == "adagrad":
-        return torch.optim.Adagrad(params, lr=cfg["lr"])
+        return torch.optim.Adagrad(params, lr=cfg["lr"], eps=_ADAGRAD_EPS)
     return torch.optim.SGD(params, lr=cfg["lr"])
 
 
@@ -179,7 +197,7 @@ def _tables_only(cfg: dict[str, Any], tmp: Path, name: str) -> dict[str, Any]:
     tables: list[nn.Module]
     if name == "torch-tables":
         plain = [nn.EmbeddingBag(n, cfg["dim"], mode="sum", sparse=True) for n in sizes]
-        _start_from_initializer(plain, batches, cfg)
+        _start_from_initializer([t.weight for t in plain], batches, cfg)
         opt = torch.optim.SGD([t.weight for t in plain], lr=cfg["lr"])
         tables = list(plain)
 
@@ -216,12 +234,10 @@ def _tables_only(cfg: dict[str, Any], tmp: Path, name: str) -> dict[str, Any]:
 
 # -- torch -------------------------------------------------------------------------------------------
 def _torch(cfg: dict[str, Any], profile: str | None) -> dict[str, Any]:
-    from hierps.demo.models import ReferenceDLRM
-
     batches, sizes = _batches(cfg)
     torch.manual_seed(cfg["seed"])
     model = ReferenceDLRM(sizes, cfg["dim"])
-    _start_from_initializer(list(model.tables), batches, cfg)
+    _start_from_initializer([cast(nn.EmbeddingBag, t).weight for t in model.tables], batches, cfg)
     opts = [_optimizer(cfg, model.sparse_parameters()), _optimizer(cfg, model.dense_parameters())]
     run = _Run(len(batches), profile)
     for b in run.steps(batches + batches):
@@ -235,17 +251,136 @@ def _torch(cfg: dict[str, Any], profile: str | None) -> dict[str, Any]:
 
 
 @torch.no_grad()
-def _start_from_initializer(tables: Sequence[nn.Module], batches: list[Any], cfg: dict[str, Any]) -> None:
-    """Give the rows ``batches`` read the values the store's initializer gives them in the hierps runs."""
+def _start_from_initializer(weights: Sequence[torch.Tensor], batches: list[Any], cfg: dict[str, Any]) -> None:
+    """Give the rows ``batches`` read (of each table's ``(rows, dim)`` weight) the values the store's
+    initializer gives them in the hierps runs."""
     from hierps.config import InitializerConfig
     from hierps.rows import initial_rows, table_salt
 
     init = InitializerConfig.parse(_initializer())
     for k, name in enumerate(_names(len(batches[0].ids))):
-        table = cast(nn.EmbeddingBag, tables[k])
         keys = np.unique(np.concatenate([b.ids[k].numpy() for b in batches]))
         rows = initial_rows(keys, cfg["dim"], table_salt(cfg["seed"], name), init)
-        table.weight[torch.from_numpy(keys)] = torch.from_numpy(rows)
+        weights[k][torch.from_numpy(keys)] = torch.from_numpy(rows)
+
+
+# -- torchrec ----------------------------------------------------------------------------------------
+def torchrec_missing() -> str | None:
+    """Why the torchrec variant cannot run here, or None where torchrec and FBGEMM's CPU kernels are installed."""
+    import importlib.util
+
+    missing = [m for m in ("torchrec", "fbgemm_gpu") if importlib.util.find_spec(m) is None]
+    if not missing:
+        return None
+    return (
+        f"{' and '.join(missing)} not installed (an optional extra: `make setup` installs "
+        "torchrec==1.8.0 and fbgemm-gpu-cpu==1.8.0 with --no-deps)"
+    )
+
+
+def shard_fused(
+    model: nn.Module, collection: nn.Module, optimizer: type[torch.optim.Optimizer], params: dict[str, Any]
+) -> Any:
+    """``model`` in TorchRec's ``DistributedModelParallel`` over the default process group, as TorchRec
+    trains sparse tables on CPU ranks: ``collection``'s (an ``EmbeddingBagCollection``) tables sharded
+    table-wise on the ``fused`` kernel, i.e. FBGEMM's ``SplitTableBatchedEmbeddingBagsCodegen`` with
+    ``optimizer`` (``torch.optim.SGD``: exact_sgd, ``Adagrad``: exact_adagrad, torchrec's
+    ``RowWiseAdagrad``: exact_row_wise_adagrad) of ``params`` applied in the backward. (DMP's own plan
+    for one CPU rank is data-parallel tables on the dense kernel, stepped by a dense optimizer.) The
+    other parameters are left to the caller's optimizer (``in_backward_optimizer_filter``)."""
+    import torch.distributed as dist
+    from torchrec.distributed import DistributedModelParallel
+    from torchrec.distributed.embedding_types import EmbeddingComputeKernel
+    from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+    from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
+    from torchrec.distributed.types import ShardingType
+    from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
+
+    apply_optimizer_in_backward(optimizer, collection.parameters(), dict(params))  # it renames keys in place
+    constraints = {
+        cfg.name: ParameterConstraints(
+            sharding_types=[ShardingType.TABLE_WISE.value],
+            compute_kernels=[EmbeddingComputeKernel.FUSED.value],
+        )
+        for cfg in collection.embedding_bag_configs()  # type: ignore[operator]
+    }
+    sharders: list[Any] = [EmbeddingBagCollectionSharder()]
+    planner = EmbeddingShardingPlanner(
+        topology=Topology(world_size=dist.get_world_size(), compute_device="cpu"), constraints=constraints
+    )
+    plan = planner.collective_plan(model, sharders, dist.GroupMember.WORLD)
+    return DistributedModelParallel(model, device=torch.device("cpu"), plan=plan, sharders=sharders)
+
+
+class _TorchRecDLRM(nn.Module):
+    """The reference DLRM with its tables in a ``torchrec.EmbeddingBagCollection`` (``ebc``: tables
+    ``t0``, ``t1``, ... read by features ``f0``, ``f1``, ...; built on the meta device, sharding
+    allocates them): ``forward(dense, features KJT) -> (B,)`` click probabilities."""
+
+    def __init__(self, table_sizes: Sequence[int], embedding_dim: int) -> None:
+        from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
+
+        super().__init__()
+        # The MLPs first, as an eager ReferenceDLRM under the same seed builds them; its tables (one
+        # row each here) dropped: the collection holds them.
+        self.dlrm = ReferenceDLRM([1] * len(table_sizes), embedding_dim)
+        self.dlrm.tables = nn.ModuleList()
+        self.features = [f"f{k}" for k in range(len(table_sizes))]
+        configs = [
+            EmbeddingBagConfig(
+                name=f"t{k}", embedding_dim=embedding_dim, num_embeddings=int(n), feature_names=[f]
+            )
+            for k, (n, f) in enumerate(zip(table_sizes, self.features))
+        ]
+        self.ebc = EmbeddingBagCollection(tables=configs, device=torch.device("meta"))
+
+    def forward(self, dense: torch.Tensor, features: Any) -> torch.Tensor:
+        pooled = self.ebc(features).to_dict()
+        interaction = self.dlrm.interact(self.dlrm.bottom(dense), [pooled[f] for f in self.features])
+        return torch.sigmoid(self.dlrm.top(interaction).squeeze(1))
+
+    def features_of(self, batch: Any) -> Any:
+        """A :class:`~hierps.demo.data.BagBatch`'s ids and offsets per table as a ``KeyedJaggedTensor``."""
+        from torchrec import KeyedJaggedTensor
+
+        lengths = [torch.diff(o, append=o.new_tensor([len(i)])) for i, o in zip(batch.ids, batch.offsets)]
+        return KeyedJaggedTensor(keys=self.features, values=torch.cat(batch.ids), lengths=torch.cat(lengths))
+
+
+def _torchrec(cfg: dict[str, Any], profile: str | None) -> dict[str, Any]:
+    import torch.distributed as dist
+    from torchrec.optim.optimizers import in_backward_optimizer_filter
+
+    batches, sizes = _batches(cfg)
+    single_rank_env()
+    dist.init_process_group("gloo")
+    try:
+        torch.manual_seed(cfg["seed"])
+        model = _TorchRecDLRM(sizes, cfg["dim"])
+        fused, params = (
+            (torch.optim.Adagrad, {"lr": cfg["lr"], "eps": _ADAGRAD_EPS})
+            if cfg["optimizer"] == "adagrad"
+            else (torch.optim.SGD, {"lr": cfg["lr"]})
+        )
+        dmp = shard_fused(model, model.ebc, fused, params)
+        state = dmp.state_dict()
+        weights = [
+            state[f"ebc.embedding_bags.t{k}.weight"].local_shards()[0].tensor for k in range(len(sizes))
+        ]
+        _start_from_initializer(weights, batches, cfg)
+        dense = _optimizer(cfg, [p for _, p in in_backward_optimizer_filter(dmp.named_parameters())])
+        feeds = [(b.dense, model.features_of(b), b.labels) for b in batches]
+        del batches, state, weights
+        run = _Run(len(feeds), profile)
+        for x, features, labels in run.steps(feeds + feeds):
+            loss = _LOSS(dmp(x, features), labels)
+            loss.backward()
+            dense.step()
+            dense.zero_grad()
+            run.losses.append(loss.item())
+        return run.record(batch_size=cfg["batch_size"], rows=sum(sizes))
+    finally:
+        dist.destroy_process_group()
 
 
 # -- hierps ------------------------------------------------------------------------------------------
@@ -256,7 +391,6 @@ def _hierps(cfg: dict[str, Any], tmp: Path, name: str, profile: str | None) -> d
 
     import hierps
     import hierps.deepspeed
-    from hierps.demo.models import ReferenceDLRM
     from hierps.rows import row_layout
     from hierps.tiers import ram_row_bytes
 
@@ -360,6 +494,8 @@ def run_phase(spec: dict[str, Any]) -> dict[str, Any]:
     t0 = time.perf_counter()
     if name == "torch":
         record = _torch(cfg, profile)
+    elif name == "torchrec":
+        record = _torchrec(cfg, profile)
     elif name in TABLE_VARIANTS:
         record = _tables_only(cfg, Path(spec["tmp"]), name)
     elif name in REF_VARIANTS:
@@ -430,7 +566,11 @@ def run_ref_bench(cfg: dict[str, Any], tmp: str | None = None, profile: str | No
             f"dlrm-ref variants: expected a subset of {','.join(REF_VARIANTS + TABLE_VARIANTS)} with torch (the baseline). "
             f"Got {','.join(cfg['variants'])} instead."
         )
-    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in cfg["variants"]}
+    skipped = {"torchrec": why} if "torchrec" in cfg["variants"] and (why := torchrec_missing()) else {}
+    for name, why in skipped.items():
+        print(f"  {name}: skipped, {why}", flush=True)
+    measured = [name for name in cfg["variants"] if name not in skipped]
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in measured}
     started = time.perf_counter()
     results: dict[str, Any] = {
         "config": cfg,
@@ -457,15 +597,20 @@ def run_ref_bench(cfg: dict[str, Any], tmp: str | None = None, profile: str | No
             return record
 
         for r in range(cfg["repeats"]):
-            for name in cfg["variants"]:
+            for name in measured:
                 runs[name].append(one(name, f"{name}-{r + 1}"))
         if profile:
             Path(profile).mkdir(parents=True, exist_ok=True)
             results["profile"] = {}
-            for name in cfg["variants"]:
+            for name in measured:
                 record = one(name, f"{name}-profiled", profile=str(Path(profile).resolve() / f"{name}.txt"))
                 results["profile"][name] = record.get("breakdown", {})
-    results["variants"] = {name: median_record(rs, by="examples_per_s") for name, rs in runs.items()}
+    results["variants"] = {
+        name: {"skipped": skipped[name]}
+        if name in skipped
+        else median_record(runs[name], by="examples_per_s")
+        for name in cfg["variants"]
+    }
     results["seconds"] = time.perf_counter() - started
     results["load_average_end"] = os.getloadavg()
     _compare(results)
@@ -501,6 +646,9 @@ def format_report(results: dict[str, Any], out: Callable[[str], Any] = print) ->
         f"{'peak RSS':>10} {'final loss':>11} {'max |dloss|':>12}"
     )
     for name, r in results["variants"].items():
+        if "skipped" in r:
+            out(f"{name:18} skipped: {r['skipped']}")
+            continue
         if "examples_per_s" not in r:
             out(f"{name:18} failed: {str(r.get('error', '?'))[-300:]}")
             continue

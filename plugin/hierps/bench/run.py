@@ -280,8 +280,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--model",
         choices=("dlrm", "wide", "dlrm-ref"),
         help="dlrm (the demo model, default), wide (embedding-bound), or dlrm-ref: instead, the reference "
-        "DLRM (dlrm's Criteo Kaggle setup, bags of ids, 7.9M rows) in plain PyTorch against hierps in RAM, "
-        "on SSD and without a PassLoader, on the same batches (hierps.bench.dlrm_ref)",
+        "DLRM (dlrm's Criteo Kaggle setup, bags of ids, 7.9M rows) in plain PyTorch, TorchRec (DMP, FBGEMM's "
+        "fused tables) and hierps in RAM, on SSD and without a PassLoader, on the same batches "
+        "(hierps.bench.dlrm_ref)",
     )
     a(
         "--max-ind-range",
