@@ -171,9 +171,11 @@ def replay(
         c["new_rows"] += len(rest) - on_ssd
 
     def write_back(keys: Mapping[str, np.ndarray]) -> None:
-        for t, k in keys.items():
-            if len(k):
-                ram.put(t, k, np.zeros((len(k), 1), np.float32))
+        # As StoreCore.put_dirty: the rows evicted meanwhile reach the sink per table, at the end.
+        with ram.deferred_writes():
+            for t, k in keys.items():
+                if len(k):
+                    ram.put(t, k, np.zeros((len(k), 1), np.float32))
 
     cut = _LoaderCut(passes) if pass_loader else None
     for index, given in enumerate(cut if cut is not None else passes):

@@ -16,6 +16,8 @@ error reaches the caller: a full disk loses no row.
 from __future__ import annotations
 
 import mmap
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Protocol
 
 import numpy as np
@@ -126,6 +128,8 @@ class MemoryTier:
         self.hits = 0
         self.misses = 0
         self.evicted_rows = 0
+        # Within deferred_writes(): the dirty rows that left, per table, in the order they left.
+        self._held: dict[str, list[tuple[np.ndarray, np.ndarray]]] | None = None
 
     def add_table(self, table: str, width: int) -> None:
         if table not in self._slabs:
@@ -226,7 +230,7 @@ class MemoryTier:
             fit = min(n_new, max(0, self.budget - self.bytes_used) // row_bytes)
             if fit < n_new and dirty:
                 # More than the cache holds: the surplus goes straight to the sink.
-                self._sink.write(table, new_keys[fit:], new_rows[fit:])
+                self._to_sink(table, new_keys[fit:], new_rows[fit:])
         except OSError:
             # The sink took nothing (e.g. the disk is full): keep every row here, over budget,
             # so that none is lost, and let the caller see the error.
@@ -275,9 +279,60 @@ class MemoryTier:
             dirty = slab.dirty[slots]
             if dirty.any():
                 fault_point("memory.evict")
-                self._sink.write(table, slab.keys[positions[dirty]], slab.rows, at=slots[dirty])
+                self._to_sink(table, slab.keys[positions[dirty]], slab.rows, at=slots[dirty])
         slab.remove(positions)
         self.evicted_rows += len(positions)
+
+    def _to_sink(self, table: str, keys: np.ndarray, rows: np.ndarray, at: np.ndarray | None = None) -> None:
+        """Hand dirty rows that leave the tier to the sink, or hold them (a copy) within :meth:`deferred_writes`."""
+        if self._held is None:
+            self._sink.write(table, keys, rows, at=at)
+        else:
+            held = rows[at] if at is not None else rows.copy()
+            self._held.setdefault(table, []).append((keys.copy(), held))
+
+    @contextmanager
+    def deferred_writes(self) -> Iterator[None]:
+        """Within it, the dirty rows that leave the tier (evicted, or more than it holds) are held, and
+        handed to the sink at its end as one batch per table: a key that left twice with its last row.
+        Which rows stay and which leave is decided as without it; only fewer, larger writes reach the
+        sink (one segment per table per write-back instead of one per table per eviction).
+
+        Nothing may read the tier's sink meanwhile (the caller holds the tiers' lock). When the sink
+        refuses a table's rows (``OSError``), those whose key the tier does not hold again are cached
+        again, dirty, over budget if need be (a key it holds again was put back since, newer); the
+        other tables' rows are handed down all the same, and the first error is raised."""
+        if self._held is not None:  # within another: that one hands the rows down
+            yield
+            return
+        self._held = {}
+        try:
+            yield
+        finally:
+            held, self._held = self._held, None
+            self._hand_down(held)
+
+    def _hand_down(self, held: dict[str, list[tuple[np.ndarray, np.ndarray]]]) -> None:
+        failed: OSError | None = None
+        for table, parts in held.items():
+            keys = np.concatenate([k for k, _ in parts])
+            rows = np.concatenate([r for _, r in parts])
+            # The last row of each key: a stable sort keeps each key's rows in the order they left.
+            order = np.argsort(keys, kind="stable")
+            keys = keys[order]
+            last = np.ones(len(keys), bool)
+            last[:-1] = keys[1:] != keys[:-1]
+            keys, at = keys[last], order[last]
+            try:
+                self._sink.write(table, keys, rows, at=at)
+            except OSError as exc:
+                failed = failed or exc
+                slab = self._slabs[table]
+                back = ~slab.find(keys)[0]
+                self.changes += 1
+                self._insert(slab, keys[back], rows[at[back]], True, None)
+        if failed is not None:
+            raise failed
 
     def flush(self) -> None:
         """Hand every dirty row to the sink; rows stay cached, now clean."""

@@ -1,0 +1,146 @@
+"""The RAM tier's deferred writes (``MemoryTier.deferred_writes``, used by every write-back): the same
+rows stay and leave as without it, the sink gets one batch per table holding each key's last row,
+and a sink that refuses a batch loses no row. Rows exact through the SSD tier and after a reopen."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from hierps.tiers import MemoryTier, ram_row_bytes
+from hierps.tiers._ssd import SsdTier
+
+WIDTH = 3
+TABLES = ("a", "b", "c")
+
+
+class _Sink:
+    def __init__(self, fail: set[str] | None = None) -> None:
+        self.writes: list[tuple[str, np.ndarray, np.ndarray]] = []
+        self.fail = fail or set()
+
+    def write(self, table: str, keys: np.ndarray, rows: np.ndarray, at: np.ndarray | None = None) -> None:
+        if table in self.fail:
+            raise OSError(28, "no space left on the device")
+        self.writes.append((table, keys.copy(), (rows if at is None else rows[at]).copy()))
+
+    def newest(self) -> dict[tuple[str, int], np.ndarray]:
+        out: dict[tuple[str, int], np.ndarray] = {}
+        for table, keys, rows in self.writes:
+            out.update({(table, k): r for k, r in zip(keys.tolist(), rows)})
+        return out
+
+
+def _batches(seed: int, rounds: int) -> list[list[tuple[str, np.ndarray, np.ndarray]]]:
+    """Write-backs: per round, for each table, sorted unique keys (overlapping earlier rounds) and rows."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for r in range(rounds):
+        one = []
+        for t in TABLES:
+            keys = np.unique(rng.integers(0, 400, int(rng.integers(1, 200)))).astype(np.int64)
+            values = np.full((len(keys), WIDTH), r * 1000 + 1, np.float32) + keys[:, None].astype(np.float32)
+            one.append((t, keys, values))
+        out.append(one)
+    return out
+
+
+def _tier(sink: _Sink, rows: int) -> MemoryTier:
+    tier = MemoryTier(rows * ram_row_bytes(WIDTH), sink)
+    for t in TABLES:
+        tier.add_table(t, WIDTH)
+    return tier
+
+
+def _cached(tier: MemoryTier) -> dict[tuple[str, int], np.ndarray]:
+    out = {}
+    for t in TABLES:
+        keys, rows = tier.columns(t, slice(None))
+        out.update({(t, k): r for k, r in zip(keys.tolist(), rows)})
+    return out
+
+
+def _same(x: dict[tuple[str, int], np.ndarray], y: dict[tuple[str, int], np.ndarray]) -> bool:
+    return x.keys() == y.keys() and all(np.array_equal(x[k].view(np.uint32), y[k].view(np.uint32)) for k in x)
+
+
+@pytest.mark.parametrize("rows", [40, 150, 500])
+def test_deferred_writes_keep_and_hand_down_what_direct_writes_do(rows):
+    direct, deferred = _Sink(), _Sink()
+    plain, held = _tier(direct, rows), _tier(deferred, rows)
+    for p, batch in enumerate(_batches(0, 12)):
+        plain.tick = held.tick = p
+        for t, keys, values in batch:
+            plain.put(t, keys, values)
+        writes_before = len(deferred.writes)
+        with held.deferred_writes():
+            for t, keys, values in batch:
+                held.put(t, keys, values)
+            assert len(deferred.writes) == writes_before  # nothing reaches the sink before the end
+        tables = [t for t, _, _ in deferred.writes[writes_before:]]
+        assert len(tables) == len(set(tables))  # one batch per table
+        for _, keys, _ in deferred.writes[writes_before:]:
+            assert np.all(keys[1:] > keys[:-1])
+        # The same rows cached, and below them the same newest row of every key.
+        assert _same(_cached(plain), _cached(held))
+        assert _same(direct.newest(), deferred.newest())
+    assert len(deferred.writes) < len(direct.writes)
+
+
+def test_a_refused_batch_stays_in_ram_and_the_others_go_down():
+    sink = _Sink()
+    tier = _tier(sink, 60)
+    batches = _batches(1, 6)
+    expected: dict[tuple[str, int], np.ndarray] = {}
+    for p, batch in enumerate(batches[:-1]):
+        tier.tick = p
+        with tier.deferred_writes():
+            for t, keys, values in batch:
+                tier.put(t, keys, values)
+        for t, keys, values in batch:
+            expected.update({(t, k): r for k, r in zip(keys.tolist(), values)})
+    sink.fail = {"b"}
+    tier.tick = len(batches)
+    with pytest.raises(OSError), tier.deferred_writes():
+        for t, keys, values in batches[-1]:
+            tier.put(t, keys, values)
+    for t, keys, values in batches[-1]:
+        expected.update({(t, k): r for k, r in zip(keys.tolist(), values)})
+    # Every row is in RAM (the refused ones, dirty) or below it: none lost, each the newest.
+    visible = {**sink.newest(), **_cached(tier)}
+    assert _same(visible, expected)
+    assert tier.num_dirty("b") > 0
+    sink.fail = set()
+    tier.flush()
+    assert _same(sink.newest(), expected)
+
+
+def test_rows_exact_through_the_ssd_tier_and_after_a_reopen(tmp_path):
+    ssd = SsdTier(tmp_path, max_segments=3, store_id="test")
+    for t in TABLES:
+        ssd.add_table(t, WIDTH)
+    ssd.collect_garbage(set())
+    tier = MemoryTier(50 * ram_row_bytes(WIDTH), ssd)
+    for t in TABLES:
+        tier.add_table(t, WIDTH)
+    expected: dict[tuple[str, int], np.ndarray] = {}
+    for p, batch in enumerate(_batches(2, 10)):
+        tier.tick = p
+        with tier.deferred_writes():
+            for t, keys, values in batch:
+                tier.put(t, keys, values)
+        for t, keys, values in batch:
+            expected.update({(t, k): r for k, r in zip(keys.tolist(), values)})
+    tier.flush()
+    recorded = {t: ssd.live_set(t) for t in TABLES}
+    ssd.close()
+    fresh = SsdTier(tmp_path, max_segments=3, store_id="test")
+    for t in TABLES:
+        fresh.load_segments(t, WIDTH, recorded[t])
+    for t in TABLES:
+        keys = np.array(sorted(k for tt, k in expected if tt == t), np.int64)
+        found, rows = fresh.read(t, keys)
+        assert found.all() and fresh.num_rows(t) == len(keys)
+        want = np.stack([expected[(t, k)] for k in keys.tolist()])
+        assert np.array_equal(rows.view(np.uint32), want.view(np.uint32))
+    fresh.close()
