@@ -144,3 +144,22 @@ def test_rows_exact_through_the_ssd_tier_and_after_a_reopen(tmp_path):
         want = np.stack([expected[(t, k)] for k in keys.tolist()])
         assert np.array_equal(rows.view(np.uint32), want.view(np.uint32))
     fresh.close()
+
+
+def test_a_written_segment_holds_what_its_files_hold(tmp_path):
+    """A write-back's segment keeps the fences and filter its writer wrote (no read at its first lookup):
+    the same as those read back from its files."""
+    ssd = SsdTier(tmp_path, store_id="test")
+    ssd.add_table("a", WIDTH)
+    rng = np.random.default_rng(3)
+    keys = np.unique(rng.integers(-(10**12), 10**12, 5000)).astype(np.int64)
+    ssd.write("a", keys, rng.standard_normal((len(keys), WIDTH)).astype(np.float32))
+    (seg,) = ssd._segs["a"].values()
+    assert seg.ram_bytes > 0  # held from the write, before any lookup
+    held, last = seg._load(), seg._last
+    seg.unload()
+    read = seg._load()
+    assert all(np.array_equal(x, y) for x, y in zip(held, read)) and seg._last == last == int(keys[-1])
+    found, _ = ssd.read("a", keys)
+    assert found.all()
+    ssd.close()

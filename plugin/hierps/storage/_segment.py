@@ -81,8 +81,13 @@ class SegmentWriter:
         block_point: str | None = None,
         *,
         store_id: str,
+        keep_index: bool = False,
     ) -> None:
         self.name, self.width = name, width
+        # With keep_index, the filter's words as written, for :meth:`index` (a small segment's: a
+        # large one is written in bounded memory).
+        self._kept: list[np.ndarray] | None = [] if keep_index else None
+        self._index: tuple[np.ndarray, np.ndarray, int] | None = None
         self._store_id = store_id
         self.chunk_rows = chunk_rows_for(width)
         make_dir(root / name)
@@ -146,7 +151,10 @@ class SegmentWriter:
 
     def _write_block(self) -> None:
         keys = np.concatenate(self._block) if self._block else np.empty(0, np.int64)
-        self._filter.append(bloom_build(keys, block_words(len(keys), self.chunk_rows)))
+        words = bloom_build(keys, block_words(len(keys), self.chunk_rows))
+        self._filter.append(words)
+        if self._kept is not None:
+            self._kept.append(words)
         self._block, self._block_len = [], 0
 
     def abort(self) -> None:
@@ -177,7 +185,15 @@ class SegmentWriter:
         )
         out.append(fences)
         out.close()
+        if self._kept is not None and self._last is not None:
+            self._index = (fences, np.concatenate(self._kept), self._last)
         return self.n, fences_check(fences)
+
+    @property
+    def index(self) -> tuple[np.ndarray, np.ndarray, int] | None:
+        """Once closed, with ``keep_index`` and rows: the fences and filter words written and the last
+        key (what :meth:`Segment.preload` takes), else None."""
+        return self._index
 
 
 def fences_check(fences: np.ndarray) -> int:
@@ -308,6 +324,12 @@ class Segment:
     def known_range(self, first: int, last: int) -> None:
         """Record its first and last keys, as its writer saw them."""
         self._range = (first, last)
+
+    def preload(self, fences: np.ndarray, filt: np.ndarray, last: int) -> None:
+        """Hold the fences, filter words and last key its writer just wrote (:attr:`SegmentWriter.index`)
+        instead of reading them back at the first lookup."""
+        self._fences, self._filter, self._last = fences, filt, last
+        self._range = (int(fences[0]), last)
 
     def unload(self) -> None:
         """Drop the fences and filter from RAM (they load again on the next lookup)."""

@@ -293,7 +293,7 @@ class SsdTier:
             for a in range(0, len(keys), step)
         )
         found, holder, _ = self._locate({table: keys}, with_rows=False)[table]
-        seg = self._write_segment(table, parts, len(keys))
+        seg = self._write_segment(table, parts, len(keys), keep_index=True)
         self._supersede(table, holder[found])
         self._set_live(table, seg.seg, seg.n)
         self.settle(table)
@@ -359,6 +359,8 @@ class SsdTier:
         parts: Iterable[tuple[np.ndarray, np.ndarray]],
         expected: int,
         seg_id: int | None = None,
+        *,
+        keep_index: bool = False,
     ) -> Segment:
         """Write runs of (sorted keys, rows) as a new segment of ``table``; registered (in the live set,
         with no live rows yet) unless ``seg_id`` was allocated by the caller, who registers it."""
@@ -379,6 +381,7 @@ class SsdTier:
                     width,
                     block_point="ssd.segment_rows_block",
                     store_id=self.store_id,
+                    keep_index=keep_index,
                 )
                 for keys, rows in parts:
                     writer.append(keys, rows)
@@ -387,6 +390,8 @@ class SsdTier:
             seg = self._segment(table, seg_id, n, check)
             if writer.key_range is not None:
                 seg.known_range(*writer.key_range)
+            if writer.index is not None:  # a write-back's segment: its lookups need not read it back
+                seg.preload(*writer.index)
         except BaseException:
             # Nothing names the segment yet: close its files and drop what was written of it (a file
             # removed while still open keeps its space in use).
