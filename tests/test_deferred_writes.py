@@ -60,6 +60,21 @@ def _cached(tier: MemoryTier) -> dict[tuple[str, int], np.ndarray]:
     return out
 
 
+def _write_backs(
+    tier: MemoryTier, batches: list[list[tuple[str, np.ndarray, np.ndarray]]]
+) -> dict[tuple[str, int], np.ndarray]:
+    """Put each batch as a write-back does (deferred writes, its own clock); the newest row of every key."""
+    expected: dict[tuple[str, int], np.ndarray] = {}
+    for p, batch in enumerate(batches):
+        tier.tick = p
+        with tier.deferred_writes():
+            for t, keys, values in batch:
+                tier.put(t, keys, values)
+        for t, keys, values in batch:
+            expected.update({(t, k): r for k, r in zip(keys.tolist(), values)})
+    return expected
+
+
 def _same(x: dict[tuple[str, int], np.ndarray], y: dict[tuple[str, int], np.ndarray]) -> bool:
     return x.keys() == y.keys() and all(np.array_equal(x[k].view(np.uint32), y[k].view(np.uint32)) for k in x)
 
@@ -91,14 +106,7 @@ def test_a_refused_batch_stays_in_ram_and_the_others_go_down():
     sink = _Sink()
     tier = _tier(sink, 60)
     batches = _batches(1, 6)
-    expected: dict[tuple[str, int], np.ndarray] = {}
-    for p, batch in enumerate(batches[:-1]):
-        tier.tick = p
-        with tier.deferred_writes():
-            for t, keys, values in batch:
-                tier.put(t, keys, values)
-        for t, keys, values in batch:
-            expected.update({(t, k): r for k, r in zip(keys.tolist(), values)})
+    expected = _write_backs(tier, batches[:-1])
     sink.fail = {"b"}
     tier.tick = len(batches)
     with pytest.raises(OSError), tier.deferred_writes():
@@ -123,14 +131,7 @@ def test_rows_exact_through_the_ssd_tier_and_after_a_reopen(tmp_path):
     tier = MemoryTier(50 * ram_row_bytes(WIDTH), ssd)
     for t in TABLES:
         tier.add_table(t, WIDTH)
-    expected: dict[tuple[str, int], np.ndarray] = {}
-    for p, batch in enumerate(_batches(2, 10)):
-        tier.tick = p
-        with tier.deferred_writes():
-            for t, keys, values in batch:
-                tier.put(t, keys, values)
-        for t, keys, values in batch:
-            expected.update({(t, k): r for k, r in zip(keys.tolist(), values)})
+    expected = _write_backs(tier, _batches(2, 10))
     tier.flush()
     recorded = {t: ssd.live_set(t) for t in TABLES}
     ssd.close()
