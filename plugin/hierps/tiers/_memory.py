@@ -39,6 +39,9 @@ def ram_row_bytes(words: int) -> int:
 
 # Evict down to this fraction of the budget, so eviction runs in batches, not per row.
 _EVICT_TO = 0.875
+# Within deferred_writes, rows held (as the tier charges them) beyond which they go down at once:
+# large write-backs gain nothing from fewer segments, and the copies held stay bounded.
+_HELD_BYTES = 16 << 20
 
 
 class RowSink(Protocol):
@@ -130,6 +133,7 @@ class MemoryTier:
         self.evicted_rows = 0
         # Within deferred_writes(): the dirty rows that left, per table, in the order they left.
         self._held: dict[str, list[tuple[np.ndarray, np.ndarray]]] | None = None
+        self._held_bytes = 0
 
     def add_table(self, table: str, width: int) -> None:
         if table not in self._slabs:
@@ -290,13 +294,18 @@ class MemoryTier:
         else:
             held = rows[at] if at is not None else rows.copy()
             self._held.setdefault(table, []).append((keys.copy(), held))
+            self._held_bytes += len(keys) * self.row_bytes(table)
+            if self._held_bytes > _HELD_BYTES:
+                held_now, self._held, self._held_bytes = self._held, {}, 0
+                self._hand_down(held_now)
 
     @contextmanager
     def deferred_writes(self) -> Iterator[None]:
         """Within it, the dirty rows that leave the tier (evicted, or more than it holds) are held, and
         handed to the sink at its end as one batch per table: a key that left twice with its last row.
         Which rows stay and which leave is decided as without it; only fewer, larger writes reach the
-        sink (one segment per table per write-back instead of one per table per eviction).
+        sink (one segment per table per write-back instead of one per table per eviction). Past
+        ``_HELD_BYTES`` of rows held (as the tier charges them), those go down at once.
 
         Nothing may read the tier's sink meanwhile (the caller holds the tiers' lock). When the sink
         refuses a table's rows (``OSError``), those whose key the tier does not hold again are cached
@@ -305,7 +314,7 @@ class MemoryTier:
         if self._held is not None:  # within another: that one hands the rows down
             yield
             return
-        self._held = {}
+        self._held, self._held_bytes = {}, 0
         try:
             yield
         finally:
