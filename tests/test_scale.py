@@ -51,6 +51,14 @@ def test_scale_bench_smoke(tmp_path: Path) -> None:
     assert not any(work.iterdir())  # stores, exports and probe files deleted without --keep
 
 
+def test_scale_bench_phases_need_the_write_phase_unless_only_resharding() -> None:
+    assert scale._phases("reshard") == ("reshard",)
+    assert scale._phases("write,train,reshard") == ("write", "train", "reshard")
+    for text in ("train", "reshard,export", ""):
+        with pytest.raises(ValueError, match="including write unless only"):
+            scale._phases(text)
+
+
 def test_scale_bench_rejects_sizes_too_small_for_the_passes(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["bench", "--scale", "--sizes", "20000"]) == 2  # 8 passes of 16384 fresh keys
     assert "fewer --passes" in capsys.readouterr().err

@@ -328,8 +328,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a(
         "--scale",
         action="store_true",
-        help="instead: the store at 10^6 and 10^7 rows (--full: also 10^8), write / train / reopen / export / "
-        "serving each in a fresh process: seconds, peak RSS against its limit, I/O, files (hierps.bench.scale)",
+        help="instead: the store at 10^6 and 10^7 rows (--full: also 10^8), write / train / reopen / wide / "
+        "export / serving / reshard (2 ranks -> 1) each in a fresh process: seconds, peak RSS against its limit, "
+        "I/O, files (hierps.bench.scale)",
     )
     a(
         "--plan",
@@ -397,7 +398,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="with --scale / --serving: keep the stores and exports (under --tmp)",
     )
-    a("--phases", help="with --scale: comma-separated phases to run (default all; write is required)")
+    a(
+        "--phases",
+        help="with --scale: comma-separated phases to run (default all; write is required unless only reshard)",
+    )
     a(
         "--precision",
         action="store_true",

@@ -10,7 +10,12 @@ fresh process (the ``--worker`` of :mod:`hierps.bench.run`), so that each phase'
 3. ``reopen``: ``hierps.Store(path)`` and ``num_rows``, cold;
 4. ``export``: ``hierps export``'s :func:`~hierps.lifecycle._export.export_store`, cold;
 5. ``serving``: :func:`hierps.serving.open` of the export, cold, and a lookup of 16384 random ids
-   (read from disk on demand: ``hierps bench --serving`` measures serving in detail).
+   (read from disk on demand: ``hierps bench --serving`` measures serving in detail);
+6. ``reshard``: keys 0..N-1 written into a :class:`hierps.ShardedStore` of 2 ranks (threads of
+   one process: each rank writes the keys it owns) and checkpointed, in a process of its own; then
+   that checkpoint opened at 1 rank, cold, which reshards it (every row read from the 2 parts and
+   written into the new one, then committed), and opened again (a restore at the resharded
+   checkpoint, cold). Its rows/s and GB/s of rows go against the sequential read bandwidth.
 
 Each phase reports its seconds, peak RSS (``VmHWM``), the ``/proc/self/io`` deltas over the phase,
 the SSD tier's key-index RAM, the files and bytes under the store directory, and whether its peak
@@ -71,7 +76,9 @@ __all__ = [
 
 _MiB = 1 << 20
 FULL_SIZE = 100_000_000
-PHASES = ("write", "train", "reopen", "wide", "export", "serving")
+PHASES = ("write", "train", "reopen", "wide", "export", "serving", "reshard")
+# Phases that read the store the write phase leaves.
+_READ_WRITTEN = frozenset(PHASES) - {"write", "reshard"}
 _IO_FIELDS = ("rchar", "wchar", "read_bytes", "write_bytes")
 _RSS_SLACK = 700 * _MiB  # the issue's allowance beyond the budgets and 2 B per key
 _CHECKPOINT_SLACK = 1 * _MiB  # a checkpoint may write 4x its dirty rows' bytes + this
@@ -80,6 +87,7 @@ GOALS = [
     ("checkpoint", "a checkpoint after a pass writes <= 4x the dirty rows' bytes + 1 MiB", 1.0),
     ("ssd_rows", "fresh-key pass reads rows at >= 50% of the random 4 KiB read rate", 0.5),
     ("wide", "reading a quarter of the rows runs at >= 50% of the sequential read bandwidth", 0.5),
+    ("reshard", "a reshard 2 -> 1 rank moves rows at >= 50% of the sequential read bandwidth", 0.5),
 ]
 
 
@@ -468,6 +476,93 @@ def _serving_phase(spec: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def _sharded_open(path: str, transport: Any, conf: dict[str, Any]) -> Any:
+    import hierps
+
+    return hierps.ShardedStore(
+        path,
+        transport,
+        memory_budget=conf["memory_budget"],
+        device_budget=conf["device_budget"],
+        pipeline=True,
+    )
+
+
+def _shard_phase(spec: dict[str, Any]) -> dict[str, Any]:
+    """The reshard phase's checkpoint: keys 0..N-1 (rows as the write phase makes them) in a sharded
+    store of ``spec["ranks"]`` ranks, threads of this process, each writing the keys it owns a chunk
+    at a time (bulk loads, as the write phase's); a checkpoint of all ranks."""
+    from hierps.bench._threads import ThreadTransport, run_ranks
+    from hierps.sharding import owner_of
+
+    conf, n, world = spec["config"], spec["rows"], spec["ranks"]
+
+    def rank_main(transport: ThreadTransport) -> None:
+        store = _sharded_open(spec["sharded"], transport, conf)
+        try:
+            info = store.table("t", conf["dim"], optimizer="adagrad")
+            for start in range(0, n, conf["write_chunk"]):
+                keys = np.arange(start, min(n, start + conf["write_chunk"]), dtype=np.int64)
+                keys = keys[owner_of(keys, world) == transport.rank]
+                rows = np.zeros((len(keys), info.width), np.float32)
+                rng = np.random.default_rng([conf["seed"], start, transport.rank])
+                rows[:, : info.dim] = rng.standard_normal((len(keys), info.dim), dtype=np.float32)
+                store.local.write_rows("t", keys, rows)
+                del rows
+            store.checkpoint()
+        finally:
+            store.close()
+
+    t0 = time.perf_counter()
+    run_ranks(world, rank_main, timeout=None)
+    return {"seconds": time.perf_counter() - t0, "ranks": world}
+
+
+def _reshard_phase(spec: dict[str, Any]) -> dict[str, Any]:
+    """A checkpoint of 2 ranks (written by a ``shard`` process) opened at 1 rank, cold: the
+    reshard's seconds and I/O; then opened again at 1 rank, cold: a restore (its seconds, and the
+    bytes it reads). The sharded store is deleted after, unless kept."""
+    from hierps.bench.machine import drop_from_page_cache
+    from hierps.sharding._commits import OneRank
+
+    conf, n, tmp = spec["config"], spec["rows"], Path(spec["tmp"])
+    sharded = tmp / "sharded"
+    setup = spawn_phase("shard", conf, tmp / "shard", rows=n, sharded=str(sharded), ranks=2)
+    if "error" in setup:
+        raise RuntimeError(f"writing the 2-rank store failed: {setup['error']}")
+    try:
+        drop_from_page_cache(sharded)
+        opened: list[Any] = []
+        seconds, io = _measured(
+            lambda: opened.append(_sharded_open(str(sharded), OneRank(), conf)), sync=True
+        )
+        store = opened.pop()
+        try:
+            rows = store.num_rows("t")["ssd"]  # every row, once the reshard's checkpoint is written
+            width = store.tables["t"].width
+            parts = store.list_checkpoints()
+        finally:
+            store.close()
+        drop_from_page_cache(sharded)
+        restore_seconds, restore_io = _measured(
+            lambda: opened.append(_sharded_open(str(sharded), OneRank(), conf))
+        )
+        opened.pop().close()
+    finally:
+        if not conf["keep"]:
+            shutil.rmtree(sharded, ignore_errors=True)
+    return {
+        "seconds": seconds,
+        "setup": setup,
+        "rows": rows,
+        "row_bytes": 8 + 4 * width,  # a key and its decoded row
+        "reshard_io": io,
+        "restore_seconds": restore_seconds,
+        "restore_io": restore_io,
+        "checkpoints": parts,
+    }
+
+
 Runner = tuple[Callable[[dict[str, Any]], dict[str, Any]], str | None]
 # phase -> (what it runs, the directory dropped from the page cache before it: "store" / "export")
 RUNNERS: dict[str, Runner] = {
@@ -478,6 +573,8 @@ RUNNERS: dict[str, Runner] = {
     "wide": (_wide_phase, "store"),
     "export": (_export_phase, "store"),
     "serving": (_serving_phase, "export"),
+    "shard": (_shard_phase, None),  # run by the reshard phase, in a process of its own
+    "reshard": (_reshard_phase, None),
 }
 
 
@@ -653,13 +750,22 @@ def check_goals(results: dict[str, Any]) -> list[dict[str, Any]]:
         if wides and seq
         else (None, "train phase or disk probe not run")
     )
+    reshards = list(_finished(results, "reshard"))
+    values["reshard"] = (
+        (
+            min(_reshard_rate(r) for _, r in reshards) / seq,
+            "bytes of rows (key + decoded row) moved per s / sequential bytes/s, worst",
+        )
+        if reshards and seq
+        else (None, "reshard phase or disk probe not run")
+    )
     report = []
     for key, goal, threshold in GOALS:
         value, note = values[key]
         met = (
             None
             if value is None
-            else (value >= threshold if key in ("ssd_rows", "wide") else value <= threshold)
+            else (value >= threshold if key in ("ssd_rows", "wide", "reshard") else value <= threshold)
         )
         report.append({"key": key, "goal": goal, "value": value, "met": met, "note": note})
     return report
@@ -737,6 +843,24 @@ def _export_line(rows: int, e: dict[str, Any], disk: dict[str, Any]) -> str:
     )
 
 
+def _reshard_rate(r: dict[str, Any]) -> float:
+    """Bytes of rows (a key and its decoded row each) a reshard moved per second."""
+    return r["rows"] * r["row_bytes"] / r["seconds"]
+
+
+def _reshard_line(rows: int, r: dict[str, Any], seq: float | None = None) -> str:
+    rate, io = _reshard_rate(r), r["reshard_io"]
+    vs = f" = {rate / seq:.2f}x the sequential read" if seq else ""
+    return (
+        f"reshard 2 -> 1 rank, {rows:,} rows (written at 2 ranks in {r['setup']['seconds']:.1f} s): "
+        f"{r['seconds']:.2f} s, {r['rows'] / r['seconds']:,.0f} rows/s, {rate / 1e9:.3f} GB/s of rows{vs}; "
+        f"the device read {io['read_bytes'] / _MiB:,.0f} MiB and wrote {io['write_bytes'] / _MiB:,.0f} MiB "
+        f"({io['write_bytes'] / (r['rows'] * r['row_bytes']):.2f}x the rows' bytes); peak RSS "
+        f"{_mib(r['peak_rss_bytes'])} MiB of {_mib(r['rss_limit_bytes'])} MiB; restore at the resharded "
+        f"checkpoint (cold) {r['restore_seconds']:.2f} s, reading {r['restore_io']['read_bytes'] / _MiB:.1f} MiB"
+    )
+
+
 def _disk_lines(results: dict[str, Any]) -> list[str]:
     d = results.get("disk", {})
     if "error" in d or not d:
@@ -775,6 +899,8 @@ def format_report(results: dict[str, Any], out: Callable[[str], Any] = print) ->
     for phase in ("export", "export-numpy"):
         for rows, record in _finished(results, phase):
             out(_export_line(rows, record, results.get("disk", {})).replace("export,", f"{phase},", 1))
+    for rows, record in _finished(results, "reshard"):
+        out(_reshard_line(rows, record, seq))
     for g in results.get("goals", []):
         state = {True: "MET    ", False: "NOT MET", None: "n/a    "}[g["met"]]
         value = "-" if g["value"] is None else f"{g['value']:.2f}"
@@ -866,9 +992,10 @@ def config_from_args(args: argparse.Namespace) -> ScaleConfig:
 def _phases(text: str) -> tuple[str, ...]:
     chosen = tuple(p.strip() for p in text.split(",") if p.strip())
     unknown = sorted(set(chosen) - set(PHASES))
-    if unknown or "write" not in chosen:
+    if unknown or not chosen or ("write" not in chosen and _READ_WRITTEN & set(chosen)):
         raise ValueError(
-            f"--phases: a comma-separated subset of {','.join(PHASES)} including write; got {text!r}"
+            f"--phases: a comma-separated subset of {','.join(PHASES)}, including write unless only "
+            f"reshard; got {text!r}"
         )
     return chosen
 
