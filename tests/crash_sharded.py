@@ -81,8 +81,12 @@ def scenario(store_path: str, out: str, rank: int, world: int, fault: str, fault
 
 
 def reopen(store_path: str, out: str, rank: int, world: int, fault: str, fault_rank: int) -> None:
-    """Open the store (a restarted job) and write what this rank holds."""
+    """Open the store (a restarted job; ``fault``, ``<point>:<n>``, armed on ``fault_rank`` from the
+    start, e.g. inside a reshard) and write what this rank holds."""
+    if rank == fault_rank and fault:
+        _faults.arm(fault)
     store, _ = _open(store_path, _transport())
+    _faults.arm("")
     _save_rows(store, Path(out) / f"reopen-{rank}.npz")
     store.close()
 

@@ -184,6 +184,38 @@ def check_reopened(path: Path, expect: str | None, reference: Reference, fast_di
     assert steps == ref_steps
 
 
+# -- a reshard: one of three ranks killed while it fills its new part -------------------------------
+# (rank killed, point, its n-th hit from the start of the open at 3 ranks)
+RESHARD_CASES = [
+    (1, "ssd.segment_written", 1),  # its rows written as a segment, not yet in the live set
+    (2, "checkpoint.before_manifest", 1),  # its part of the reshard's checkpoint not committed
+    (0, "sharded.before_commit", 1),  # every part durable; no commit record
+]
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize(
+    ("killed", "point", "n"), RESHARD_CASES, ids=[f"{p}:{n}@rank{r}" for r, p, n in RESHARD_CASES]
+)
+def test_rank_killed_inside_a_reshard_leaves_the_saved_checkpoint_exact(
+    sharded_reference, fast_dir, killed, point, n
+):
+    work = fast_dir / f"reshard-{point}-{n}-{killed}"
+    shutil.copytree(sharded_reference / "store", work / "store")
+    codes = crash_sharded.run_ranks(crash_sharded.reopen, work / "store", work, 3, f"{point}:{n}", killed)
+    assert codes[killed] == -signal.SIGKILL, f"rank {killed} was not killed at {point}:{n} ({codes})"
+    expected, _ = crash_sharded.rows_of(sharded_reference, "c2", 2)
+    # The saved checkpoint at 2 ranks, exactly; then the reshard into 3 ranks, done again.
+    for world in (2, 3):
+        assert crash_sharded.run_ranks(crash_sharded.reopen, work / "store", work, world) == [0] * world
+        got, tags = crash_sharded.rows_of(work, "reopen", world)
+        assert all(t == tags[0] for t in tags) and tags[0][-1] == "c2", tags
+        assert got.keys() == expected.keys()
+        for k, row in expected.items():
+            np.testing.assert_array_equal(got[k], row, err_msg=f"key {k} at {world} ranks")
+    shutil.rmtree(work)
+
+
 def test_every_fault_point_is_documented_and_tested():
     root = Path(__file__).resolve().parent.parent
     source = "".join(p.read_text() for p in (root / "plugin").rglob("*.py"))

@@ -9,6 +9,7 @@ rest into the RAM tier as dirty rows, which a checkpoint makes durable.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -31,6 +32,7 @@ _ENCODE_ROWS = 1 << 18
 # A write_rows of at least this many bytes of rows, more than the RAM tier has room for, in a key
 # range no tier holds a key of, is a bulk load: written straight to the SSD tier as one segment.
 INGEST_BYTES = 32 << 20
+_LAST_KEY = int(np.iinfo(np.int64).max)
 
 
 class RowAccess:
@@ -142,6 +144,37 @@ class RowAccess:
             return False
         core.ssd.settle(table)
         return True
+
+    def ingest_sorted(self, table: str, parts: Iterator[tuple[np.ndarray, np.ndarray]], expected: int) -> int:
+        """Write whole decoded rows arriving in ascending key order into ``table``, which holds no row
+        (e.g. just :meth:`reset`), straight to the SSD tier as one segment, written once: ``parts``
+        yields ``(keys (k,) int64 strictly increasing, all above the previous part's, rows (k, width)
+        float32)``, each encoded in the table's precisions as it comes (``expected``: about how many
+        rows, for a full disk's message). Like the rows of any write, they are durable at the next
+        checkpoint. Returns the rows written (none: no segment). Raises what the SSD tier raises
+        (e.g. ``StoreFullError``), having stored none of them."""
+        core = self.core
+        core.check_open()
+        info = core.info(table)
+        self.pipe.drain()
+        first = next(parts, None)
+        if first is None:
+            return 0
+        lo = int(first[0][0])
+        if core.memory.holds_between(table, lo, _LAST_KEY) or not core.ssd.disjoint(table, lo, _LAST_KEY):
+            raise ValueError(f"table {table!r}: rows ingested in order into a table that holds rows")
+        core.device_tier.discard(table)
+        n = 0
+
+        def encoded() -> Iterator[tuple[np.ndarray, np.ndarray]]:
+            nonlocal n
+            for keys, rows in itertools.chain([first], parts):
+                n += len(keys)
+                yield keys, info.layout.encode_np(np.ascontiguousarray(rows, dtype=np.float32))
+
+        core.ssd.ingest(table, encoded(), max(expected, 1), lo, _LAST_KEY)
+        core.ssd.settle(table)
+        return n
 
     def _checked(
         self, what: str, table: str, keys: Any, data: Any, name: str, columns: str

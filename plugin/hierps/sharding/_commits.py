@@ -19,17 +19,17 @@ record names and holds its part); a part no rank reaches fails the open on every
 each rank returns to its part of the latest checkpoint (removing parts that never committed and
 writing the record copies it missed); at another world size the checkpoint's rows are resharded
 into this one (each old part read by one rank that sees it, on its host's disk, its rows streamed
-to their new owners by all-to-all) and committed as a checkpoint marked ``resharded_from``, which
+to their new owners by all-to-all in key order, each new owner writing them straight to its SSD
+tier as one segment per table, once) and committed as a checkpoint marked ``resharded_from``, which
 never counts against ``keep_checkpoints`` (:func:`~hierps.storage._commit_log.retained`); a later
 open at a world size that already has a checkpoint of those rows goes back to it without resharding.
 """
 
 from __future__ import annotations
 
-import itertools
 import json
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Protocol
@@ -63,6 +63,7 @@ from hierps.storage._commit_log import (
 )
 from hierps.storage._files import read_json_checked
 from hierps.storage._manifest import Manifest
+from hierps.storage._merge import _Input, merged_sources
 from hierps.tiers._reader import CheckpointReader
 
 __all__ = ["ALONE", "Collectives", "ShardCheckpoints", "Snapshot", "rank_dir", "snapshots"]
@@ -111,10 +112,32 @@ class OneRank:
 
 
 ALONE: Collectives = OneRank()
-_NO_KEYS = np.empty(0, np.int64)
 
 
 # -- agreeing over the transport --------------------------------------------------------------------
+# Rows a rank reads ahead of each round of a reshard, at least (fewer rounds, each of more rows).
+_ROUND_BYTES = 8 << 20
+
+
+def _gathered(
+    batches: Iterator[tuple[np.ndarray, np.ndarray]], rows: int
+) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    """Consecutive ``(keys, rows)`` batches joined into batches of at least ``rows`` rows (the last
+    may hold fewer)."""
+    keys: list[np.ndarray] = []
+    values: list[np.ndarray] = []
+    held = 0
+    for k, v in batches:
+        keys.append(k)
+        values.append(v)
+        held += len(k)
+        if held >= rows:
+            yield np.concatenate(keys), np.concatenate(values)
+            keys, values, held = [], [], 0
+    if held:
+        yield np.concatenate(keys), np.concatenate(values)
+
+
 def _gather_ints(coll: Collectives, values: Sequence[int]) -> list[list[int]]:
     """Every rank's ``values`` (the same count on every rank), rank 0's first (one all-reduce)."""
     mine = torch.zeros((coll.world_size, len(values)), dtype=torch.int64)
@@ -474,8 +497,12 @@ class ShardCheckpoints:
 
         Each old part is read by one rank that sees it (:func:`_readers`): on rank directories on
         each host's own disk a rank reads only what its host holds. Its rows go to their new owners
-        by all-to-all, a reader's piece at a time (bounded memory: a buffer per segment), with
-        their optimizer state and counters; so do the keys pending admission."""
+        by all-to-all in rounds of ascending keys (:meth:`_owned_in_order`; bounded memory), with
+        their optimizer state and counters, and each owner writes what it receives as one segment
+        of its SSD tier (:meth:`hierps._rows.RowAccess.ingest_sorted`): no RAM tier, spill or
+        compaction on the way. Like any write, nothing of it counts before the reshard's
+        checkpoint commits: a crash before leaves the checkpoint read as the latest. The keys
+        pending admission go to their owners too."""
         readers = [
             CheckpointReader(rank_dir(self.root, q), snap.parts[q])
             for q, reader in enumerate(_readers(snap, seen))
@@ -504,17 +531,13 @@ class ShardCheckpoints:
             self.parts.rows.reset(name)
             # The parts read stay on disk while this rank rewrites its store: no part is retired
             # before every rank has checkpointed (and so has read them).
-            pieces = itertools.chain.from_iterable(
-                r.iter_rows(name) for r in readers if name in r.meta.tables
+            sources = [r.iter_rows(name) for r in readers if name in r.meta.tables]
+            # Each new owner's rows come in key order: written straight to its SSD tier as one
+            # segment, once (about a world's share of the rows: for a full disk's message).
+            rows = sum(m.tables[name].rows for m in manifests if name in m.tables)
+            self.parts.rows.ingest_sorted(
+                name, self._owned_in_order(sources, info.width), -(-rows // self.world_size)
             )
-            while True:
-                piece = next(pieces, None)
-                if not int(self.collectives.all_reduce_sum(torch.tensor([float(piece is not None)]))[0]):
-                    break
-                keys, rows = piece if piece is not None else (_NO_KEYS, np.empty((0, info.width), np.float32))
-                keys, (rows,) = self._to_owners(keys, [rows])
-                order = np.argsort(keys, kind="stable")
-                self.local.write_rows(name, keys[order], rows[order])
             mine.step = info.step
             pending = [r.pending(name) for r in readers if name in r.meta.tables]
             arrays = {
@@ -542,6 +565,29 @@ class ShardCheckpoints:
             data.source = source
         data.loaded(None, ckpt)
         return ckpt
+
+    def _owned_in_order(
+        self, sources: list[Iterator[tuple[np.ndarray, np.ndarray]]], width: int
+    ) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        """The rows this rank owns, from every rank's ``sources`` (the parts it reads: each yields
+        ``(keys sorted, rows (b, width))`` by key, and no key lies in two parts), in ascending key
+        order (collective, a round at a time until every rank's sources are read). Each round every
+        rank sends its rows up to the lowest of the ranks' last buffered keys to their owners: the
+        keys of a round lie above the previous round's at every owner, so that its rows, sorted, go
+        on where the last round's ended. Memory: a buffer per source and a round's rows (at least
+        :data:`_ROUND_BYTES` read ahead on each rank: fewer rounds)."""
+        joined = sources[0] if len(sources) == 1 else ((k, r) for k, r, _ in merged_sources(sources, width))
+        held = _Input(_gathered(joined, _ROUND_BYTES // (4 * width + 8)), 0, width)
+        while True:
+            got = _gather_ints(self.collectives, [int(not held.done), 0 if held.done else held.last])
+            bounds = [last for more, last in got if more]
+            if not bounds:
+                return
+            keys, rows = held.take(min(bounds))
+            keys, (rows,) = self._to_owners(keys, [rows])
+            if len(keys):
+                order = np.argsort(keys)
+                yield keys[order], rows[order]
 
     def _to_owners(self, keys: np.ndarray, columns: list[np.ndarray]) -> tuple[np.ndarray, list[np.ndarray]]:
         """Send ``keys`` (n,) int64 and ``columns`` (n, ...) each to the keys' owners (collective) ->

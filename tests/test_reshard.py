@@ -1,0 +1,134 @@
+"""A reshard writes the rows each new owner receives once, in key order, straight to its SSD tier.
+
+Ranks are threads (:mod:`thread_world`). Rows written at 2 ranks (whole rows: weights, optimizer
+state and counters, in fp32 and in fp16 / bf16 precisions) are read back bit for bit at 3 ranks and
+at 1, each rank's part of a table one segment written once (no RAM tier, spill or compaction).
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+from thread_world import ThreadTransport, run_ranks
+
+import hierps
+from hierps._store import store_parts
+from hierps.sharding import owner_of
+
+DIM = 4
+ROWS = 60_000  # parts of many merge buffers each: a reshard of many rounds
+TABLES = {
+    "wide": {"optimizer": "adagrad"},
+    "compact": {"optimizer": "adam", "weights_dtype": "fp16", "state_dtype": "bf16"},
+}
+SETTINGS = {"device": "cpu", "memory_budget": "1MiB", "pipeline": True}
+
+
+def _keys() -> np.ndarray:
+    """Keys spread over int64, negatives included, shuffled."""
+    rng = np.random.default_rng(3)
+    return rng.permutation(np.unique(rng.integers(-(2**62), 2**62, ROWS + 100, dtype=np.int64))[:ROWS])
+
+
+def _rows(store: hierps.ShardedStore, name: str, keys: np.ndarray) -> np.ndarray:
+    """Whole decoded rows for ``keys``: random weights, non-negative optimizer state and counters."""
+    info = store.tables[name]
+    rows = np.abs(np.random.default_rng(len(keys)).standard_normal((len(keys), info.width), dtype=np.float32))
+    rows[::2, :DIM] *= -1
+    return rows
+
+
+def _written(root: Path) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """Rows written at 2 ranks and checkpointed -> per table, every key and its stored row (decoded:
+    rounded to the table's precisions)."""
+    keys = _keys()
+
+    def write(transport: ThreadTransport) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+        store = hierps.ShardedStore(root, transport, **SETTINGS)
+        try:
+            mine = keys[owner_of(keys, 2) == transport.rank]
+            for name, settings in TABLES.items():
+                store.table(name, DIM, **settings)
+                store.local.write_rows(name, mine, _rows(store, name, mine))
+            store.checkpoint("two")
+            return {name: (mine, _whole(store, name, mine)) for name in TABLES}
+        finally:
+            store.close()
+
+    parts = run_ranks(2, write)
+    return {
+        name: (np.concatenate([p[name][0] for p in parts]), np.concatenate([p[name][1] for p in parts]))
+        for name in TABLES
+    }
+
+
+def _whole(store: hierps.ShardedStore, name: str, keys: np.ndarray) -> np.ndarray:
+    """The stored rows of ``keys`` (owned by this rank), every column, decoded."""
+    return store_parts(store.local).core.whole_rows(name, keys)
+
+
+@pytest.fixture(scope="module")
+def written(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> tuple[Path, dict[str, tuple[np.ndarray, np.ndarray]]]:
+    root = tmp_path_factory.mktemp("reshard") / "s"
+    return root, _written(root)
+
+
+@pytest.mark.parametrize("world", [3, 1])
+def test_a_reshard_gives_every_row_bit_identical_each_part_one_segment_written_once(
+    written: tuple[Path, dict[str, tuple[np.ndarray, np.ndarray]]], tmp_path: Path, world: int
+) -> None:
+    source, rows = written
+    root = tmp_path / "s"
+    shutil.copytree(source, root)
+
+    def reopen(transport: ThreadTransport) -> dict[str, object]:
+        store = hierps.ShardedStore(root, transport, **SETTINGS)
+        try:
+            core = store_parts(store.local).core
+            got = {}
+            for name, (keys, expected) in rows.items():
+                mine = owner_of(keys, world) == transport.rank
+                got[name] = (
+                    _whole(store, name, keys[mine]).view(np.uint32),
+                    expected[mine].view(np.uint32),
+                    len(core.ssd.runs(name)),
+                    store.num_rows(name)["ssd"],
+                    int(mine.sum()),
+                )
+            return {
+                "tables": got,
+                "ssd_rows_written": core.ssd.rows_written,
+                "memory": core.memory.bytes_used,
+            }
+        finally:
+            store.close()
+
+    for rank, part in enumerate(run_ranks(world, reopen)):
+        total = 0
+        for name, (got, expected, segments, held, owned) in part["tables"].items():  # type: ignore[union-attr]
+            np.testing.assert_array_equal(got, expected, err_msg=f"table {name}, rank {rank} of {world}")
+            assert held == owned and segments == 1, (name, rank, held, owned, segments)
+            total += owned
+        # Every row written once, as one segment per table: nothing through the RAM tier and spilled.
+        assert part["ssd_rows_written"] == total
+    # Back at 2 ranks: the saved checkpoint, as written.
+    back = run_ranks(2, lambda t: _reread(root, t, rows))
+    assert all(back)
+
+
+def _reread(root: Path, transport: ThreadTransport, rows: dict[str, tuple[np.ndarray, np.ndarray]]) -> bool:
+    store = hierps.ShardedStore(root, transport, **SETTINGS)
+    try:
+        for name, (keys, expected) in rows.items():
+            mine = owner_of(keys, 2) == transport.rank
+            np.testing.assert_array_equal(
+                _whole(store, name, keys[mine]).view(np.uint32), expected[mine].view(np.uint32)
+            )
+        return [c["tag"] for c in store.list_checkpoints()][0] == "two"
+    finally:
+        store.close()
