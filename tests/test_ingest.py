@@ -6,6 +6,7 @@ for bit, after overlapping writes, compaction, reopening, and a kill in the midd
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 import subprocess
 import sys
@@ -18,7 +19,8 @@ import pytest
 import hierps
 import hierps._rows as rows_module
 from hierps._store import store_parts
-from hierps.storage import _merge
+from hierps.storage import _merge, _native
+from hierps.tiers import _ssd as ssd_module
 from hierps.tiers._ssd import SsdTier
 
 CHUNK = 3000
@@ -150,6 +152,79 @@ def test_runs_group_consecutive_disjoint_segments(tmp_path, small_runs):
     # Each run in key order; (150, 190) overlaps (100, 199): a new run starts there; (1000, 1000)
     # is too small to join one.
     assert tier.runs("t") == [[1, 3, 2], [4, 5], [6]]
+
+
+def _newest_holders(
+    written: dict[int, dict[int, np.ndarray]], keys: np.ndarray, width: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Brute force: each key looked up in every segment of ``written`` (id -> {key: row}), newest
+    first -> found (n,), holder (n,) (-1 if none), rows (n, width) (zero where not found)."""
+    found, holder = np.zeros(len(keys), bool), np.full(len(keys), -1, np.int64)
+    rows = np.zeros((len(keys), width), np.float32)
+    for i, key in enumerate(keys.tolist()):
+        for seg in sorted(written, reverse=True):
+            if key in written[seg]:
+                found[i], holder[i], rows[i] = True, seg, written[seg][key]
+                break
+    return found, holder, rows
+
+
+@pytest.mark.parametrize("native", [True, False])
+@pytest.mark.parametrize("reopened", [False, True])
+def test_a_lookup_over_many_segments_finds_each_keys_newest_holder(tmp_path, monkeypatch, native, reopened):
+    """Many bulk loads (key-disjoint segments, gaps between them, every other key inside them) and
+    newer segments overlapping them and each other: the found flags, holders and rows of a lookup
+    (slices of 61 keys, which cross segment boundaries) equal a brute-force search of the segments
+    newest first, over the live set and over part of it (``among``), with the compiled core and
+    without, in the tier that wrote them (ranges known) and in one reopened on them (ranges loaded
+    as the lookup asks them)."""
+    monkeypatch.setattr(ssd_module, "_LOOKUP_KEYS", 61)
+    width = 5
+    tier = SsdTier(tmp_path, max_segments=1000, store_id="test")
+    tier.add_table("t", width)
+    rng = np.random.default_rng(4)
+    written: dict[int, dict[int, np.ndarray]] = {}
+
+    def wrote(keys: np.ndarray, rows: np.ndarray) -> None:
+        written[max(s for _, s in tier.segments("t"))] = dict(zip(keys.tolist(), rows))
+
+    start = -5000
+    for step in range(48):
+        rows = rng.standard_normal((150, width), dtype=np.float32)
+        if step % 8 == 7:  # a newer segment over the loads so far, their gaps and beyond them
+            keys = np.unique(rng.integers(-5100, start + 100, 150)).astype(np.int64)
+            tier.write("t", keys, rows[: len(keys)])
+            start += 200  # the next load above its keys too
+        else:  # a bulk load above every key stored
+            keys = np.arange(start, start + 300, 2, dtype=np.int64)
+            tier.ingest("t", [(keys, rows)], len(keys), int(keys[0]), int(keys[-1]))
+            start += 300 + int(rng.integers(0, 40))
+        wrote(keys, rows[: len(keys)])
+    assert len(tier.segments("t")) == len(written)  # nothing compacted: every segment is asked
+    if reopened:
+        live = tier.live_set("t")
+        tier = SsdTier(tmp_path, max_segments=1000, store_id="test")
+        tier.load_segments("t", width, live)
+    stored = np.array(sorted({k for rows in written.values() for k in rows}), np.int64)
+    keys = np.unique(
+        np.concatenate([rng.choice(stored, 2000, replace=False), rng.integers(-5200, start + 200, 900)])
+    )
+    some = sorted(rng.choice(sorted(written), 20, replace=False).tolist())
+    with contextlib.nullcontext() if native else _native.disabled():
+        for among in (some, None):
+            want_found, want_holder, want_rows = _newest_holders(
+                written if among is None else {s: written[s] for s in among}, keys, width
+            )
+            assert want_found.any() and not want_found.all()
+            found, holder, rows = tier._locate(
+                {"t": keys}, with_rows=True, among=None if among is None else {"t": among}
+            )["t"]
+            np.testing.assert_array_equal(found, want_found)
+            np.testing.assert_array_equal(holder, want_holder)
+            np.testing.assert_array_equal(rows[found].view(np.uint32), want_rows[found].view(np.uint32))
+        found, rows = tier.read("t", keys)  # the live set's newest rows (the last reference)
+        np.testing.assert_array_equal(found, want_found)
+        np.testing.assert_array_equal(rows.view(np.uint32), want_rows[want_found].view(np.uint32))
 
 
 _CRASH = """

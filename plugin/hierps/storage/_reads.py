@@ -203,19 +203,20 @@ class _Plan:
         else:
             self.buf = np.empty(int(self.run_dest[-1]), dtype=np.uint8)
 
-    def tasks(self) -> list[tuple[int, int]]:
-        """The runs cut into tasks ``(first, stop)`` for the read threads.
+    def tasks(self, threads: int = _THREADS) -> list[tuple[int, int]]:
+        """The runs cut into tasks ``(first, stop)`` for ``threads`` of the read threads.
 
-        Compiled: a thread's share of the bytes each, at most ``_TASK_BYTES`` unless a run is longer.
-        Each task reads its runs in turn without the GIL, so ``_THREADS`` tasks keep as many reads in
-        flight; more would only cost their handing over (tens of microseconds each). numpy: a quarter
-        of a thread's share of the runs each, their reads in a Python loop (as before the compiled core).
+        Compiled: a share of the bytes each, at most ``_TASK_BYTES`` unless a run is longer. Each task
+        reads its runs in turn without the GIL, so ``threads`` tasks keep as many reads in flight; more
+        would only cost their handing over (tens of microseconds each, and the GIL taken back from the
+        caller). numpy: a quarter of a thread's share of the runs each, their reads in a Python loop
+        (as before the compiled core).
         """
         if not self.fused:
             per_task = max(1, self.n_runs // (4 * _THREADS))
             return [(first, min(first + per_task, self.n_runs)) for first in range(0, self.n_runs, per_task)]
         total = int(self.run_dest[-1])
-        target = max(1, min(_TASK_BYTES, -(-total // _THREADS)))
+        target = max(1, min(_TASK_BYTES, -(-total // threads)))
         group = (self.run_dest[1:] - 1) // target
         cuts = (np.flatnonzero(group[1:] != group[:-1]) + 1).tolist()
         return list(zip([0, *cuts], [*cuts, self.n_runs]))
@@ -372,6 +373,8 @@ class _Reader:
         self._fds: dict[Path, int] = {}
         self._tasks: list[Future[None]] = []
         self._waited = 0
+        self._busy = 0  # tasks handed to the read threads and not finished
+        self._busy_lock = threading.Lock()
 
     def start(self, plan: _Plan, inline: bool) -> int:
         """Start reading the runs of ``plan``; returns the mark to :meth:`wait` for before decoding it."""
@@ -389,9 +392,23 @@ class _Reader:
             if plan.n_runs:
                 read(0, plan.n_runs)
             return len(self._tasks)
+        # Spread over the threads that the tasks already handed over leave idle (one at least): with
+        # many small requests in flight (a lookup over many segments) each is one task, not _THREADS,
+        # and as many reads stay in flight.
+        tasks = plan.tasks(max(1, _THREADS - self._busy))
+        with self._busy_lock:
+            self._busy += len(tasks)
         pool = _executor()
-        self._tasks.extend(pool.submit(read, first, stop) for first, stop in plan.tasks())
+        self._tasks.extend(pool.submit(self._run, read, first, stop) for first, stop in tasks)
         return len(self._tasks)
+
+    def _run(self, read: Callable[[int, int], None], first: int, stop: int) -> None:
+        """A task on a read thread: runs ``first:stop`` read, counted done however it ends."""
+        try:
+            read(first, stop)
+        finally:
+            with self._busy_lock:
+                self._busy -= 1
 
     def _open(self, arr: Array, file: Path) -> int:
         if file not in self._fds:

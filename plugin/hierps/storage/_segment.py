@@ -321,6 +321,12 @@ class Segment:
                 self._range = (int(keys[0]), int(keys[-1]))
         return self._range
 
+    @property
+    def span(self) -> tuple[int, int] | None:
+        """Its first and last keys where known (written, loaded or read: :meth:`key_range`), else None:
+        nothing is read."""
+        return self._range
+
     def known_range(self, first: int, last: int) -> None:
         """Record its first and last keys, as its writer saw them."""
         self._range = (first, last)
@@ -348,15 +354,18 @@ class Segment:
         if span is not None and (keys[-1] < span[0] or keys[0] > span[1]):
             return none, none
         fences, filt = self._load()
-        lo = int(np.searchsorted(keys, fences[0]))
-        hi = int(np.searchsorted(keys, self._last, side="right"))
-        if lo >= hi:
-            return none, none
-        first, last = (int(c) - 1 for c in np.searchsorted(fences, keys[[lo, hi - 1]], side="right"))
+        if keys[0] >= fences[0] and keys[-1] <= self._last:  # all within (a lookup's keys of its range)
+            lo, hi = 0, len(keys)
+        else:
+            lo = int(np.searchsorted(keys, fences[0]))
+            hi = int(np.searchsorted(keys, self._last, side="right"))
+            if lo >= hi:
+                return none, none
+        chunk = np.searchsorted(fences, keys[lo:hi], side="right") - 1
+        first, last = int(chunk[0]), int(chunk[-1])
         if hi - lo >= last - first + 1:
             return np.arange(lo, hi, dtype=np.int64), np.arange(first, last + 1, dtype=np.int64)
         # Fewer keys than chunks in their range: the filter saves reads.
-        chunk = np.searchsorted(fences, keys[lo:hi], side="right") - 1
         full = block_words(self.rows_array.chunk_rows * FILTER_BLOCK_CHUNKS, self.rows_array.chunk_rows)
         maybe = blocks_may_contain(filt, keys[lo:hi], chunk // FILTER_BLOCK_CHUNKS, full)
         return lo + np.flatnonzero(maybe), sorted_unique(chunk[maybe].astype(np.int64, copy=False))

@@ -11,10 +11,11 @@ use) and a count of its live rows (those that are the newest of their key).
 - An ingest (a bulk load: rows in a key range no live segment reaches) becomes one new segment
   with no lookup: every row of it is live. Written in ascending key order, such segments form a
   run (:func:`hierps.storage._merge.runs`), which compaction counts and merges as one.
-- A lookup of a sorted batch of keys asks each segment's filter, then reads the one chunk the
-  fences point at for each candidate: keys and rows share chunks, so a stored key costs one read,
-  and a key no segment holds costs none (but for the filter's ~1% false positives). The reads of
-  all tables and segments go out together.
+- A lookup of a sorted batch of keys gives each segment the keys in its key range (two searches
+  against every segment's first and last keys at once) and asks the filter of each segment given
+  some, then reads the one chunk the fences point at for each candidate: keys and rows share
+  chunks, so a stored key costs one read, and a key no segment holds costs none (but for the
+  filter's ~1% false positives). The reads of all tables and segments go out together.
 - Compaction merges segments in bounded memory (:func:`hierps.storage._merge.merged`), keeping
   the newest row of each key that no newer segment outside the merge holds: its output holds only
   live rows, and takes the next id. Segments at most half live, or too many runs, are merged; so
@@ -79,6 +80,23 @@ _WRITE_SLICE_BYTES = 8 << 20
 _HARD_SEGMENTS = 2
 # Where retired segments go to be deleted (no table's name starts with a dot).
 _TRASH = ".removed"
+
+
+# The range a segment whose keys are not known yet is taken to span (asked, it loads its fences).
+_NO_KEY_LOW, _NO_KEY_HIGH = np.iinfo(np.int64).min, np.iinfo(np.int64).max
+
+
+def _ranges(segments: list[Segment]) -> tuple[np.ndarray, np.ndarray, bool]:
+    """Each segment's first and last keys, (s,) int64 each: ``_NO_KEY_LOW`` to ``_NO_KEY_HIGH`` where
+    not known yet (nothing is read), an empty range (1 to 0) for a segment of no rows; and whether
+    every range was known."""
+    firsts, lasts = np.empty(len(segments), np.int64), np.empty(len(segments), np.int64)
+    known = True
+    for i, seg in enumerate(segments):
+        span = seg.span
+        known &= span is not None or seg.n == 0
+        firsts[i], lasts[i] = (1, 0) if seg.n == 0 else (_NO_KEY_LOW, _NO_KEY_HIGH) if span is None else span
+    return firsts, lasts, known
 
 
 class SsdTier:
@@ -188,10 +206,13 @@ class SsdTier:
         newest holder (-1 if none), rows (n, width) float32 (valid where found; empty without
         ``with_rows``))}``, over the live segments (or the ids ``among`` gives per table).
 
-        Keys are looked up ``_LOOKUP_KEYS`` at a time, each slice in every segment newest first; the
-        chunks each segment may hold them in are read as one request of a single :func:`read_arrays`
-        for the whole lookup, which keeps up to ``_READ_AHEAD_BYTES`` of them in flight while the
-        blocks read are matched to the keys."""
+        Keys are looked up ``_LOOKUP_KEYS`` at a time, each slice in every segment newest first: two
+        searches of the slice against the segments' first and last keys (all segments at once) give
+        each segment the keys of the slice in its range, and only the segments given some are asked
+        (:func:`_ranges`), so that the segments of a bulk load (a run, disjoint ranges) cost a slice
+        only where its keys fall. The chunks each segment may hold them in are read as one request of
+        a single :func:`read_arrays` for the whole lookup, which keeps up to ``_READ_AHEAD_BYTES`` of
+        them in flight while the blocks read are matched to the keys."""
         out = {}
         for table, keys in requests.items():
             rows = np.empty((len(keys), self.widths[table]) if with_rows else (0, 0), np.float32)
@@ -202,13 +223,19 @@ class SsdTier:
             for table, keys in requests.items():
                 ids = among[table] if among is not None else list(self._segs[table])
                 newest_first = [self._segs[table][i] for i in sorted(ids, reverse=True)]
+                firsts, lasts, known = _ranges(newest_first)
                 for start in range(0, len(keys), _LOOKUP_KEYS):
                     part = np.ascontiguousarray(keys[start : start + _LOOKUP_KEYS])
-                    for seg in newest_first:
-                        which, chunks = seg.candidates(part)
+                    lo = np.searchsorted(part, firsts)  # each segment's keys of the slice: part[lo:hi]
+                    hi = np.searchsorted(part, lasts, side="right")
+                    for i in np.flatnonzero(hi > lo).tolist():  # newest first
+                        seg, a, b = newest_first[i], int(lo[i]), int(hi[i])
+                        which, chunks = seg.candidates(part[a:b])
                         if len(chunks):
-                            wanted.append((table, start, part, seg, which))
+                            wanted.append((table, start + a, part[a:b], seg, which))
                             yield seg.rows_array, seg.chunk_positions(chunks)
+                    if not known:  # the segments asked know their ranges now (loaded)
+                        firsts, lasts, known = _ranges(newest_first)
 
         native = _native.enabled()
         blocks = read_arrays(reads(), self._files, ahead_bytes=_READ_AHEAD_BYTES)
