@@ -17,7 +17,7 @@ from typing import Any, TypeVar
 
 import torch
 
-__all__ = ["ThreadTransport", "run_ranks"]
+__all__ = ["ThreadTransport", "one_rank", "run_ranks"]
 
 T = TypeVar("T")
 
@@ -73,6 +73,11 @@ class ThreadTransport:
         """A second channel over the same ranks, for collectives on another thread (collective)."""
         group = self._all_gather(_Group(self.world_size, self._group.timeout) if self.rank == 0 else None)[0]
         return ThreadTransport(group, self.rank)
+
+
+def one_rank() -> ThreadTransport:
+    """The transport of a process that is the only rank (a sharded store then needs no collective)."""
+    return ThreadTransport(_Group(1, None), 0)
 
 
 def run_ranks(world_size: int, fn: Callable[[ThreadTransport], T], timeout: float | None = 120.0) -> list[T]:

@@ -522,8 +522,8 @@ def _reshard_phase(spec: dict[str, Any]) -> dict[str, Any]:
     """A checkpoint of 2 ranks (written by a ``shard`` process) opened at 1 rank, cold: the
     reshard's seconds and I/O; then opened again at 1 rank, cold: a restore (its seconds, and the
     bytes it reads). The sharded store is deleted after, unless kept."""
+    from hierps.bench._threads import one_rank
     from hierps.bench.machine import drop_from_page_cache
-    from hierps.sharding._commits import OneRank
 
     conf, n, tmp = spec["config"], spec["rows"], Path(spec["tmp"])
     sharded = tmp / "sharded"
@@ -534,7 +534,7 @@ def _reshard_phase(spec: dict[str, Any]) -> dict[str, Any]:
         drop_from_page_cache(sharded)
         opened: list[Any] = []
         seconds, io = _measured(
-            lambda: opened.append(_sharded_open(str(sharded), OneRank(), conf)), sync=True
+            lambda: opened.append(_sharded_open(str(sharded), one_rank(), conf)), sync=True
         )
         store = opened.pop()
         try:
@@ -545,7 +545,7 @@ def _reshard_phase(spec: dict[str, Any]) -> dict[str, Any]:
             store.close()
         drop_from_page_cache(sharded)
         restore_seconds, restore_io = _measured(
-            lambda: opened.append(_sharded_open(str(sharded), OneRank(), conf))
+            lambda: opened.append(_sharded_open(str(sharded), one_rank(), conf))
         )
         opened.pop().close()
     finally:
