@@ -69,19 +69,15 @@ def bag_ids(ids: np.ndarray, offsets: np.ndarray) -> BagIds:
     return out
 
 
-def sum_order(ids: torch.Tensor, coalesced: bool) -> torch.Tensor:
-    """Positions of ``ids`` (n,) int64 grouped by id, each id's in the order its gradients are
-    summed -> (n,) int64.
-
-    coalesced: in the order ``Tensor.coalesce`` sums a sparse gradient's duplicates, the permutation
-    of its non-stable ``torch.sort`` (what ``torch.optim.Adagrad`` and ``SparseAdam`` step with);
-    else in the order the ids come (``index_add_``'s, as ``torch.optim.SGD`` adds them). A sort
-    decides by comparing ids only, so any order-preserving renumbering of the ids (a table's
+def sum_order(ids: torch.Tensor) -> torch.Tensor:
+    """Positions of ``ids`` (n,) int64 grouped by id, each id's in the order ``Tensor.coalesce``
+    sums a sparse gradient's duplicates -> (n,) int64: the permutation of its non-stable
+    ``torch.sort`` (what ``torch.optim.Adagrad`` and ``SparseAdam`` step with). A table that does
+    not coalesce sums in the order the ids come (``index_add_``'s, as ``torch.optim.SGD`` adds them).
+    A sort decides by comparing ids only, so any order-preserving renumbering of the ids (a table's
     local ids) gives the same positions.
     """
-    if coalesced:
-        return torch.sort(ids).indices
-    return torch.sort(ids, stable=True).indices
+    return torch.sort(ids).indices
 
 
 # Below this many ids torch's CPU sort is std::sort, row by row of a 2-D input as of a 1-D one;
@@ -93,8 +89,9 @@ def add_in_sum_order(
     grad: torch.Tensor, rows: torch.Tensor, values: torch.Tensor, coalesced: bool
 ) -> torch.Tensor:
     """``grad`` (U, dim) plus each of ``values`` (n, dim) at its row ``rows`` (n,), each row's
-    summed in :func:`sum_order` -> ``grad``, changed in place."""
-    return add_parts_in_sum_order(grad, [rows], [values], [coalesced])
+    summed in :func:`sum_order` if ``coalesced``, else in the order of ``rows`` -> ``grad``,
+    changed in place."""
+    return add_parts_in_sum_order(grad, [rows], [values], [coalesced], [grad.shape[0]])
 
 
 def add_parts_in_sum_order(
@@ -102,12 +99,16 @@ def add_parts_in_sum_order(
     rows: Sequence[torch.Tensor],
     values: Sequence[torch.Tensor],
     coalesced: Sequence[bool],
+    row_counts: Sequence[int],
 ) -> torch.Tensor:
-    """``grad`` (U, dim) plus the values of several parts (each ``values[i]`` (n_i, dim) at its
-    ``rows[i]`` (n_i,), parts touching disjoint rows) by one ``index_add_``, each row's summed in
-    :func:`sum_order` of its part -> ``grad``, changed in place. The coalesced parts of one length
-    are sorted by one row-wise sort, which orders each row as a sort of it alone does."""
-    joined_rows = rows[0] if len(rows) == 1 else torch.cat(list(rows))
+    """``grad`` (sum U_i, dim), parts after one another (part i: ``row_counts[i]`` rows U_i), plus
+    each part's ``values[i]`` (n_i, dim) at its rows ``rows[i]`` (n_i,) within its own U_i, by one
+    ``index_add_`` -> ``grad``, changed in place. Each row's values are summed in :func:`sum_order`
+    where ``coalesced[i]``, else in their order; the coalesced parts of one length are sorted by one
+    row-wise sort, which orders each row as a sort of it alone does."""
+    firsts = np.cumsum([0, *row_counts[:-1]]).tolist()
+    shifted = [r + first if first else r for r, first in zip(rows, firsts)]
+    joined_rows = shifted[0] if len(shifted) == 1 else torch.cat(shifted)
     joined = values[0] if len(values) == 1 else torch.cat(list(values))
     if any(coalesced):
         order = _joined_sum_order(rows, coalesced)
@@ -116,24 +117,21 @@ def add_parts_in_sum_order(
 
 
 def _joined_sum_order(rows: Sequence[torch.Tensor], coalesced: Sequence[bool]) -> torch.Tensor:
-    """The positions of the joined ``rows`` parts, each part's in its :func:`sum_order`."""
+    """The positions of the joined ``rows`` parts: each coalesced part's in its :func:`sum_order`,
+    the others' in their order."""
     sizes = [r.numel() for r in rows]
     starts = np.cumsum([0, *sizes[:-1]]).tolist()
     pieces: list[torch.Tensor | None] = [None] * len(rows)
     alike: dict[int, list[int]] = {}
     for k, (r, c) in enumerate(zip(rows, coalesced)):
-        if c and 1 < r.numel() < _ROWWISE_BELOW:
+        if not c:
+            pieces[k] = torch.arange(starts[k], starts[k] + sizes[k], device=r.device)
+        elif r.numel() < _ROWWISE_BELOW:
             alike.setdefault(r.numel(), []).append(k)
         else:
-            pieces[k] = (
-                sum_order(r, c) + starts[k]
-                if c
-                else torch.arange(starts[k], starts[k] + sizes[k], device=r.device)
-            )
+            pieces[k] = sum_order(r) + starts[k]
     for ks in alike.values():
-        perm = sum_order(rows[ks[0]], True).unsqueeze(0) if len(ks) == 1 else None
-        if perm is None:
-            perm = torch.sort(torch.stack([rows[k] for k in ks]), dim=1).indices
+        perm = torch.sort(torch.stack([rows[k] for k in ks]), dim=1).indices
         for j, k in enumerate(ks):
             pieces[k] = perm[j] + starts[k]
     return torch.cat([p for p in pieces if p is not None])
@@ -446,12 +444,12 @@ class _PooledBags(torch.autograd.Function):
                 -1,
             )
             values = spread._values().split([m.numel() for m, _, _ in members])  # one row per id, in order
-        firsts = np.cumsum([0, *[n_rows for _, n_rows, _ in members[:-1]]]).tolist()
         grad = add_parts_in_sum_order(
             torch.zeros(shape, dtype=some.dtype, device=some.device),
-            [m + first if first else m for (m, _, _), first in zip(members, firsts)],
+            [m for m, _, _ in members],
             values,
             [c for _, _, c in members],
+            [n_rows for _, n_rows, _ in members],
         )
         return grad, None, None, None, None, None, None, None
 
@@ -649,7 +647,7 @@ def translate(
             counts.append(t_counts.astype(np.float32))
             slots.append(base[table] + where)
             if table in coalesced:  # torch sorts the ids themselves: sort them as it does
-                orders.append(sum_order(torch.from_numpy(t_ids), True).numpy())
+                orders.append(sum_order(torch.from_numpy(t_ids)).numpy())
             else:
                 orders.append(np.argsort(t_local, kind="stable"))
             starts.append(np.cumsum(t_counts) - t_counts)

@@ -659,12 +659,12 @@ def summed_grads(leaves: list[torch.Tensor], coalesced: Collection[int] = ()) ->
         sizes = [leaves[i].shape[0] for i in idx]
         sparse = [grads[i] for i in idx]
         total = torch.zeros((sum(sizes), dim), dtype=sparse[0].dtype, device=sparse[0].device)
-        firsts = np.cumsum([0, *sizes[:-1]]).tolist()
         add_parts_in_sum_order(
             total,
-            [g._indices()[0] + first if first else g._indices()[0] for g, first in zip(sparse, firsts)],
+            [g._indices()[0] for g in sparse],
             [g._values() for g in sparse],
             [id(leaves[i]) in coalesced for i in idx],
+            sizes,
         )
         for i, part in zip(idx, total.split(sizes)):
             out[i] = part
