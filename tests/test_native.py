@@ -84,26 +84,44 @@ def test_binding_tags_equal_the_numpy_code():
 @pytest.mark.parametrize("stride", [0, 4096, 5000])
 def test_encoded_chunks_equal_the_numpy_code(stride):
     payloads = np.random.default_rng(3).integers(0, 256, (40, 4088 - 8 * (stride == 5000)), dtype=np.uint8)
-    compiled = _encode_chunks(payloads, 17, 99, stride)
+    compiled = _encode_chunks(payloads, 1, 17, 99, stride, 5)
     with _native.disabled():
-        reference = _encode_chunks(payloads, 17, 99, stride)
-    assert compiled.shape == reference.shape == (40, max(stride, payloads.shape[1] + TRAILER))
-    assert np.array_equal(compiled, reference)
+        reference = _encode_chunks(payloads, 1, 17, 99, stride, 5)
+    assert compiled[0].shape == reference[0].shape == (40, max(stride, payloads.shape[1] + TRAILER))
+    assert np.array_equal(compiled[0], reference[0])
+    assert compiled[1] == reference[1] == crc32c.crc32c(payloads.tobytes(), 5)
 
 
-def test_arrays_are_written_byte_for_byte_as_numpy_writes_them(tmp_path):
-    data = np.random.default_rng(4).random((5000, 7)).astype(np.float32)
-    for name, ctx in (("compiled", None), ("numpy", _native.disabled())):
-        writer = ArrayWriter(LocalStore(str(tmp_path)), name, (7,), "float32", 33, align=4096, identity="a")
-        if ctx is None:
-            writer.append(data)
+def test_chunks_encoded_from_rows_apart_equal_those_of_a_copy():
+    """A column slice of a wider array (rows 52 bytes apart, 16 of each) encodes as its copy does."""
+    wide = np.random.default_rng(7).integers(0, 256, (6 * 33, 52), dtype=np.uint8)
+    rows = wide[:, 4:20]
+    for native in (True, False):
+        with contextlib.nullcontext() if native else _native.disabled():
+            apart = _encode_chunks(rows, 33, 3, 77, 4096, 1)
+            copied = _encode_chunks(np.ascontiguousarray(rows), 33, 3, 77, 4096, 1)
+        assert np.array_equal(apart[0], copied[0]) and apart[1] == copied[1]
+
+
+@pytest.mark.parametrize("sliced", [False, True])
+def test_arrays_are_written_byte_for_byte_as_numpy_writes_them(tmp_path, sliced):
+    """Appended in uneven runs (chunks begun by one append, completed by the next), contiguous or as
+    a column slice of a wider array: the same file and content checksum as numpy's."""
+    wide = np.random.default_rng(4).random((5000, 11)).astype(np.float32)
+    data = wide[:, 2:9] if sliced else np.ascontiguousarray(wide[:, 2:9])
+    crcs = {}
+    for name, ctx in (("compiled", contextlib.nullcontext()), ("numpy", _native.disabled())):
+        with ctx:
+            writer = ArrayWriter(
+                LocalStore(str(tmp_path)), name, (7,), "float32", 33, align=4096, checksum=True, identity="a"
+            )
+            for a, b in ((0, 10), (10, 40), (40, 4000), (4000, 4001), (4001, 5000)):
+                writer.append(data[a:b])
             writer.close()
-        else:
-            with ctx:
-                writer.append(data)
-                writer.close()
+            crcs[name] = writer.crc
     shard = Path("c", "0", "0")
     assert (tmp_path / "compiled" / shard).read_bytes() == (tmp_path / "numpy" / shard).read_bytes()
+    assert crcs["compiled"] == crcs["numpy"] == crc32c.crc32c(np.ascontiguousarray(data).tobytes())
 
 
 # -- reading ---------------------------------------------------------------------------------------

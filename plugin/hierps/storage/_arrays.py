@@ -232,30 +232,38 @@ class ArrayWriter:
         make_dir(self.path)
 
     def append(self, data: np.ndarray) -> None:
-        """Rows (k, *row_shape) after those appended so far."""
+        """Rows (k, *row_shape) after those appended so far (each row's values contiguous, the rows
+        any step apart: a column slice of a wider array is encoded without a copy of it)."""
         if len(data) == 0:
             return
-        raw = np.ascontiguousarray(data, dtype=self._dtype).reshape(len(data), -1).view(np.uint8)
-        if self._checksum:
-            self.crc = _native.crc32c(raw.data, self.crc)
-        if len(self._partial):
-            raw = np.concatenate([self._partial, raw])
-        full = len(raw) // self._chunk_rows
+        rows, at = _byte_rows(data, self._dtype), 0
+        if len(self._partial):  # the chunk begun before, completed first
+            at = min(self._chunk_rows - len(self._partial), len(rows))
+            self._partial = np.concatenate([self._partial, rows[:at]])
+            if len(self._partial) == self._chunk_rows:
+                self._write_chunks(self._partial)
+                self._partial = self._partial[:0]
+        full = (len(rows) - at) // self._chunk_rows
         for first in range(0, full, _BLOCK_CHUNKS):
             count = min(_BLOCK_CHUNKS, full - first)
-            block = raw[first * self._chunk_rows : (first + count) * self._chunk_rows]
-            self._write_chunks(block.reshape(count, self._payload))
-        self._partial = raw[full * self._chunk_rows :].copy()
+            self._write_chunks(rows[at + first * self._chunk_rows : at + (first + count) * self._chunk_rows])
+        if at + full * self._chunk_rows < len(rows):
+            self._partial = rows[at + full * self._chunk_rows :].copy()
         self.n += len(data)
 
-    def _write_chunks(self, payloads: np.ndarray) -> None:
+    def _write_chunks(self, rows: np.ndarray) -> None:
+        """Whole chunks of ``rows`` (k * chunk_rows, row bytes) uint8 to the shard file."""
         if self._fd is None:
             folder = self.path
             for part in ["c"] + ["0"] * len(self._rest):  # parent first: each mkdir succeeds at once
                 folder = folder / part
                 make_dir(folder)
             self._fd = os.open(folder / "0", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        encoded = _encode_chunks(payloads, self._chunks, self._seed, self._stride)
+        encoded, content = _encode_chunks(
+            rows, self._chunk_rows, self._chunks, self._seed, self._stride, self.crc
+        )
+        if self._checksum:
+            self.crc = content
         try:
             _write_all(self._fd, encoded)
         except BaseException:
@@ -268,7 +276,7 @@ class ArrayWriter:
             with contextlib.suppress(OSError):  # advice only: a file system that refuses it writes alike
                 os.posix_fadvise(self._fd, self._handed, self._written - self._handed, os.POSIX_FADV_DONTNEED)
             self._handed = self._written
-        self._chunks += len(payloads)
+        self._chunks += len(rows) // self._chunk_rows
         if self._block_point is not None:
             fault_point(self._block_point)
 
@@ -284,9 +292,10 @@ class ArrayWriter:
         """Write the last (padded) chunk, the shard index, then the metadata."""
         try:
             if len(self._partial):
+                content = _native.crc32c(self._partial.data, self.crc) if self._checksum else 0
                 pad = np.zeros((self._chunk_rows - len(self._partial), self._row_bytes), np.uint8)
-                self._write_chunks(np.concatenate([self._partial, pad]).reshape(1, self._payload))
-                self._partial = self._partial[:0]
+                self._write_chunks(np.concatenate([self._partial, pad]))
+                self.crc, self._partial = content, self._partial[:0]  # (the padding is not content)
             if self._fd is not None:
                 index = np.empty((self._chunks, 2), dtype="<u8")
                 index[:, 0] = np.arange(self._chunks, dtype=np.uint64) * np.uint64(self._stride)
@@ -340,23 +349,40 @@ def _with_crc(payloads: np.ndarray) -> np.ndarray:
     return out
 
 
-def _encode_chunks(payloads: np.ndarray, first: int, seed: int, stride: int = 0) -> np.ndarray:
-    """(k, p) uint8 payloads of chunks ``first``.. -> (k, s) uint8 with ``s = max(stride, p + 8)``: each
-    followed by its crc32c and its binding tag (little endian), then zeros up to ``s`` bytes.
+def _byte_rows(data: np.ndarray, dtype: np.dtype) -> np.ndarray:
+    """(k, *row_shape) rows as (k, row bytes) uint8 of ``dtype``: a view where each row's values are
+    contiguous (the rows any step apart), else a copy."""
+    rows = data.reshape(len(data), -1) if data.ndim != 2 else data
+    if (
+        rows.dtype != dtype
+        or rows.strides[1] != rows.itemsize
+        or rows.strides[0] < rows.strides[1] * rows.shape[1]
+    ):
+        rows = np.ascontiguousarray(rows, dtype=dtype)
+    return rows.view(np.uint8)
+
+
+def _encode_chunks(
+    rows: np.ndarray, chunk_rows: int, first: int, seed: int, stride: int = 0, content: int = 0
+) -> tuple[np.ndarray, int]:
+    """(k * chunk_rows, b) uint8 rows (each contiguous, any step apart) of chunks ``first``.. ->
+    ((k, s) uint8 with ``s = max(stride, p + 8)``, ``p = chunk_rows * b``: each chunk's rows followed by
+    its crc32c and its binding tag (little endian), then zeros up to ``s`` bytes; the crc32c of the
+    rows' bytes continuing ``content``).
 
     The compiled core encodes in one pass; the numpy code below it is the reference."""
-    size = payloads.shape[1]
+    size = chunk_rows * rows.shape[1]
     width = max(stride, size + TRAILER)
     if _native.enabled():
-        out = np.empty((len(payloads), width), np.uint8)
-        _native.encode_chunks(np.ascontiguousarray(payloads), size, first, seed, width, out)
-        return out
+        out = np.empty((len(rows) // chunk_rows, width), np.uint8)
+        return out, _native.encode_chunks(rows, chunk_rows, first, seed, width, out, content)
+    payloads = np.ascontiguousarray(rows).reshape(-1, size)
     out = np.zeros((len(payloads), width), dtype=np.uint8)
     out[:, : size + 4] = _with_crc(payloads)
     crcs = out[:, size : size + 4].copy().view("<u4").reshape(-1)
     tags = binding_tags(np.arange(first, first + len(payloads)), crcs, seed).astype("<u4")
     out[:, size + 4 : size + TRAILER] = tags.view(np.uint8).reshape(-1, 4)
-    return out
+    return out, _native.crc32c(payloads.data, content)
 
 
 def _write_all(fd: int, data: np.ndarray) -> None:

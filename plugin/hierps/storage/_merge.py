@@ -26,8 +26,11 @@ from hierps.storage._segment import Segment
 
 __all__ = ["BUFFER_BYTES", "RUN_BYTES", "first_of_each", "merged", "merged_sources", "run_rows", "runs"]
 
-# Bytes each input of a merge holds in RAM at a time.
+# Bytes each input of a merge holds in RAM at a time, at least: a merge of few inputs (an export or a
+# scan of one run) shares MERGE_BYTES among them, so that each batch's fixed costs (its reads handed to
+# the read threads, the merge, the caller's own work) are spread over more rows.
 BUFFER_BYTES = 512 << 10
+MERGE_BYTES = 4 << 20
 # Segments of at least this many bytes of rows join runs (smaller ones stay runs of their own).
 RUN_BYTES = 32 << 20
 
@@ -108,7 +111,8 @@ def merged_sources(
 ) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray]]:
     """Merge sorted sources of ``(keys (b,) int64, rows (b, width) float32)`` batches (each source's
     keys strictly increasing): yield ``(keys, rows, source index)`` batches sorted by key, then by
-    source index descending, every entry of a key within one batch (duplicates kept).
+    source index descending, every entry of a key within one batch (duplicates kept). A lone
+    source's batches come as they are (its rows perhaps a view of a wider array).
 
     Memory: one batch of each source, plus the batch yielded.
     """
@@ -122,8 +126,7 @@ def _merged(
     if len(sources) == 1:  # nothing to merge: the source's batches as they come
         for keys, rows in sources[0]:
             if len(keys):
-                # (merged's rows are its own, contiguous, whatever the source's are)
-                yield keys, np.ascontiguousarray(rows) if newest_only else rows, np.zeros(len(keys), np.int64)
+                yield keys, rows, np.zeros(len(keys), np.int64)
         return
     inputs = [i for i in (_Input(src, r, width) for r, src in enumerate(sources)) if not i.done]
     while inputs:
@@ -201,14 +204,17 @@ def merged(
     segments: Sequence[Segment], width: int, buffer_bytes: int = BUFFER_BYTES
 ) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray]]:
     """Yield ``(keys (b,) int64 sorted unique, rows (b, width) float32, segment of each (b,) int64)``
-    over ``segments``: every key once, with its row from the newest of them that holds it.
+    over ``segments``: every key once, with its row from the newest of them that holds it. The rows
+    are the merge's own (a view of the segment's block read, where one input is merged).
 
-    The segments of a run (:func:`runs`) are one input. Memory: per input, the buffer of
-    ``buffer_bytes`` being merged and the next two read ahead (:meth:`Segment.scan`).
+    The segments of a run (:func:`runs`) are one input. Memory: per input, the buffer being merged
+    (``buffer_bytes``, or a share of :data:`MERGE_BYTES` where that is more) and the next two read
+    ahead (:meth:`Segment.scan`).
     """
-    batch_rows = max(1, buffer_bytes // (4 * (width + 2)))
     # Runs oldest first: a higher source index is a newer segment wherever two inputs hold a key.
-    inputs = [_RunScan(run, batch_rows) for run in runs(segments, run_rows(width))]
+    grouped = runs(segments, run_rows(width))
+    batch_rows = max(1, max(buffer_bytes, MERGE_BYTES // max(1, len(grouped))) // (4 * (width + 2)))
+    inputs = [_RunScan(run, batch_rows) for run in grouped]
     scans = [iter(i) for i in inputs]
     single = all(len(i.run) == 1 for i in inputs)
     ids = np.array([i.ids[0] for i in inputs], np.int64)
@@ -216,12 +222,14 @@ def merged(
         for keys, rows, src in _merged(scans, width, newest_only=True):
             if single:
                 yield keys, rows, ids[src]
-                continue
-            segs = np.empty(len(keys), np.int64)
-            for s in np.unique(src).tolist():
-                at = src == s
-                segs[at] = inputs[s].segment_of(keys[at])
-            yield keys, rows, segs
+            elif len(inputs) == 1:  # one run: every key is its own
+                yield keys, rows, inputs[0].segment_of(keys)
+            else:
+                segs = np.empty(len(keys), np.int64)
+                for s in np.unique(src).tolist():
+                    at = src == s
+                    segs[at] = inputs[s].segment_of(keys[at])
+                yield keys, rows, segs
     finally:
         for scan in scans:  # closed early (an error, a consumer that stopped): their reads end here
             scan.close()  # type: ignore[attr-defined]

@@ -189,9 +189,11 @@ def merge_runs(
     return _core.merge_runs(keys, rows, ranks, newest_only, out_keys, out_rows, out_src)
 
 
-def encode_chunks(payloads: Buffer, payload: int, first: int, seed: int, stride: int, out: Buffer) -> None:
+def encode_chunks(
+    rows: Buffer, chunk_rows: int, first: int, seed: int, stride: int, out: Buffer, content: int
+) -> int:
     """:func:`._core.encode_chunks` (the compiled core only)."""
-    _core.encode_chunks(payloads, payload, first, seed, stride, out)
+    return _core.encode_chunks(rows, chunk_rows, first, seed, stride, out, content)
 
 
 def binding_tags(chunks: Buffer, crcs: Buffer, seed: int, out: Buffer) -> None:

@@ -645,35 +645,60 @@ done:
 }
 
 /* -- encode_chunks ---------------------------------------------------------------------------- */
+/* Rows of bytes, each contiguous, the rows any (positive) step apart: a 2-d uint8 view such as a
+ * column slice of a wider array. */
+static int get_rows(PyObject *obj, Buf *b, const char *what) {
+    if (PyObject_GetBuffer(obj, &b->view, PyBUF_STRIDES) < 0) {
+        PyErr_Format(PyExc_TypeError, "%s: expected a 2-d buffer of bytes", what);
+        return -1;
+    }
+    b->held = 1;
+    if (b->view.ndim != 2 || b->view.itemsize != 1 || b->view.strides[1] != 1 ||
+        (b->view.shape[0] > 1 && b->view.strides[0] < b->view.shape[1])) {
+        PyErr_Format(PyExc_TypeError, "%s: expected (n, row bytes) uint8 rows, each contiguous, in order", what);
+        release(b);
+        return -1;
+    }
+    return 0;
+}
+
 static PyObject *py_encode_chunks(PyObject *self, PyObject *args) {
     PyObject *o_src, *o_out;
-    Py_ssize_t payload, stride;
+    Py_ssize_t chunk_rows, stride;
     unsigned long long first;
-    unsigned long seed;
-    if (!PyArg_ParseTuple(args, "OnKknO", &o_src, &payload, &first, &seed, &stride, &o_out)) return NULL;
+    unsigned long seed, content;
+    if (!PyArg_ParseTuple(args, "OnKknOk", &o_src, &chunk_rows, &first, &seed, &stride, &o_out, &content))
+        return NULL;
     Buf src = {0}, out = {0};
     PyObject *result = NULL;
-    if (get_bytes(o_src, &src, 0, "payloads") < 0 || get_bytes(o_out, &out, 1, "out") < 0) goto done;
-    if (payload <= 0 || stride < payload + TRAILER || src.view.len % payload ||
-        out.view.len != src.view.len / payload * stride) {
+    if (get_rows(o_src, &src, "rows") < 0 || get_bytes(o_out, &out, 1, "out") < 0) goto done;
+    Py_ssize_t rows = src.view.shape[0], row_bytes = src.view.shape[1], step = src.view.strides[0];
+    Py_ssize_t payload = chunk_rows * row_bytes;
+    if (chunk_rows <= 0 || row_bytes <= 0 || rows % chunk_rows || stride < payload + TRAILER ||
+        out.view.len != rows / chunk_rows * stride) {
         PyErr_SetString(PyExc_ValueError,
-                        "encode_chunks: expected whole payloads and an output of one stride (>= payload + 8) each");
+                        "encode_chunks: expected whole chunks of rows and an output of one stride (>= payload + 8) each");
         goto done;
     }
-    Py_ssize_t n = src.view.len / payload;
+    Py_ssize_t n = rows / chunk_rows;
     const unsigned char *s = src.view.buf;
     unsigned char *o = out.view.buf;
-    uint32_t seed32 = (uint32_t)seed;
+    uint32_t seed32 = (uint32_t)seed, whole = (uint32_t)content;
     UNLOCK_IF(n * stride) for (Py_ssize_t i = 0; i < n; i++) {
-        const unsigned char *p = s + i * payload;
         unsigned char *c = o + i * stride;
-        memcpy(c, p, (size_t)payload);
-        uint32_t crc = crc_update(0, p, (size_t)payload);
+        if (step == row_bytes) {
+            memcpy(c, s + i * payload, (size_t)payload);
+        } else {
+            const unsigned char *r = s + i * chunk_rows * step;
+            for (Py_ssize_t j = 0; j < chunk_rows; j++) memcpy(c + j * row_bytes, r + j * step, (size_t)row_bytes);
+        }
+        uint32_t crc = crc_update(0, c, (size_t)payload);
+        whole = crc_update(whole, c, (size_t)payload); /* the array's content: its rows' bytes in order */
         store32le(c + payload, crc);
         store32le(c + payload + 4, binding_tag(seed32, first + (uint64_t)i, crc));
         memset(c + payload + TRAILER, 0, (size_t)(stride - payload - TRAILER));
     }
-    RELOCK result = Py_NewRef(Py_None);
+    RELOCK result = PyLong_FromUnsignedLong(whole);
 done:
     release(&src);
     release(&out);
@@ -1221,7 +1246,7 @@ static PyMethodDef methods[] = {
     {"unique_ids", py_unique_ids, METH_VARARGS, "unique_ids(ids, keys, inverse, counts) -> u: see _core.pyi."},
     {"merge_runs", py_merge_runs, METH_VARARGS, "Merge sorted parts by key, then rank descending; see _core.pyi."},
     {"encode_chunks", py_encode_chunks, METH_VARARGS,
-     "encode_chunks(payloads, payload, first, seed, stride, out): chunks with crc32c and binding tag."},
+     "encode_chunks(rows, chunk_rows, first, seed, stride, out, content) -> int: chunks with crc32c and binding tag."},
     {"binding_tags", py_binding_tags, METH_VARARGS, "binding_tags(chunks, crcs, seed, out)."},
     {"hardware", py_hardware, METH_NOARGS, "Whether crc32c runs on the CPU's crc32 instruction."},
     {"set_hardware", py_set_hardware, METH_O,

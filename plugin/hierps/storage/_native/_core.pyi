@@ -96,9 +96,13 @@ def read_check_gather(
     failed, no check (-1, 0, -1, 0).
     """
 
-def encode_chunks(payloads: Buffer, payload: int, first: int, seed: int, stride: int, out: Buffer) -> None:
-    """Chunks ``first``.. of an array of ``seed``: each ``payload`` bytes of ``payloads`` to ``out``
-    at a step of ``stride`` bytes, followed by its crc32c and binding tag (little endian) and zeros."""
+def encode_chunks(
+    rows: Buffer, chunk_rows: int, first: int, seed: int, stride: int, out: Buffer, content: int
+) -> int:
+    """Chunks ``first``.. of an array of ``seed`` from ``rows`` (n, row bytes) uint8, each row contiguous,
+    the rows any step apart (a column slice of a wider array), n a multiple of ``chunk_rows``: each chunk's
+    rows to ``out`` at a step of ``stride`` bytes, followed by its crc32c and binding tag (little endian)
+    and zeros. Returns the crc32c of the rows' bytes in order, continuing ``content``."""
 
 def binding_tags(chunks: Buffer, crcs: Buffer, seed: int, out: Buffer) -> None:
     """The binding tags (c,) uint32 into ``out`` of chunks ``chunks`` (c,) int64 with crc32c ``crcs`` (c,) uint32."""
