@@ -361,10 +361,12 @@ class Segment:
             hi = int(np.searchsorted(keys, self._last, side="right"))
             if lo >= hi:
                 return none, none
-        chunk = np.searchsorted(fences, keys[lo:hi], side="right") - 1
-        first, last = int(chunk[0]), int(chunk[-1])
+        # The chunks of the first and last key (two searches, not one a key) decide it.
+        first = int(np.searchsorted(fences, keys[lo], side="right")) - 1
+        last = int(np.searchsorted(fences, keys[hi - 1], side="right")) - 1
         if hi - lo >= last - first + 1:
             return np.arange(lo, hi, dtype=np.int64), np.arange(first, last + 1, dtype=np.int64)
+        chunk = np.searchsorted(fences, keys[lo:hi], side="right") - 1
         # Fewer keys than chunks in their range: the filter saves reads.
         full = block_words(self.rows_array.chunk_rows * FILTER_BLOCK_CHUNKS, self.rows_array.chunk_rows)
         maybe = blocks_may_contain(filt, keys[lo:hi], chunk // FILTER_BLOCK_CHUNKS, full)
