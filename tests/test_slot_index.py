@@ -76,12 +76,12 @@ def test_unique_ids_refuses_other_buffers():
 
 
 def test_lookups_deduplicate_as_torch_unique(monkeypatch):
-    from hierps import modules
+    from hierps.tiers import _slot_index
 
     ids = torch.tensor([[5, -3], [5, 9], [2**62, -3]])
-    got = modules._distinct(ids)
-    monkeypatch.setattr(modules, "_NATIVE_UNIQUE_MAX", -1)  # torch.unique serves
-    want = modules._distinct(ids)
+    got = _slot_index.distinct_ids(ids)
+    monkeypatch.setattr(_slot_index, "_NATIVE_UNIQUE_MAX", -1)  # torch.unique serves
+    want = _slot_index.distinct_ids(ids)
     assert got[1].shape == ids.shape
     for a, b in zip(got, want):
         assert torch.equal(a, b)
@@ -92,6 +92,11 @@ def test_find_all_answers_only_when_every_key_is_held():
     assert index.find_all(np.array([7, 5, 7], np.int64)).tolist() == [2, 4, 2]
     assert index.find_all(np.array([7, 6], np.int64)) is None
     assert index.find_all(np.array([], np.int64)).tolist() == []
+    slots, found = index.locate(np.array([7, 6, -3, 6], np.int64))
+    assert found.tolist() == [True, False, True, False]
+    assert slots[found].tolist() == [2, 1]
+    slots, found = index.locate(np.array([-3, -3, 5], np.int64))
+    assert found is None and slots.tolist() == [1, 1, 4]
 
 
 def test_compiled_loops_refuse_a_bad_index():

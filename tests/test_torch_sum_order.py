@@ -121,6 +121,16 @@ def _features(rng: np.random.Generator, sizes: list[int], batch: int, bags: bool
     return feats
 
 
+def _forward_backward(models, dense, feats, labels, losses: list[list[float]]) -> None:
+    """Each model's forward and backward of one mini-batch, and its dense step; its loss kept."""
+    for j, model in enumerate(models):
+        loss = nn.BCEWithLogitsLoss()(model(feats), labels)
+        loss.backward()
+        losses[j].append(loss.item())
+        dense[j].step()
+        dense[j].zero_grad()
+
+
 @pytest.mark.parametrize(
     "bags", [True, False], ids=["own-offsets-announced-as-bags", "embeddings-looked-up-together"]
 )
@@ -148,7 +158,6 @@ def test_tables_trained_together_are_bit_equal_to_torchs_adagrad(make_store, bag
         (_features(rng, sizes, 64, bags), torch.from_numpy(rng.random(64).astype(np.float32)))
         for _ in range(8)
     ]
-    loss_fn = nn.BCEWithLogitsLoss()
     losses: list[list[float]] = [[], []]
     for i, (feats, labels) in enumerate(batches):
         if i % 4 == 0:
@@ -159,12 +168,7 @@ def test_tables_trained_together_are_bit_equal_to_torchs_adagrad(make_store, bag
                     for f, _ in group
                 ]
             )
-        for j, model in enumerate((ref, twin)):
-            loss = loss_fn(model(feats), labels)
-            loss.backward()
-            losses[j].append(loss.item())
-            dense[j].step()
-            dense[j].zero_grad()
+        _forward_backward((ref, twin), dense, feats, labels, losses)
         sparse_ref.step()
         sparse_ref.zero_grad()
         store.step()
@@ -173,3 +177,48 @@ def test_tables_trained_together_are_bit_equal_to_torchs_adagrad(make_store, bag
     assert losses[1] == losses[0]
     for k, (e, n) in enumerate(zip(ref.emb, sizes)):
         assert torch.equal(twin.emb[k].lookup(torch.arange(n)), e.weight.detach()), f"table t{k}"
+
+
+@pytest.mark.parametrize("device_budget", ["6KiB", "1MiB"], ids=["room-made-mid-forward", "all-resident"])
+def test_embeddings_on_demand_are_bit_equal_and_count_each_sighting(make_store, device_budget):
+    """Plain nn.Embedding tables looked up on demand (the rows of the ids themselves, repeats
+    included, summed per key by the step), with a device tier holding them all or too small for a
+    mini-batch's three tables (it makes room in the middle of forwards): torch's Adagrad bit for
+    bit, and each key's counters count every sighting, those of a forward without backward too."""
+    sizes = [300, 120, 50]
+    torch.manual_seed(0)
+    ref = _Towers(sizes, bags=False)
+    twin = copy.deepcopy(ref)
+    store = make_store(memory_budget="4KiB", device_budget=device_budget)
+    twin.emb = nn.ModuleList(
+        [
+            hierps.Embedding.from_module(
+                e, store=store, name=f"t{k}", optimizer={"type": "adagrad", "params": {"lr": 0.3}}
+            )
+            for k, e in enumerate(ref.emb)
+        ]
+    )
+    sparse_ref = torch.optim.Adagrad(ref.emb.parameters(), lr=0.3)
+    dense = [torch.optim.SGD(m.head.parameters(), lr=0.1) for m in (ref, twin)]
+    rng = np.random.default_rng(7)
+    seen: list[list[np.ndarray]] = [[] for _ in sizes]
+    losses: list[list[float]] = [[], []]
+    for _ in range(8):
+        feats = _features(rng, sizes, 64, bags=False)
+        labels = torch.from_numpy(rng.random(64).astype(np.float32))
+        _forward_backward((ref, twin), dense, feats, labels, losses)
+        twin.emb[0](feats[0][0][:5])  # a forward without backward: its ids are seen, nothing trains
+        for k, (ids, _) in enumerate(feats):
+            seen[k].append(ids.reshape(-1).numpy())
+        seen[0].append(feats[0][0][:5].reshape(-1).numpy())
+        sparse_ref.step()
+        sparse_ref.zero_grad()
+        store.step()
+    assert (store.stats.on_demand_rebuilds > 0) == (device_budget == "6KiB")
+    assert losses[1] == losses[0]
+    for k, (e, n) in enumerate(zip(ref.emb, sizes)):
+        assert torch.equal(twin.emb[k].lookup(torch.arange(n)), e.weight.detach()), f"table t{k}"
+        keys, counts = np.unique(np.concatenate(seen[k]), return_counts=True)
+        got = store.counters(f"t{k}", keys)
+        np.testing.assert_array_equal(got["count"], counts, err_msg=f"table t{k}")
+        np.testing.assert_array_equal(got["decayed"], counts, err_msg=f"table t{k}")

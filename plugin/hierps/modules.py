@@ -48,7 +48,7 @@ from hierps.config import TableSettings, TableSpec
 from hierps.errors import ConfigError, NotSupportedError, OffsetsError
 from hierps.interface import Lookup, StoreInterface
 from hierps.rows._ids import check_ids_tensor, same_device
-from hierps.storage import _native
+from hierps.tiers._slot_index import distinct_ids
 
 __all__ = ["Embedding", "EmbeddingBag", "get_default_store", "set_default_store", "without_tables"]
 
@@ -190,7 +190,7 @@ class _StoreEmbedding(nn.Module):
             weights, plan = planned
             keys, local = plan.keys, plan.local.view(ids.shape)
         else:
-            keys, local, counts = _distinct(ids)
+            keys, local, counts = distinct_ids(ids)
             weights = self._store.gather(self.table, keys, requires_grad=track, counts=counts)
         pad = None
         if self.padding_idx is not None:
@@ -519,23 +519,6 @@ class EmbeddingBag(_StoreEmbedding):
         # A model usually hands one offsets tensor to all its tables: check it once.
         _StoreEmbedding._offsets_checked = (weakref.ref(offsets), offsets._version, n)
         return offsets.long()
-
-
-# Lookups of up to this many ids deduplicate in the compiled core (a hash table, then a radix sort
-# of the distinct ids only): 1.5-2x faster than torch.unique at a mini-batch's few hundred ids (a
-# small-batch model pays a forward's fixed costs per table), 2-4x at 10^4; past ~2x10^4 ids its
-# table leaves the cache and torch.unique's sort is faster.
-_NATIVE_UNIQUE_MAX = 1 << 14
-
-
-def _distinct(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """ids (...) int64 -> (sorted distinct ids (U,), each id's position among them (...), counts (U,)):
-    ``torch.unique(ids, sorted=True, return_inverse=True, return_counts=True)``, the same integers."""
-    if ids.device.type == "cpu" and ids.numel() <= _NATIVE_UNIQUE_MAX and _native.enabled():
-        keys, inverse, counts = _native.unique_ids(ids.contiguous().view(-1).numpy())
-        return torch.from_numpy(keys), torch.from_numpy(inverse).view(ids.shape), torch.from_numpy(counts)
-    keys, inverse, counts = torch.unique(ids, sorted=True, return_inverse=True, return_counts=True)
-    return keys, inverse, counts
 
 
 def _check_weights(weights: Any, device: torch.device) -> torch.Tensor:

@@ -30,7 +30,7 @@ from hierps._tensors import joined
 from hierps.rows._counters import record_seen
 from hierps.rows._ids import find_sorted
 from hierps.rows._layout import RowLayout
-from hierps.tiers._slot_index import SlotIndex, hashed
+from hierps.tiers._slot_index import SlotIndex, distinct_ids, hashed
 from hierps.tiers._working_set import Relayout, ResidentKeys
 
 __all__ = ["DeviceTier", "DrainedRows", "Sightings"]
@@ -124,13 +124,14 @@ class _Resident:
         at = torch.searchsorted(self.skeys, ids).clamp_(max=self.n - 1)
         return self.skeys[at] == ids, self.sslots[at]
 
-    def find_all(self, ids: torch.Tensor) -> torch.Tensor | None:
-        """ids (n,) int64 on the device -> their slots (n,) int64 when every id is resident, else None."""
+    def locate(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """ids (n,) int64 on the device -> (slots (n,) int64, valid where found; found (n,) bool, or
+        None when every id is resident)."""
         if self.index is not None:
-            held = self.index.find_all(ids.numpy())
-            return None if held is None else torch.from_numpy(held)
+            at, held = self.index.locate(ids.numpy())
+            return torch.from_numpy(at), None if held is None else torch.from_numpy(held)
         found, slots = self.find(ids)
-        return slots if bool(found.all()) else None
+        return slots, None if bool(found.all()) else found
 
     def add(self, keys: np.ndarray, slots: np.ndarray) -> None:
         """Make sorted unique ``keys`` (absent here) resident at ``slots``."""
@@ -173,10 +174,19 @@ class Sightings:
 
     arena: _Arena
     slots: torch.Tensor  # (U,) int64 arena slots
-    counts: torch.Tensor  # (U,) float32
+    counts: torch.Tensor | None  # (U,) float32; None: one sighting per entry of slots, repeats included
     start: int  # first counter column
     now: int  # pass index
     decay: float
+
+
+def _per_slot(s: Sightings) -> tuple[torch.Tensor, torch.Tensor]:
+    """(unique slots (U,), their counts (U,) float32) of ``s`` (one sighting per entry of its slots
+    when it has no counts)."""
+    if s.counts is not None:
+        return s.slots, s.counts
+    slots, _, counts = distinct_ids(s.slots)
+    return slots, counts.to(torch.float32)
 
 
 class DeviceTier:
@@ -188,6 +198,7 @@ class DeviceTier:
         self._arenas: dict[int, _Arena] = {}
         self._tables: dict[str, _Resident] = {}
         self._seen: list[Sightings] = []
+        self._touched: list[tuple[_Arena, torch.Tensor]] = []  # rows gathered, their clock not yet set
         self.generation = 0  # changes when slots handed out may have become invalid
         self.version = 0  # changes whenever any table's resident keys change
         self.clock = 0  # advanced by every optimizer step: rows gathered since have used == clock
@@ -237,9 +248,10 @@ class DeviceTier:
         """ids: (n,) int64 on the device -> (found (n,) bool, slots (n,) int64; valid where found)."""
         return self._tables[table].find(ids)
 
-    def resolve_all(self, table: str, ids: torch.Tensor) -> torch.Tensor | None:
-        """ids: (n,) int64 on the device -> their slots (n,) int64 when all are resident, else None."""
-        return self._tables[table].find_all(ids)
+    def locate(self, table: str, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """ids: (n,) int64 on the device -> (slots (n,) int64, valid where found; found (n,) bool,
+        or None when all are resident): one probe each, all resident or not."""
+        return self._tables[table].locate(ids)
 
     def insert(self, table: str, keys: np.ndarray, rows: np.ndarray) -> torch.Tensor:
         """Make sorted unique ``keys`` (absent here) resident with ``rows`` (n, width) float32 -> their
@@ -270,11 +282,23 @@ class DeviceTier:
 
     # -- recency (the tier as a cache, outside passes) ----------------------------------------
     def touch(self, table: str, slots: torch.Tensor) -> None:
-        """Mark rows as gathered for training now (see :meth:`recent`)."""
-        self._tables[table].arena.used.index_fill_(0, slots, self.clock)
+        """Mark rows as gathered for training now (see :meth:`recent`): recorded here, written into
+        their arena's clock column by one call per arena before the clock moves or is read."""
+        self._touched.append((self._tables[table].arena, slots))
+
+    def _flush_touched(self) -> None:
+        if not self._touched:
+            return
+        touched, self._touched = self._touched, []
+        by_arena: dict[int, tuple[_Arena, list[torch.Tensor]]] = {}
+        for arena, slots in touched:
+            by_arena.setdefault(id(arena), (arena, []))[1].append(slots)
+        for arena, slots_list in by_arena.values():
+            arena.used.index_fill_(0, joined(slots_list), self.clock)
 
     def tick(self) -> None:
         """An optimizer step ran: rows gathered from now on are newer than all before."""
+        self._flush_touched()
         self.clock += 1
 
     def recent(self, budget_bytes: int) -> dict[str, np.ndarray]:
@@ -283,6 +307,7 @@ class DeviceTier:
         Rows gathered since the last step come first (their gradients are pending), then by the
         step they were last used at; rows used at the same step are taken table by table.
         """
+        self._flush_touched()
         tables = [(t, r) for t, r in self._tables.items() if r.n]
         if not tables:
             return {}
@@ -303,9 +328,10 @@ class DeviceTier:
 
     # -- counters -----------------------------------------------------------------------------
     def defer_seen(
-        self, table: str, slots: torch.Tensor, counts: torch.Tensor, start: int, now: int, decay: float
+        self, table: str, slots: torch.Tensor, counts: torch.Tensor | None, start: int, now: int, decay: float
     ) -> None:
-        """Count sightings of resident rows (see :func:`hierps.rows._counters.record_seen`) later, fused."""
+        """Count sightings of resident rows (see :func:`hierps.rows._counters.record_seen`) later, fused:
+        ``counts`` (U,) of unique ``slots`` (U,), or None for one per entry of ``slots``, repeats included."""
         self._seen.append(Sightings(self._tables[table].arena, slots, counts, start, now, decay))
 
     def take_seen(self, arena: object, slots: torch.Tensor) -> Sightings | None:
@@ -322,18 +348,19 @@ class DeviceTier:
         if not self._seen:
             return
         seen, self._seen = self._seen, []
-        groups: dict[tuple[int, int, int], list[Sightings]] = {}
+        groups: dict[tuple[int, int, int], list[tuple[Sightings, torch.Tensor, torch.Tensor]]] = {}
         for s in seen:
+            slots, counts = _per_slot(s)
             if s.decay == 1.0:
-                groups.setdefault((id(s.arena), s.start, s.now), []).append(s)
+                groups.setdefault((id(s.arena), s.start, s.now), []).append((s, slots, counts))
             else:  # decay needs each sighting's age: one at a time, in order
-                record_seen(s.arena.rows, s.slots, s.start, s.counts, s.now, s.decay)
-                s.arena.dirty[s.slots] = True
+                record_seen(s.arena.rows, slots, s.start, counts, s.now, s.decay)
+                s.arena.dirty[slots] = True
         for items in groups.values():  # without decay, sightings add up: one call for all of them
-            first = items[0]
-            slots = joined([s.slots for s in items])
+            first = items[0][0]
+            slots = joined([slots for _, slots, _ in items])
             record_seen(
-                first.arena.rows, slots, first.start, joined([s.counts for s in items]), first.now, 1.0
+                first.arena.rows, slots, first.start, joined([c for _, _, c in items]), first.now, 1.0
             )
             first.arena.dirty[slots] = True
 
@@ -381,6 +408,7 @@ class DeviceTier:
         self.version += 1
 
     def _reset(self) -> None:
+        self._touched = []
         self._arenas = {w: _Arena(w, self.device, clock=self.clock) for w in self._arenas}
         self._tables = {t: _Resident(self._arenas[r.width]) for t, r in self._tables.items()}
         self._bytes = 0
@@ -434,6 +462,7 @@ class DeviceTier:
         if relayout.version != self.version:
             raise RuntimeError("device tier changed since the relayout was worked out")  # callers check first
         self.flush_seen()
+        self._flush_touched()
         arenas = {}
         out: dict[str, DrainedRows] = {}
         for width, old in self._arenas.items():

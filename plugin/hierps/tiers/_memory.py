@@ -194,8 +194,8 @@ class MemoryTier:
         slots = slab.slots[at[hit]]
         if touch:
             self._touch(slab, slots, tick)
-            self.hits += int(hit.sum())
-            self.misses += int(len(keys) - hit.sum())
+            self.hits += len(slots)
+            self.misses += len(keys) - len(slots)
         return hit, slab.rows[slots]
 
     # -- writes -------------------------------------------------------------------------------

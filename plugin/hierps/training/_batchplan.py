@@ -42,6 +42,7 @@ __all__ = [
     "look_up",
     "pool_bags",
     "add_in_sum_order",
+    "add_joined_in_sum_order",
     "add_parts_in_sum_order",
     "same_batches",
     "sum_order",
@@ -110,10 +111,25 @@ def add_parts_in_sum_order(
     shifted = [r + first if first else r for r, first in zip(rows, firsts)]
     joined_rows = shifted[0] if len(shifted) == 1 else torch.cat(shifted)
     joined = values[0] if len(values) == 1 else torch.cat(list(values))
+    return add_joined_in_sum_order(grad, joined_rows, joined, rows, coalesced)
+
+
+def add_joined_in_sum_order(
+    grad: torch.Tensor,
+    rows: torch.Tensor,
+    values: torch.Tensor,
+    keys: Sequence[torch.Tensor],
+    coalesced: Sequence[bool],
+) -> torch.Tensor:
+    """``grad`` plus ``values`` (n, dim) at ``rows`` (n,) of ``grad`` by one ``index_add_`` ->
+    ``grad``, changed in place. The entries come in parts, part i the next ``keys[i].numel()``
+    ones, its ``keys[i]`` the ids (or any numbers ordered as they are) its rows stand for; no row
+    takes entries of two parts. Each row's entries are summed in :func:`sum_order` of its part's
+    keys where ``coalesced[i]``, else in their order."""
     if any(coalesced):
-        order = _joined_sum_order(rows, coalesced)
-        joined_rows, joined = joined_rows.index_select(0, order), joined.index_select(0, order)
-    return grad.index_add_(0, joined_rows, joined)
+        order = _joined_sum_order(keys, coalesced)
+        rows, values = rows.index_select(0, order), values.index_select(0, order)
+    return grad.index_add_(0, rows, values)
 
 
 def _joined_sum_order(rows: Sequence[torch.Tensor], coalesced: Sequence[bool]) -> torch.Tensor:

@@ -375,20 +375,18 @@ class PassRunner:
         """
         self._core.check_open()
         tier = self._core.device_tier
-        resident = tier.resolve_all(table, keys)
-        if resident is not None:
-            return resident
-        found, slots = tier.resolve(table, keys)
-        need = tier.bytes_for({table: int(keys.numel())})
+        slots, found = tier.locate(table, keys)
+        if found is None:
+            return slots
+        row_bytes = tier.row_bytes(table)
+        need = int(keys.numel()) * row_bytes
         if need > tier.budget:
             raise DeviceBudgetError(self._budget_message(need))
         missing = keys.numpy()[~found.numpy()] if keys.device.type == "cpu" else keys[~found].cpu().numpy()
-        if (
-            tier.bytes_used + tier.bytes_for({table: len(missing)}) > tier.budget
-            and len(self.plan.groups) <= 1
-        ):
+        overflows = tier.bytes_used + len(missing) * row_bytes > tier.budget
+        if overflows and len(self.plan.groups) <= 1:
             self._make_room(table, keys.cpu().numpy(), need)
-        elif tier.bytes_used + tier.bytes_for({table: len(missing)}) > tier.budget:
+        elif overflows:
             self._core.write_back()
             load = {table: keys.cpu().numpy()}
             self._load(load)
@@ -408,9 +406,8 @@ class PassRunner:
             self._pipe.wait_writebacks()
             new = tier.insert(table, missing, self._core.fetch(table, missing, touch=True))
             if slots.device.type == "cpu":  # numpy masks: a few µs where torch's take tens
-                out = slots.numpy().copy()
-                out[~found.numpy()] = new.numpy()
-                return torch.from_numpy(out)
+                slots.numpy()[~found.numpy()] = new.numpy()  # slots is this call's own tensor
+                return slots
             slots = slots.clone()
             slots[~found] = new
             return slots

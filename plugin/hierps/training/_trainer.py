@@ -27,7 +27,7 @@ since the last step (or ``zero_grad()``), a :class:`MissingStepWarning` says so,
 from __future__ import annotations
 
 import warnings
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,10 +44,13 @@ from hierps.rows._counters import record_seen_rows
 from hierps.rows._layout import rounding_bits
 from hierps.rows._optim import apply_step
 from hierps.rows._table import TableInfo
+from hierps.tiers._device import Sightings
+from hierps.tiers._slot_index import distinct_ids
 from hierps.training._batchplan import (
     Batch,
     BatchPlan,
     RowGroup,
+    add_joined_in_sum_order,
     add_parts_in_sum_order,
     look_up,
     pool_bags,
@@ -74,6 +77,9 @@ class _Pending:
     leaf: torch.Tensor | None = None  # (U, dim) requires_grad; None: the rows of a group
     rows: torch.Tensor | None = None  # (R,) positions of keys in the leaf; None: all of it
     group: RowGroup | None = None  # where the gradient is, for a table pooled from a group
+    # keys, slots and the leaf's rows are one per id of the lookup, repeats included (a plain
+    # nn.Embedding lookup outside announced mini-batches): the step makes them distinct
+    each: bool = False
 
     def gradient(self, summed: dict[int, torch.Tensor]) -> torch.Tensor | None:
         """The gradient of the gathered rows (``summed``: leaves' by id), or None without a backward."""
@@ -81,6 +87,15 @@ class _Pending:
             return self.group.gradient(self.table, self.keys.numel())
         assert self.leaf is not None
         return summed.get(id(self.leaf))
+
+
+@dataclass
+class _Merged:
+    """Lookups of each id of several tables summed as one (:meth:`SparseTrainer._merged_each`)."""
+
+    members: list[_Pending]
+    slots: torch.Tensor  # (U,) int64 unique slots of the members' rows, in one arena
+    grad: torch.Tensor  # (U, dim) float32 each row's gradient, summed
 
 
 def _pools_alike(lookup: Lookup) -> bool:
@@ -196,7 +211,7 @@ class SparseTrainer:
         """
         batches = self._passes.batches
         if batches is None:
-            return None
+            return self._look_up_each(table, ids, lookup)
         tier = self._core.device_tier
         found = batches.next_plan(table, ids, tier.generation)
         if found is None:
@@ -256,6 +271,122 @@ class SparseTrainer:
             lookup.include_last_offset,
             pad,
         )
+
+    def _look_up_each(self, table: str, ids: torch.Tensor, lookup: Lookup) -> torch.Tensor | None:
+        """A plain ``nn.Embedding`` training lookup outside announced mini-batches, or None for any
+        other (a padding row, pooling, admission: the module's generic gather serves).
+
+        The leaf holds the row of each id, repeats included, gathered by one probe of the device
+        tier's index (rows not resident are loaded first, as :meth:`gather` loads them): the
+        forward neither deduplicates nor builds a sparse gradient. Its output is a copy of the leaf,
+        shaped as the ids, the floats of ``F.embedding``; the step sums each key's gradients in the
+        order the module's sparse gradient has them (:meth:`_distinct_each`).
+        """
+        if not _looks_up(lookup):
+            return None
+        self._core.check_open()
+        info = self._core.info(table)
+        if info.admission.filters:
+            return None
+        tier = self._core.device_tier
+        flat = ids.reshape(-1).clone()  # a private copy: the step reads the ids again
+        slots, found = tier.locate(table, flat)
+        if found is not None:
+            self._passes.resident_slots(table, distinct_ids(flat)[0])
+            slots, found = tier.locate(table, flat)
+            if found is not None:  # not all resident after all: the generic gather copes
+                return None
+        tier.touch(table, slots)
+        tier.defer_seen(table, slots, None, info.counter_word, self._core.passes, info.eviction.decay)
+        leaf = tier.weights(table, slots, info.layout).requires_grad_(True)
+        self._record(_Pending(table, flat, slots, tier.generation, leaf, each=True))
+        return leaf.view(*ids.shape, info.dim).clone()
+
+    def _merged_each(self, pending: list[_Pending]) -> tuple[list[_Merged], list[_Pending]]:
+        """The lookups of each id (:meth:`_look_up_each`) this step can sum as one: those with a
+        gradient and valid slots, of tables looked up once since the last step, whose rows share an
+        arena, optimizer, full-precision layout, step count and counter decay; -> (one
+        :class:`_Merged` per such set, the rest of ``pending``).
+
+        A set's rows are found by one deduplication of all its slots (a slot is one key of one
+        table), their gradients summed by one ``index_add_``, each key's in the order its table's
+        own sparse gradient sums them, and their sightings deferred as one count per row.
+        """
+        tier = self._core.device_tier
+        lookups: dict[str, int] = {}
+        for p in pending:
+            lookups[p.table] = lookups.get(p.table, 0) + 1
+        sets: list[tuple[tuple[Any, ...], list[_Pending]]] = []
+        rest = []
+        for p in pending:
+            info = self._core.tables[p.table]
+            if not (
+                p.each
+                and p.leaf is not None
+                and p.leaf.grad is not None
+                and not p.leaf.grad.is_sparse
+                and lookups[p.table] == 1
+                and p.generation == tier.generation
+                and not info.layout.compact
+            ):
+                rest.append(p)
+                continue
+            key = (tier.arena(p.table), info.optimizer, info.layout, info.step, info.eviction.decay, info.dim)
+            for k, members in sets:
+                if k[0] is key[0] and k[1:] == key[1:]:
+                    members.append(p)
+                    break
+            else:
+                sets.append((key, [p]))
+        merged = []
+        for (arena, *_), members in sets:
+            occurrences = joined([p.slots for p in members])
+            slots, inverse, counts = distinct_ids(occurrences)
+            grads = joined([p.leaf.grad for p in members if p.leaf is not None and p.leaf.grad is not None])
+            grad = torch.zeros((slots.numel(), grads.shape[1]), dtype=grads.dtype, device=grads.device)
+            add_joined_in_sum_order(
+                grad,
+                inverse,
+                grads,
+                [p.keys for p in members],
+                [self._core.tables[p.table].coalesced for p in members],
+            )
+            seen = [tier.take_seen(arena, p.slots) for p in members]
+            first = seen[0]
+            if first is not None and all(s is not None for s in seen):
+                tier.defer_seen(
+                    members[0].table, slots, counts.to(torch.float32), first.start, first.now, first.decay
+                )
+            else:  # some were counted already: the others as they were deferred
+                for p, s in zip(members, seen):
+                    if s is not None:
+                        tier.defer_seen(p.table, s.slots, s.counts, s.start, s.now, s.decay)
+            merged.append(_Merged(members, slots, grad))
+        return merged, rest
+
+    def _distinct_each(self, pending: list[_Pending]) -> dict[int, tuple[torch.Tensor, int]]:
+        """Turn each ``each`` entry of ``pending`` whose leaf has a gradient into one row per key: its
+        sorted distinct keys and their slots, its deferred sightings as counts per key -> ``{id(leaf):
+        (each id's position among its keys (n,), number of keys)}``, how :func:`summed_grads` sums
+        the leaf's gradient (one row per id) into one row per key, as the sparse gradient of
+        ``F.embedding`` over the distinct rows is summed."""
+        tier = self._core.device_tier
+        out: dict[int, tuple[torch.Tensor, int]] = {}
+        for p in pending:
+            if not p.each or p.leaf is None or p.leaf.grad is None:
+                continue
+            keys, inverse, counts = distinct_ids(p.keys)
+            slots = torch.empty_like(keys)
+            if slots.device.type == "cpu":  # numpy's scatter: a few µs where torch's takes tens
+                slots.numpy()[inverse.numpy()] = p.slots.numpy()
+            else:
+                slots[inverse] = p.slots
+            seen = tier.take_seen(tier.arena(p.table), p.slots)
+            if seen is not None:  # still deferred: count per key, where the step counts it
+                tier.defer_seen(p.table, slots, counts.to(torch.float32), seen.start, seen.now, seen.decay)
+            out[id(p.leaf)] = (inverse, keys.numel())
+            p.keys, p.slots, p.each = keys, slots, False
+        return out
 
     def _pool_members(self, group: RowGroup, batch: Batch, lookup: Lookup) -> None:
         """Pool every member of ``group`` at once (one ``embedding_bag``,
@@ -496,29 +627,43 @@ class SparseTrainer:
         self._core.device_tier.tick()
         self._core.stats.count_step()
         pending, self.pending, self._gathers = self.pending, [], {}
+        merged, pending = self._merged_each(pending)
+        each = self._distinct_each(pending)
         leaves = list(
             {id(p.leaf): p.leaf for p in pending if p.leaf is not None and p.leaf.grad is not None}.values()
         )
         coalesced = {
             id(p.leaf) for p in pending if p.leaf is not None and self._core.tables[p.table].coalesced
         }
-        summed = dict(zip(map(id, leaves), summed_grads(leaves, coalesced)))
+        summed = dict(zip(map(id, leaves), summed_grads(leaves, coalesced, each)))
         found = [(p, p.gradient(summed)) for p in pending]
         with_grad = [(p, g) for p, g in found if g is not None]
-        if not with_grad:
+        if not with_grad and not merged:
             return
-        if not _all_finite(_distinct_buffers([g for _, g in with_grad])):
-            bad = sorted({p.table for p, g in with_grad if not bool(torch.isfinite(g).all())})
+        if not _all_finite(_distinct_buffers([g for _, g in with_grad] + [m.grad for m in merged])):
+            each_grad = [(p, p.leaf.grad) for m in merged for p in m.members if p.leaf is not None]
+            bad = sorted(
+                {
+                    p.table
+                    for p, g in with_grad + each_grad
+                    if g is not None and not bool(torch.isfinite(g).all())
+                }
+            )
             raise NonFiniteGradientError(
                 f"NaN or inf gradient for table(s) {bad}; the step was skipped and no row changed. "
                 "Lower the learning rate, clip gradients, or check the inputs of this mini-batch."
             )
+        fused: list[tuple[str, torch.Tensor | None, torch.Tensor, torch.Tensor]] = []
+        for m in merged:
+            for p in m.members:
+                self._core.tables[p.table].step += 1
+            fused.append((m.members[0].table, None, m.slots, m.grad))
         pending = [p for p, _ in with_grad]
         grads = [g if p.rows is None else g[p.rows] for p, g in with_grad]
         by_table: dict[str, list[tuple[_Pending, torch.Tensor]]] = {}
         for p, g in zip(pending, grads):
             by_table.setdefault(p.table, []).append((p, g))
-        fused: list[tuple[str, torch.Tensor | None, torch.Tensor, torch.Tensor]] = []
+        by_keys = []
         for table, items in by_table.items():
             first = items[0][0]
             if len(items) == 1 and first.generation == self._core.device_tier.generation:
@@ -526,11 +671,14 @@ class SparseTrainer:
                 if first.keys.numel():
                     fused.append((table, first.keys, first.slots, items[0][1]))  # slots still valid
             else:
-                self.apply_gradients(
-                    table, torch.cat([p.keys for p, _ in items]), torch.cat([g for _, g in items])
+                by_keys.append(
+                    (table, torch.cat([p.keys for p, _ in items]), torch.cat([g for _, g in items]))
                 )
         gathered = list({id(p.group): p.group for p in pending if p.group is not None}.values())
         self._apply_steps(fused, gathered)
+        # Then the rows whose slots changed, by key: loading them may move the others' rows.
+        for table, keys, grad in by_keys:
+            self.apply_gradients(table, keys, grad)
         self._core.device_tier.flush_seen()
         fault_point("store.step")
 
@@ -621,17 +769,19 @@ class SparseTrainer:
         those slots one after the other, about to be written back) instead of into the arena."""
         tier = self._core.device_tier
         seen = [tier.take_seen(arena, s) for s in slots]
+        counts = [_counts_of(s) for s in seen]
         first = seen[0]
         if first is not None and all(
             s is not None and (s.start, s.now, s.decay) == (first.start, first.now, first.decay) for s in seen
         ):
-            counts = joined([s.counts for s in seen if s is not None])
-            record_seen_rows(rows, first.start, counts, first.now, first.decay)
+            record_seen_rows(
+                rows, first.start, joined([c for c in counts if c is not None]), first.now, first.decay
+            )
             return
         at = 0
-        for s, n in zip(seen, [x.numel() for x in slots]):
-            if s is not None:
-                record_seen_rows(rows.narrow(0, at, n), s.start, s.counts, s.now, s.decay)
+        for s, c, n in zip(seen, counts, [x.numel() for x in slots]):
+            if s is not None and c is not None:
+                record_seen_rows(rows.narrow(0, at, n), s.start, c, s.now, s.decay)
             at += n
 
     def zero_grad(self) -> None:
@@ -639,36 +789,59 @@ class SparseTrainer:
         self.pending, self._gathers = [], {}
 
 
-def summed_grads(leaves: list[torch.Tensor], coalesced: Collection[int] = ()) -> list[torch.Tensor]:
+def summed_grads(
+    leaves: list[torch.Tensor],
+    coalesced: Collection[int] = (),
+    each: Mapping[int, tuple[torch.Tensor, int]] | None = None,
+) -> list[torch.Tensor]:
     """The gradients of gathered leaves as dense (U_i, dim_i) tensors, duplicates summed.
 
-    Sparse gradients of one dim are summed into one buffer, of which the results are views (see
-    :func:`_distinct_buffers`): each row's in torch's coalesce order for the leaves whose ``id``
-    is in ``coalesced``, else in the order of the gradient's entries
+    Sparse gradients, and the dense ones of the leaves in ``each`` (``{id(leaf): (the row (n,) each
+    of its n rows adds to, number of rows U)}``: one row per id, see
+    :meth:`SparseTrainer._look_up_each`), of one dim are summed into one buffer, of which the
+    results are views (see :func:`_distinct_buffers`): each row's in torch's coalesce order for the
+    leaves whose ``id`` is in ``coalesced``, else in the order of the gradient's entries
     (:func:`~hierps.training._batchplan.sum_order`).
     """
+    each = each or {}
     grads = [_grad_of(leaf) for leaf in leaves]
     out = list(grads)
     by_dim: dict[int, list[int]] = {}
     for i, (leaf, grad) in enumerate(zip(leaves, grads)):
-        if grad.is_sparse:
+        if grad.is_sparse or id(leaf) in each:
             by_dim.setdefault(leaf.shape[1], []).append(i)
         else:
             out[i] = grad.detach()
     for dim, idx in by_dim.items():
-        sizes = [leaves[i].shape[0] for i in idx]
-        sparse = [grads[i] for i in idx]
-        total = torch.zeros((sum(sizes), dim), dtype=sparse[0].dtype, device=sparse[0].device)
+        parts = [
+            (each[id(leaves[i])][0], grads[i].detach(), each[id(leaves[i])][1])
+            if id(leaves[i]) in each
+            else (grads[i]._indices()[0], grads[i]._values(), leaves[i].shape[0])
+            for i in idx
+        ]
+        sizes = [n for _, _, n in parts]
+        total = torch.zeros((sum(sizes), dim), dtype=grads[idx[0]].dtype, device=grads[idx[0]].device)
         add_parts_in_sum_order(
             total,
-            [g._indices()[0] for g in sparse],
-            [g._values() for g in sparse],
+            [rows for rows, _, _ in parts],
+            [values for _, values, _ in parts],
             [id(leaves[i]) in coalesced for i in idx],
             sizes,
         )
         for i, part in zip(idx, total.split(sizes)):
             out[i] = part
     return out
+
+
+def _counts_of(seen: Sightings | None) -> torch.Tensor | None:
+    """The counts of sightings the step counts into the rows it updates: per slot, as every entry
+    of its rows has (the sightings of lookups of each id are made per slot before, by
+    :meth:`SparseTrainer._distinct_each`)."""
+    if seen is None:
+        return None
+    if seen.counts is None:
+        raise AssertionError("sightings of each id reached the step's rows")
+    return seen.counts
 
 
 def _grad_of(leaf: torch.Tensor) -> torch.Tensor:
