@@ -41,11 +41,14 @@ def test_summing_in_sum_order_is_what_coalesce_sums(n):
         assert not torch.equal(summed, in_order)
 
 
-def test_parts_summed_at_once_are_each_summed_as_coalesce_sums():
+@pytest.mark.parametrize("uniform", [False, True], ids=["mixed-parts", "coalesced-parts-of-one-length"])
+def test_parts_summed_at_once_are_each_summed_as_coalesce_sums(uniform):
     """Parts of one length are ordered by one row-wise sort: each as its own sort orders it."""
     rng = np.random.default_rng(2)
     sizes, rows_of = [256, 256, 300, 256, 1, 40_000], [50, 80, 50, 3, 5, 97]
     coalesced = [True, True, True, False, True, True]
+    if uniform:
+        sizes, rows_of, coalesced = [256] * 4, [50, 80, 3, 256], [True] * 4
     rows, values, expected = [], [], []
     for n, u, c in zip(sizes, rows_of, coalesced):
         local = torch.from_numpy((rng.zipf(1.2, size=n) - 1) % u)

@@ -22,6 +22,7 @@ from hierps.errors import ConfigError, DeviceBudgetError, InvalidIdsError, Offse
 from hierps.interface import Bags
 from hierps.lifecycle._features import Features
 from hierps.rows import _ids
+from hierps.tiers._slot_index import distinct_ids
 from hierps.training._batchplan import (
     Batch,
     PassBatches,
@@ -412,6 +413,33 @@ class PassRunner:
             slots[~found] = new
             return slots
         found, slots = tier.resolve(table, keys)
+        return slots
+
+    def resident_each(
+        self, table: str, ids: torch.Tensor, slots: torch.Tensor, found: torch.Tensor
+    ) -> torch.Tensor:
+        """ids (n,) int64 on the device, repeats allowed, and their probe (:meth:`DeviceTier.locate`
+        found some of them: ``slots`` where ``found``) -> the slots of all, loading what is missing.
+
+        Missing rows that fit beside the resident ones are loaded as such, once per key, and their
+        slots filled in where they are missing; otherwise as :meth:`resident_slots` loads them.
+        """
+        tier = self._core.device_tier
+        cpu = ids.device.type == "cpu"
+        lacking = ~found.numpy() if cpu else ~found.cpu().numpy()
+        ids_np = ids.numpy() if cpu else ids.cpu().numpy()
+        keys, inverse, _ = distinct_ids(torch.from_numpy(ids_np[lacking]))
+        missing, at = keys.numpy(), inverse.numpy()
+        if tier.bytes_used + len(missing) * tier.row_bytes(table) > tier.budget:
+            self.resident_slots(table, torch.from_numpy(np.unique(ids_np)).to(ids.device))
+            return tier.resolve(table, ids)[1]
+        self._pipe.wait_writebacks()
+        new = tier.insert(table, missing, self._core.fetch(table, missing, touch=True))
+        if cpu:  # slots is the probe's own tensor
+            slots.numpy()[lacking] = new.numpy()[at]
+            return slots
+        slots = slots.clone()
+        slots[torch.from_numpy(lacking).to(ids.device)] = new[torch.from_numpy(at).to(ids.device)]
         return slots
 
     def _make_room(self, table: str, keys: np.ndarray, need: int) -> None:

@@ -292,10 +292,7 @@ class SparseTrainer:
         flat = ids.reshape(-1).clone()  # a private copy: the step reads the ids again
         slots, found = tier.locate(table, flat)
         if found is not None:
-            self._passes.resident_slots(table, distinct_ids(flat)[0])
-            slots, found = tier.locate(table, flat)
-            if found is not None:  # not all resident after all: the generic gather copes
-                return None
+            slots = self._passes.resident_each(table, flat, slots, found)
         tier.touch(table, slots)
         tier.defer_seen(table, slots, None, info.counter_word, self._core.passes, info.eviction.decay)
         leaf = tier.weights(table, slots, info.layout).requires_grad_(True)
