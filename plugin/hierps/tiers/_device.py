@@ -334,14 +334,21 @@ class DeviceTier:
         ``counts`` (U,) of unique ``slots`` (U,), or None for one per entry of ``slots``, repeats included."""
         self._seen.append(Sightings(self._tables[table].arena, slots, counts, start, now, decay))
 
-    def take_seen(self, arena: object, slots: torch.Tensor) -> Sightings | None:
-        """The deferred sightings of ``arena`` recorded with this very ``slots`` tensor, no longer
-        deferred: for a step that gathers those rows anyway and counts them there
+    def take_seen(self, arena: object, slots: list[torch.Tensor]) -> list[Sightings | None]:
+        """The deferred sightings of ``arena`` recorded with each of these very ``slots`` tensors (or
+        None), no longer deferred: for a step that gathers those rows anyway and counts them there
         (:func:`hierps.rows._counters.record_seen_rows`)."""
-        for i, s in enumerate(self._seen):
-            if s.slots is slots and s.arena is arena:
-                return self._seen.pop(i)
-        return None
+        wanted = {id(s): i for i, s in enumerate(slots)}
+        out: list[Sightings | None] = [None] * len(slots)
+        kept = []
+        for s in self._seen:
+            i = wanted.get(id(s.slots))
+            if i is not None and s.arena is arena and out[i] is None and slots[i] is s.slots:
+                out[i] = s
+            else:
+                kept.append(s)
+        self._seen = kept
+        return out
 
     def flush_seen(self) -> None:
         """Add every deferred sighting to its rows' counters (and mark those rows dirty)."""

@@ -295,9 +295,9 @@ class SparseTrainer:
             slots = self._passes.resident_each(table, flat, slots, found)
         tier.touch(table, slots)
         tier.defer_seen(table, slots, None, info.counter_word, self._core.passes, info.eviction.decay)
-        leaf = tier.weights(table, slots, info.layout).requires_grad_(True)
+        leaf = tier.weights(table, slots, info.layout).view(*ids.shape, info.dim).requires_grad_(True)
         self._record(_Pending(table, flat, slots, tier.generation, leaf, each=True))
-        return leaf.view(*ids.shape, info.dim).clone()
+        return leaf.clone()
 
     def _merged_each(self, pending: list[_Pending]) -> tuple[list[_Merged], list[_Pending]]:
         """The lookups of each id (:meth:`_look_up_each`) this step can sum as one: those with a
@@ -339,7 +339,13 @@ class SparseTrainer:
         for (arena, *_), members in sets:
             occurrences = joined([p.slots for p in members])
             slots, inverse, counts = distinct_ids(occurrences)
-            grads = joined([p.leaf.grad for p in members if p.leaf is not None and p.leaf.grad is not None])
+            grads = joined(
+                [
+                    p.leaf.grad.reshape(-1, p.leaf.shape[-1])
+                    for p in members
+                    if p.leaf is not None and p.leaf.grad is not None
+                ]
+            )
             grad = torch.zeros((slots.numel(), grads.shape[1]), dtype=grads.dtype, device=grads.device)
             add_joined_in_sum_order(
                 grad,
@@ -348,7 +354,7 @@ class SparseTrainer:
                 [p.keys for p in members],
                 [self._core.tables[p.table].coalesced for p in members],
             )
-            seen = [tier.take_seen(arena, p.slots) for p in members]
+            seen = tier.take_seen(arena, [p.slots for p in members])
             first = seen[0]
             if first is not None and all(s is not None for s in seen):
                 tier.defer_seen(
@@ -378,7 +384,7 @@ class SparseTrainer:
                 slots.numpy()[inverse.numpy()] = p.slots.numpy()
             else:
                 slots[inverse] = p.slots
-            seen = tier.take_seen(tier.arena(p.table), p.slots)
+            seen = tier.take_seen(tier.arena(p.table), [p.slots])[0]
             if seen is not None:  # still deferred: count per key, where the step counts it
                 tier.defer_seen(p.table, slots, counts.to(torch.float32), seen.start, seen.now, seen.decay)
             out[id(p.leaf)] = (inverse, keys.numel())
@@ -765,7 +771,7 @@ class SparseTrainer:
         """Count the deferred sightings recorded with each of ``slots`` into ``rows`` (the rows at
         those slots one after the other, about to be written back) instead of into the arena."""
         tier = self._core.device_tier
-        seen = [tier.take_seen(arena, s) for s in slots]
+        seen = tier.take_seen(arena, slots)
         counts = [_counts_of(s) for s in seen]
         first = seen[0]
         if first is not None and all(
@@ -806,12 +812,12 @@ def summed_grads(
     by_dim: dict[int, list[int]] = {}
     for i, (leaf, grad) in enumerate(zip(leaves, grads)):
         if grad.is_sparse or id(leaf) in each:
-            by_dim.setdefault(leaf.shape[1], []).append(i)
+            by_dim.setdefault(leaf.shape[-1], []).append(i)
         else:
             out[i] = grad.detach()
     for dim, idx in by_dim.items():
         parts = [
-            (each[id(leaves[i])][0], grads[i].detach(), each[id(leaves[i])][1])
+            (each[id(leaves[i])][0], grads[i].detach().reshape(-1, dim), each[id(leaves[i])][1])
             if id(leaves[i]) in each
             else (grads[i]._indices()[0], grads[i]._values(), leaves[i].shape[0])
             for i in idx
