@@ -80,7 +80,7 @@ def test_lookups_deduplicate_as_torch_unique(monkeypatch):
 
     ids = torch.tensor([[5, -3], [5, 9], [2**62, -3]])
     got = _slot_index.distinct_ids(ids)
-    monkeypatch.setattr(_slot_index, "_NATIVE_UNIQUE_MAX", -1)  # torch.unique serves
+    monkeypatch.setattr(_slot_index, "NATIVE_UNIQUE_MAX", -1)  # torch.unique serves
     want = _slot_index.distinct_ids(ids)
     assert got[1].shape == ids.shape
     for a, b in zip(got, want):

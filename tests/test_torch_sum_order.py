@@ -182,12 +182,21 @@ def test_tables_trained_together_are_bit_equal_to_torchs_adagrad(make_store, bag
         assert torch.equal(twin.emb[k].lookup(torch.arange(n)), e.weight.detach()), f"table t{k}"
 
 
-@pytest.mark.parametrize("device_budget", ["6KiB", "1MiB"], ids=["room-made-mid-forward", "all-resident"])
-def test_embeddings_on_demand_are_bit_equal_and_count_each_sighting(make_store, device_budget):
+@pytest.mark.parametrize(
+    ("device_budget", "run"),
+    [("6KiB", None), ("1MiB", None), ("1MiB", 100)],
+    ids=["room-made-mid-forward", "all-resident", "all-resident-summed-in-runs"],
+)
+def test_embeddings_on_demand_are_bit_equal_and_count_each_sighting(
+    make_store, monkeypatch, device_budget, run
+):
     """Plain nn.Embedding tables looked up on demand (the rows of the ids themselves, repeats
     included, summed per key by the step), with a device tier holding them all or too small for a
-    mini-batch's three tables (it makes room in the middle of forwards): torch's Adagrad bit for
-    bit, and each key's counters count every sighting, those of a forward without backward too."""
+    mini-batch's three tables (it makes room in the middle of forwards), the tables' ids summed at
+    once or in runs of one table each: torch's Adagrad bit for bit, and each key's counters count
+    every sighting, those of a forward without backward too."""
+    if run is not None:
+        monkeypatch.setattr("hierps.training._trainer.NATIVE_UNIQUE_MAX", run)
     sizes = [300, 120, 50]
     torch.manual_seed(0)
     ref = _Towers(sizes, bags=False)

@@ -16,14 +16,14 @@ import torch
 
 from hierps.storage import _native
 
-__all__ = ["SlotIndex", "distinct_ids", "hashed"]
+__all__ = ["NATIVE_UNIQUE_MAX", "SlotIndex", "distinct_ids", "hashed"]
 
 _MIN_CAPACITY = 64
 # Lookups of up to this many ids deduplicate in the compiled core (a hash table, then a radix sort
 # of the distinct ids only): 1.5-2x faster than torch.unique at a mini-batch's few hundred ids (a
 # small-batch model pays a forward's fixed costs per table), 2-4x at 10^4; past ~2x10^4 ids its
 # table leaves the cache and torch.unique's sort is faster.
-_NATIVE_UNIQUE_MAX = 1 << 14
+NATIVE_UNIQUE_MAX = 1 << 14
 
 
 def hashed() -> bool:
@@ -92,7 +92,7 @@ class SlotIndex:
 def distinct_ids(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """ids (...) int64 -> (sorted distinct ids (U,), each id's position among them (...), counts (U,)):
     ``torch.unique(ids, sorted=True, return_inverse=True, return_counts=True)``, the same integers."""
-    if ids.device.type == "cpu" and ids.numel() <= _NATIVE_UNIQUE_MAX and _native.enabled():
+    if ids.device.type == "cpu" and ids.numel() <= NATIVE_UNIQUE_MAX and _native.enabled():
         keys, inverse, counts = _native.unique_ids(ids.contiguous().view(-1).numpy())
         return torch.from_numpy(keys), torch.from_numpy(inverse).view(ids.shape), torch.from_numpy(counts)
     keys, inverse, counts = torch.unique(ids, sorted=True, return_inverse=True, return_counts=True)

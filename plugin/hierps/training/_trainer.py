@@ -45,7 +45,7 @@ from hierps.rows._layout import rounding_bits
 from hierps.rows._optim import apply_step
 from hierps.rows._table import TableInfo
 from hierps.tiers._device import Sightings
-from hierps.tiers._slot_index import distinct_ids
+from hierps.tiers._slot_index import NATIVE_UNIQUE_MAX, distinct_ids
 from hierps.training._batchplan import (
     Batch,
     BatchPlan,
@@ -96,6 +96,22 @@ class _Merged:
     members: list[_Pending]
     slots: torch.Tensor  # (U,) int64 unique slots of the members' rows, in one arena
     grad: torch.Tensor  # (U, dim) float32 each row's gradient, summed
+
+
+def _runs_of_ids(members: list[_Pending]) -> list[list[_Pending]]:
+    """``members`` in consecutive runs of at most :data:`~hierps.tiers._slot_index.NATIVE_UNIQUE_MAX`
+    ids (a member with more alone): runs that one compiled deduplication serves (past it, a sort
+    of all of them would cost more than one per run)."""
+    runs: list[list[_Pending]] = []
+    total = 0
+    for p in members:
+        if runs and total + p.keys.numel() <= NATIVE_UNIQUE_MAX:
+            runs[-1].append(p)
+            total += p.keys.numel()
+        else:
+            runs.append([p])
+            total = p.keys.numel()
+    return runs
 
 
 def _pools_alike(lookup: Lookup) -> bool:
@@ -336,7 +352,7 @@ class SparseTrainer:
             else:
                 sets.append((key, [p]))
         merged = []
-        for (arena, *_), members in sets:
+        for (arena, *_), members in [(k, run) for k, ms in sets for run in _runs_of_ids(ms)]:
             occurrences = joined([p.slots for p in members])
             slots, inverse, counts = distinct_ids(occurrences)
             grads = joined(
