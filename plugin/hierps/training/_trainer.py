@@ -323,7 +323,6 @@ class SparseTrainer:
             return leaf.clone()
         leaf = rows.requires_grad_(True)
         self._record(_Pending(table, flat, slots, tier.generation, leaf, each=True))
-        assert lookup.mode is not None
         return F.embedding_bag(
             torch.arange(flat.numel(), device=flat.device).view(ids.shape),
             leaf,
