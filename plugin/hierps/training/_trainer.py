@@ -33,7 +33,6 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from hierps._core import StoreCore
 from hierps._faults import fault_point
@@ -290,20 +289,16 @@ class SparseTrainer:
         )
 
     def _look_up_each(self, table: str, ids: torch.Tensor, lookup: Lookup) -> torch.Tensor | None:
-        """A training forward outside announced mini-batches of a plain ``nn.Embedding`` lookup or a
-        sum or mean ``nn.EmbeddingBag`` pooling, or None for any other (a padding row, max pooling,
-        admission: the module's generic gather serves).
+        """A plain ``nn.Embedding`` training lookup outside announced mini-batches, or None for any
+        other (a padding row, pooling, admission: the module's generic gather serves).
 
         The leaf holds the row of each id, repeats included, gathered by one probe of the device
         tier's index (rows not resident are loaded first, as :meth:`gather` loads them): the
-        forward neither deduplicates nor builds a sparse gradient. A lookup's output is a copy of
-        the leaf, shaped as the ids; a pooling pools the leaf's rows in the ids' order, with the
-        bags' offsets and weights. Those are the floats of ``F.embedding`` / ``F.embedding_bag``
-        over the distinct rows, and the gradient of each id is the entry their sparse gradient has
-        for it; the step sums each key's in that gradient's order (:meth:`_merged_each`).
+        forward neither deduplicates nor builds a sparse gradient. Its output is a copy of the leaf,
+        shaped as the ids, the floats of ``F.embedding``; the step sums each key's gradients in the
+        order the module's sparse gradient has them (:meth:`_distinct_each`).
         """
-        pools = lookup.mode in ("sum", "mean") and lookup.padding_idx is None
-        if not (_looks_up(lookup) or pools):
+        if not _looks_up(lookup):
             return None
         self._core.check_open()
         info = self._core.info(table)
@@ -316,21 +311,9 @@ class SparseTrainer:
             slots = self._passes.resident_each(table, flat, slots, found)
         tier.touch(table, slots)
         tier.defer_seen(table, slots, None, info.counter_word, self._core.passes, info.eviction.decay)
-        rows = tier.weights(table, slots, info.layout)
-        if not pools:
-            leaf = rows.view(*ids.shape, info.dim).requires_grad_(True)
-            self._record(_Pending(table, flat, slots, tier.generation, leaf, each=True))
-            return leaf.clone()
-        leaf = rows.requires_grad_(True)
+        leaf = tier.weights(table, slots, info.layout).view(*ids.shape, info.dim).requires_grad_(True)
         self._record(_Pending(table, flat, slots, tier.generation, leaf, each=True))
-        return F.embedding_bag(
-            torch.arange(flat.numel(), device=flat.device).view(ids.shape),
-            leaf,
-            lookup.offsets,
-            mode=lookup.mode,
-            per_sample_weights=lookup.per_sample_weights,
-            include_last_offset=lookup.include_last_offset,
-        )
+        return leaf.clone()
 
     def _merged_each(self, pending: list[_Pending]) -> tuple[list[_Merged], list[_Pending]]:
         """The lookups of each id (:meth:`_look_up_each`) this step can sum as one: those with a
