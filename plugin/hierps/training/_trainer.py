@@ -296,7 +296,7 @@ class SparseTrainer:
         tier's index (rows not resident are loaded first, as :meth:`gather` loads them): the
         forward neither deduplicates nor builds a sparse gradient. Its output is a copy of the leaf,
         shaped as the ids, the floats of ``F.embedding``; the step sums each key's gradients in the
-        order the module's sparse gradient has them (:meth:`_distinct_each`).
+        order the module's sparse gradient has them (:meth:`_merged_each`, else :meth:`_distinct_each`).
         """
         if not _looks_up(lookup):
             return None
