@@ -7,7 +7,7 @@
   same store indexed by the sorted tensors (the code where the compiled core is missing), plain
   and compact rows alike;
 - the compiled dedup of a lookup's ids (``_native.unique_ids``) gives torch.unique's integers, and
-  ``find_all`` answers only when every key is held.
+  ``locate`` gives found flags only when some key is not held.
 """
 
 from __future__ import annotations
@@ -87,11 +87,13 @@ def test_lookups_deduplicate_as_torch_unique(monkeypatch):
         assert torch.equal(a, b)
 
 
-def test_find_all_answers_only_when_every_key_is_held():
+def test_locate_says_found_only_when_some_key_is_not_held():
     index = SlotIndex(np.array([5, -3, 7]), np.array([4, 1, 2]))
-    assert index.find_all(np.array([7, 5, 7], np.int64)).tolist() == [2, 4, 2]
-    assert index.find_all(np.array([7, 6], np.int64)) is None
-    assert index.find_all(np.array([], np.int64)).tolist() == []
+    slots, found = index.locate(np.array([7, 5, 7], np.int64))
+    assert found is None and slots.tolist() == [2, 4, 2]
+    assert index.locate(np.array([7, 6], np.int64))[1] is not None
+    slots, found = index.locate(np.array([], np.int64))
+    assert found is None and slots.tolist() == []
     slots, found = index.locate(np.array([7, 6, -3, 6], np.int64))
     assert found.tolist() == [True, False, True, False]
     assert slots[found].tolist() == [2, 1]

@@ -56,11 +56,6 @@ class SlotIndex:
         _native.slot_find(self._table, keys, slots, found)
         return found, slots
 
-    def find_all(self, keys: np.ndarray) -> np.ndarray | None:
-        """keys (n,) int64 -> their slots (n,) int64 when every key is here, else None."""
-        slots, found = self.locate(keys)
-        return slots if found is None else None
-
     def locate(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
         """keys (n,) int64 -> (slots (n,) int64, valid where found; found (n,) bool, or None when
         every key is here): one probe each, whether all are here or not."""

@@ -27,7 +27,7 @@ since the last step (or ``zero_grad()``), a :class:`MissingStepWarning` says so,
 from __future__ import annotations
 
 import warnings
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -71,7 +71,9 @@ class _Pending:
     """Rows one forward gathered for training: their keys, slots and the leaf holding their grad."""
 
     table: str
-    keys: torch.Tensor  # (R,) int64, sorted unique: the keys that have rows
+    keys: (
+        torch.Tensor
+    )  # (R,) int64 unique (sorted, but for summed lookups of each id): the keys that have rows
     slots: torch.Tensor  # (R,) int64, valid while generation matches
     generation: int
     leaf: torch.Tensor | None = None  # (U, dim) requires_grad; None: the rows of a group
@@ -296,7 +298,7 @@ class SparseTrainer:
         tier's index (rows not resident are loaded first, as :meth:`gather` loads them): the
         forward neither deduplicates nor builds a sparse gradient. Its output is a copy of the leaf,
         shaped as the ids, the floats of ``F.embedding``; the step sums each key's gradients in the
-        order the module's sparse gradient has them (:meth:`_merged_each`, else :meth:`_distinct_each`).
+        order the module's sparse gradient has them (:meth:`_sum_each`).
         """
         if not _looks_up(lookup):
             return None
@@ -315,15 +317,17 @@ class SparseTrainer:
         self._record(_Pending(table, flat, slots, tier.generation, leaf, each=True))
         return leaf.clone()
 
-    def _merged_each(self, pending: list[_Pending]) -> tuple[list[_Merged], list[_Pending]]:
-        """The lookups of each id (:meth:`_look_up_each`) this step can sum as one: those with a
-        gradient and valid slots, of tables looked up once since the last step, whose rows share an
-        arena, optimizer, full-precision layout, step count and counter decay; -> (one
-        :class:`_Merged` per such set, the rest of ``pending``).
+    def _merged_each(
+        self, pending: list[_Pending]
+    ) -> tuple[list[_Merged], dict[int, torch.Tensor], list[_Pending]]:
+        """Sum the gradients of the lookups of each id (:meth:`_look_up_each`) per key -> (one
+        :class:`_Merged` per set of them the step updates as one, ``{id(leaf): (U, dim) summed
+        gradient}`` of the others, the rest of ``pending``).
 
-        A set's rows are found by one deduplication of all its slots (a slot is one key of one
-        table), their gradients summed by one ``index_add_``, each key's in the order its table's
-        own sparse gradient sums them, and their sightings deferred as one count per row.
+        A set: lookups with a gradient and valid slots, of tables looked up once since the last
+        step, whose rows share an arena, optimizer, full-precision layout, step count and counter
+        decay. Any other lookup of each id with a gradient is summed alone and stays in the rest,
+        its keys and slots then one per key, as a gathered leaf's are (:meth:`_sum_each`).
         """
         tier = self._core.device_tier
         lookups: dict[str, int] = {}
@@ -331,81 +335,77 @@ class SparseTrainer:
             lookups[p.table] = lookups.get(p.table, 0) + 1
         sets: list[tuple[tuple[Any, ...], list[_Pending]]] = []
         rest = []
+        alone: dict[int, torch.Tensor] = {}
         for p in pending:
             info = self._core.tables[p.table]
-            if not (
-                p.each
-                and p.leaf is not None
-                and p.leaf.grad is not None
-                and not p.leaf.grad.is_sparse
-                and lookups[p.table] == 1
-                and p.generation == tier.generation
-                and not info.layout.compact
-            ):
+            if not (p.each and p.leaf is not None and p.leaf.grad is not None):
                 rest.append(p)
-                continue
-            key = (tier.arena(p.table), info.optimizer, info.layout, info.step, info.eviction.decay, info.dim)
-            for k, members in sets:
-                if k[0] is key[0] and k[1:] == key[1:]:
-                    members.append(p)
-                    break
+            elif lookups[p.table] > 1 or p.generation != tier.generation or info.layout.compact:
+                p.keys, p.slots, alone[id(p.leaf)] = self._sum_each([p])
+                p.each = False
+                rest.append(p)
             else:
-                sets.append((key, [p]))
-        merged = []
-        for (arena, *_), members in [(k, run) for k, ms in sets for run in _runs_of_ids(ms)]:
-            occurrences = joined([p.slots for p in members])
-            slots, inverse, counts = distinct_ids(occurrences)
-            grads = joined(
-                [
-                    p.leaf.grad.reshape(-1, p.leaf.shape[-1])
-                    for p in members
-                    if p.leaf is not None and p.leaf.grad is not None
-                ]
-            )
-            grad = torch.zeros((slots.numel(), grads.shape[1]), dtype=grads.dtype, device=grads.device)
-            add_joined_in_sum_order(
-                grad,
-                inverse,
-                grads,
-                [p.keys for p in members],
-                [self._core.tables[p.table].coalesced for p in members],
-            )
-            seen = tier.take_seen(arena, [p.slots for p in members])
-            first = seen[0]
-            if first is not None and all(s is not None for s in seen):
-                tier.defer_seen(
-                    members[0].table, slots, counts.to(torch.float32), first.start, first.now, first.decay
+                key = (
+                    tier.arena(p.table),
+                    info.optimizer,
+                    info.layout,
+                    info.step,
+                    info.eviction.decay,
+                    info.dim,
                 )
-            else:  # some were counted already: the others as they were deferred
-                for p, s in zip(members, seen):
-                    if s is not None:
-                        tier.defer_seen(p.table, s.slots, s.counts, s.start, s.now, s.decay)
-            merged.append(_Merged(members, slots, grad))
-        return merged, rest
+                for k, members in sets:
+                    if k[0] is key[0] and k[1:] == key[1:]:
+                        members.append(p)
+                        break
+                else:
+                    sets.append((key, [p]))
+        merged = []
+        for _, members in sets:
+            for run in _runs_of_ids(members):
+                _, slots, grad = self._sum_each(run)
+                merged.append(_Merged(run, slots, grad))
+        return merged, alone, rest
 
-    def _distinct_each(self, pending: list[_Pending]) -> dict[int, tuple[torch.Tensor, int]]:
-        """Turn each ``each`` entry of ``pending`` whose leaf has a gradient into one row per key: its
-        sorted distinct keys and their slots, its deferred sightings as counts per key -> ``{id(leaf):
-        (each id's position among its keys (n,), number of keys)}``, how :func:`summed_grads` sums
-        the leaf's gradient (one row per id) into one row per key, as the sparse gradient of
-        ``F.embedding`` over the distinct rows is summed."""
+    def _sum_each(self, members: list[_Pending]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Lookups of each id with a gradient, of tables whose rows share an arena -> (keys (U,),
+        slots (U,), gradients (U, dim) summed per key).
+
+        One deduplication of all their slots (a slot is one key of one table: one of a lookup whose
+        slots have moved since still stands for one key), one ``index_add_``: each key's gradients
+        in the order its table's sparse gradient over the distinct rows would sum them. Their
+        sightings, if still deferred, are deferred again as one count per row, where the step's
+        update counts them.
+        """
         tier = self._core.device_tier
-        out: dict[int, tuple[torch.Tensor, int]] = {}
-        for p in pending:
-            if not p.each or p.leaf is None or p.leaf.grad is None:
-                continue
-            keys, inverse, counts = distinct_ids(p.keys)
-            slots = torch.empty_like(keys)
-            if slots.device.type == "cpu":  # numpy's scatter: a few µs where torch's takes tens
-                slots.numpy()[inverse.numpy()] = p.slots.numpy()
-            else:
-                slots[inverse] = p.slots
-            seen = tier.take_seen(tier.arena(p.table), [p.slots])[0]
-            if seen is not None:  # still deferred: count per key, where the step counts it
-                tier.defer_seen(p.table, slots, counts.to(torch.float32), seen.start, seen.now, seen.decay)
-            out[id(p.leaf)] = (inverse, keys.numel())
-            p.keys, p.slots, p.each = keys, slots, False
-        return out
+        slots, inverse, counts = distinct_ids(joined([p.slots for p in members]))
+        grads = joined(
+            [
+                p.leaf.grad.reshape(-1, p.leaf.shape[-1])
+                for p in members
+                if p.leaf is not None and p.leaf.grad is not None
+            ]
+        )
+        grad = torch.zeros((slots.numel(), grads.shape[1]), dtype=grads.dtype, device=grads.device)
+        ids = [p.keys for p in members]
+        add_joined_in_sum_order(
+            grad, inverse, grads, ids, [self._core.tables[p.table].coalesced for p in members]
+        )
+        keys = torch.empty_like(slots)
+        if keys.device.type == "cpu":  # numpy's scatter: a few µs where torch's takes tens
+            keys.numpy()[inverse.numpy()] = joined(ids).numpy()
+        else:
+            keys[inverse] = joined(ids)
+        seen = tier.take_seen(tier.arena(members[0].table), [p.slots for p in members])
+        first = seen[0]
+        if first is not None and all(s is not None for s in seen):
+            tier.defer_seen(
+                members[0].table, slots, counts.to(torch.float32), first.start, first.now, first.decay
+            )
+        else:  # some were counted already: the others as they were deferred
+            for p, s in zip(members, seen):
+                if s is not None:
+                    tier.defer_seen(p.table, s.slots, s.counts, s.start, s.now, s.decay)
+        return keys, slots, grad
 
     def _pool_members(self, group: RowGroup, batch: Batch, lookup: Lookup) -> None:
         """Pool every member of ``group`` at once (one ``embedding_bag``,
@@ -646,15 +646,18 @@ class SparseTrainer:
         self._core.device_tier.tick()
         self._core.stats.count_step()
         pending, self.pending, self._gathers = self.pending, [], {}
-        merged, pending = self._merged_each(pending)
-        each = self._distinct_each(pending)
+        merged, summed, pending = self._merged_each(pending)
         leaves = list(
-            {id(p.leaf): p.leaf for p in pending if p.leaf is not None and p.leaf.grad is not None}.values()
+            {
+                id(p.leaf): p.leaf
+                for p in pending
+                if p.leaf is not None and p.leaf.grad is not None and id(p.leaf) not in summed
+            }.values()
         )
         coalesced = {
             id(p.leaf) for p in pending if p.leaf is not None and self._core.tables[p.table].coalesced
         }
-        summed = dict(zip(map(id, leaves), summed_grads(leaves, coalesced, each)))
+        summed.update(zip(map(id, leaves), summed_grads(leaves, coalesced)))
         found = [(p, p.gradient(summed)) for p in pending]
         with_grad = [(p, g) for p, g in found if g is not None]
         if not with_grad and not merged:
@@ -808,42 +811,30 @@ class SparseTrainer:
         self.pending, self._gathers = [], {}
 
 
-def summed_grads(
-    leaves: list[torch.Tensor],
-    coalesced: Collection[int] = (),
-    each: Mapping[int, tuple[torch.Tensor, int]] | None = None,
-) -> list[torch.Tensor]:
+def summed_grads(leaves: list[torch.Tensor], coalesced: Collection[int] = ()) -> list[torch.Tensor]:
     """The gradients of gathered leaves as dense (U_i, dim_i) tensors, duplicates summed.
 
-    Sparse gradients, and the dense ones of the leaves in ``each`` (``{id(leaf): (the row (n,) each
-    of its n rows adds to, number of rows U)}``: one row per id, see
-    :meth:`SparseTrainer._look_up_each`), of one dim are summed into one buffer, of which the
-    results are views (see :func:`_distinct_buffers`): each row's in torch's coalesce order for the
-    leaves whose ``id`` is in ``coalesced``, else in the order of the gradient's entries
+    Sparse gradients of one dim are summed into one buffer, of which the results are views (see
+    :func:`_distinct_buffers`): each row's in torch's coalesce order for the leaves whose ``id``
+    is in ``coalesced``, else in the order of the gradient's entries
     (:func:`~hierps.training._batchplan.sum_order`).
     """
-    each = each or {}
     grads = [_grad_of(leaf) for leaf in leaves]
     out = list(grads)
     by_dim: dict[int, list[int]] = {}
     for i, (leaf, grad) in enumerate(zip(leaves, grads)):
-        if grad.is_sparse or id(leaf) in each:
-            by_dim.setdefault(leaf.shape[-1], []).append(i)
+        if grad.is_sparse:
+            by_dim.setdefault(leaf.shape[1], []).append(i)
         else:
             out[i] = grad.detach()
     for dim, idx in by_dim.items():
-        parts = [
-            (each[id(leaves[i])][0], grads[i].detach().reshape(-1, dim), each[id(leaves[i])][1])
-            if id(leaves[i]) in each
-            else (grads[i]._indices()[0], grads[i]._values(), leaves[i].shape[0])
-            for i in idx
-        ]
-        sizes = [n for _, _, n in parts]
-        total = torch.zeros((sum(sizes), dim), dtype=grads[idx[0]].dtype, device=grads[idx[0]].device)
+        sizes = [leaves[i].shape[0] for i in idx]
+        sparse = [grads[i] for i in idx]
+        total = torch.zeros((sum(sizes), dim), dtype=sparse[0].dtype, device=sparse[0].device)
         add_parts_in_sum_order(
             total,
-            [rows for rows, _, _ in parts],
-            [values for _, values, _ in parts],
+            [g._indices()[0] for g in sparse],
+            [g._values() for g in sparse],
             [id(leaves[i]) in coalesced for i in idx],
             sizes,
         )
@@ -855,7 +846,7 @@ def summed_grads(
 def _counts_of(seen: Sightings | None) -> torch.Tensor | None:
     """The counts of sightings the step counts into the rows it updates: per slot, as every entry
     of its rows has (the sightings of lookups of each id are made per slot before, by
-    :meth:`SparseTrainer._distinct_each`)."""
+    :meth:`SparseTrainer._sum_each`)."""
     if seen is None:
         return None
     if seen.counts is None:
