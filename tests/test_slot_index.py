@@ -1,6 +1,6 @@
 """The device tier's hash index on the CPU (:mod:`hierps.tiers._slot_index`).
 
-- :class:`SlotIndex` answers as a dict does, through growth, moves and keys of any int64 value;
+- :class:`SlotIndex` answers as a dict does, through growth, moves, removals and keys of any int64 value;
   the compiled loops refuse what would break the index;
 - a store trained on demand (no pass announced, a device tier smaller than the rows the loop
   touches, so the tier evicts) ends with exactly the rows, optimizer state and counters of the
@@ -35,6 +35,13 @@ def test_slot_index_answers_as_a_dict():
         slots = rng.integers(0, 10**9, size=len(keys))
         index.put(keys, slots)  # new keys added, keys held moved
         ref.update(zip(keys.tolist(), slots.tolist()))
+        held = np.array(list(ref), np.int64)
+        gone = np.unique(
+            np.concatenate([rng.choice(held, len(held) // 3, replace=False), rng.integers(-8, 8, 4)])
+        )
+        index.drop(gone)  # keys held removed, keys absent ignored
+        for k in gone.tolist():
+            ref.pop(k, None)
         asked = np.concatenate([keys, rng.integers(-8, 8, 16), [-(2**63), 2**63 - 1]])
         found, got = index.find(asked)
         want = [ref.get(k) for k in asked.tolist()]
@@ -103,6 +110,8 @@ def test_locate_says_found_only_when_some_key_is_not_held():
 
 def test_compiled_loops_refuse_a_bad_index():
     with pytest.raises(ValueError, match="power of two"):
+        _native.slot_drop(np.zeros(6, np.int64), np.zeros(1, np.int64))
+    with pytest.raises(ValueError, match="power of two"):
         _native.slot_find(
             np.zeros(6, np.int64), np.zeros(1, np.int64), np.zeros(1, np.int64), np.zeros(1, bool)
         )
@@ -134,7 +143,7 @@ def _train_on_demand(path, weights_dtype: str) -> dict[str, np.ndarray]:
         store.step()
     keys = {t: np.arange(-100, 500) for t in ("a", "b")}
     out = {t: store.read_rows(t, k) for t, k in keys.items()}
-    out["stats"] = np.array([store.stats.on_demand_rebuilds])
+    out["stats"] = np.array([store.stats.on_demand_evictions, store.stats.on_demand_rebuilds])
     store.close()
     return out
 
@@ -144,7 +153,7 @@ def test_on_demand_training_equals_the_sorted_index(tmp_path, weights_dtype):
     hashed = _train_on_demand(tmp_path / "hashed", weights_dtype)
     with _native.disabled():
         sorted_ = _train_on_demand(tmp_path / "sorted", weights_dtype)
-    assert hashed["stats"][0] > 2  # the tier overflowed and evicted, several times
+    assert hashed["stats"][0] > 2  # the tier overflowed and let rows go in place, several times
     for table in ("a", "b"):
         np.testing.assert_array_equal(hashed[table], sorted_[table])
-    assert hashed["stats"][0] == sorted_["stats"][0]
+    assert hashed["stats"].tolist() == sorted_["stats"].tolist()

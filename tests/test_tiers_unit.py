@@ -5,7 +5,10 @@
   sink that refuses rows leaves every one of them cached, the error raised to the caller;
 - :class:`ResidentKeys` works out a relayout without touching the tier, and
   :meth:`DeviceTier.rebuild` carries one out: rows that stay keep their values and dirty bits,
-  only missing keys are fetched, rows that leave come back with their dirty bits.
+  only missing keys are fetched, rows that leave come back with their dirty bits;
+- :meth:`DeviceTier.evict` (the tier as a cache) lets the least recently used rows go in place,
+  never those gathered since the last step or those its caller protects, whose slots stay valid;
+  new rows take the freed slots.
 """
 
 from __future__ import annotations
@@ -321,3 +324,51 @@ def test_a_failed_fetch_changes_nothing_and_a_stale_relayout_is_refused():
     tier.insert("b", keys_of(4), rows_of(keys_of(4)))  # the tier changes after the relayout was worked out
     with pytest.raises(RuntimeError):
         tier.apply_relayout(stale, {})
+
+
+@pytest.mark.parametrize("hashed", [True, False], ids=["hash-index", "sorted-index"])
+def test_eviction_in_place_lets_the_least_recent_rows_go_and_keeps_the_gathered(monkeypatch, hashed):
+    from hierps.tiers import _device
+
+    monkeypatch.setattr(_device, "hashed", lambda: hashed)
+    tier = _device.DeviceTier(10 * ROW_BYTES, torch.device("cpu"))
+    for t in ("a", "b"):
+        tier.add_table(t, WIDTH)
+    tier.insert("a", keys_of(1, 2, 3), rows_of(keys_of(1, 2, 3)))  # clock 0
+    tier.tick()
+    tier.insert("b", keys_of(10, 11), rows_of(keys_of(10, 11)))  # clock 1
+    _, a3 = tier.resolve("a", torch.tensor([3]))
+    tier.touch("a", a3)
+    tier.rows("a")[a3] += 5.0
+    tier.mark_dirty("a", a3)
+    tier.tick()
+    _, b11 = tier.resolve("b", torch.tensor([11]))
+    tier.touch("b", b11)  # gathered since the last step: its gradient is pending, it stays
+    _, a1 = tier.resolve("a", torch.tensor([1]))
+    _, a23 = tier.resolve("a", torch.tensor([2, 3]))
+    generation, step_generation = tier.generation, tier.step_generation
+    # Rows that may go: a1, a2 (clock 0), a3, b10 (clock 1); a1 is protected by the caller.
+    assert tier.evict(10 * ROW_BYTES, 4 * ROW_BYTES, [("a", a1)]) is None  # only 3 may go: nothing changes
+    assert tier.generation == generation and tier.bytes_used == 5 * ROW_BYTES
+    drained = tier.evict(2 * ROW_BYTES, ROW_BYTES, [("a", a1)])
+    assert drained is not None and sorted(drained) == ["a"]
+    # The oldest first (a2, then a3 or b10 by clock): 2 rows' bytes.
+    np.testing.assert_array_equal(drained["a"].keys, [2, 3])
+    np.testing.assert_array_equal(drained["a"].rows, rows_of(keys_of(2, 3)) + [[0, 0], [5, 5]])
+    np.testing.assert_array_equal(drained["a"].dirty, [False, True])
+    assert tier.bytes_used == 3 * ROW_BYTES and tier.num_rows("a") == 1
+    # Slots handed out for the rows that stayed hold them still: gathered rows' slots stay valid.
+    assert tier.generation != generation and tier.valid(step_generation, touched=True)
+    assert not tier.valid(generation, touched=False)
+    found, slots = tier.resolve("a", torch.tensor([1, 2, 3]))
+    assert found.tolist() == [True, False, False] and slots[0] == a1[0]
+    assert tier.resolve("b", torch.tensor([11]))[1].tolist() == b11.tolist()
+    # New rows take the freed slots before the arena grows.
+    n = tier.arena("a").n
+    new = tier.insert("b", keys_of(20, 21, 22), rows_of(keys_of(20, 21, 22)))
+    assert sorted(new.tolist()[:2]) == sorted(a23.tolist()) and new.tolist()[2] == n
+    assert tier.arena("a").n == n + 1
+    keys, rows = _resident(tier, "b")
+    np.testing.assert_array_equal(keys, [10, 11, 20, 21, 22])
+    np.testing.assert_array_equal(rows, rows_of(keys))
+    np.testing.assert_array_equal(_resident(tier, "a")[1], rows_of(keys_of(1)))

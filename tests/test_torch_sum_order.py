@@ -226,7 +226,8 @@ def test_embeddings_on_demand_are_bit_equal_and_count_each_sighting(
         sparse_ref.step()
         sparse_ref.zero_grad()
         store.step()
-    assert (store.stats.on_demand_rebuilds > 0) == (device_budget == "6KiB")
+    made_room = store.stats.on_demand_rebuilds + store.stats.on_demand_evictions
+    assert (made_room > 0) == (device_budget == "6KiB")
     assert losses[1] == losses[0]
     for k, (e, n) in enumerate(zip(ref.emb, sizes)):
         assert torch.equal(twin.emb[k].lookup(torch.arange(n)), e.weight.detach()), f"table t{k}"

@@ -177,6 +177,7 @@ def _hierps(cfg: dict[str, Any], tmp: Path, training_data: bool) -> dict[str, An
             distinct_rows=distinct,
             passes=store.passes,
             on_demand_rebuilds=store.stats.on_demand_rebuilds,
+            on_demand_evictions=store.stats.on_demand_evictions,
         )
         return record
     finally:

@@ -11,7 +11,10 @@ table out contiguously and in key order (see :meth:`DeviceTier.layout`), so the 
 ids can be computed ahead, off the training thread, and so can the moves from one pass's working
 set to the next (:mod:`hierps.tiers._working_set`). The byte budget is shared by all tables. Draining
 the tier (end of a pass) hands rows back to the store and bumps ``generation``, which
-invalidates slots held by callers.
+invalidates slots held by callers. Outside passes the tier is a cache: rows that do not fit let the
+least recently used ones go in place (:meth:`DeviceTier.evict`), never those gathered since the last
+step, so the slots of pending gradients stay valid (``step_generation``) and a step costs its own
+rows, not a rebuild of the tier.
 
 Sightings of keys (the counters of :mod:`hierps.rows._counters`) may be recorded lazily with
 :meth:`DeviceTier.defer_seen`; they are applied, fused over tables, before any row leaves the
@@ -54,6 +57,8 @@ class _Arena:
     """The rows of every table of one width: slots ``[0, n)`` of ``rows`` are taken.
 
     ``used[s]``: the tier's clock when slot ``s`` was last gathered for training (or loaded).
+    ``free``: slots below ``n`` whose rows were evicted in place (:meth:`DeviceTier.evict`), taken
+    again before the arena grows.
     """
 
     def __init__(self, width: int, device: torch.device, capacity: int = 0, clock: int = 0) -> None:
@@ -63,6 +68,21 @@ class _Arena:
         self.rows = torch.empty((capacity, width), dtype=torch.float32, device=device)
         self.dirty = torch.zeros(capacity, dtype=torch.bool, device=device)
         self.used = torch.full((capacity,), clock, dtype=torch.int64, device=device)
+        self.free = _EMPTY
+        # Built when an eviction first needs them (DeviceTier._owners), then kept: for each slot,
+        # the number of the table whose row it holds (-1: none) and that row's key.
+        self.owner: np.ndarray | None = None
+        self.key_of: np.ndarray | None = None
+
+    def take(self, m: int) -> np.ndarray:
+        """``m`` slots for new rows (m,) int64: free ones first, then appended ones."""
+        reuse = self.free[len(self.free) - min(m, len(self.free)) :]
+        self.free = self.free[: len(self.free) - len(reuse)]
+        if len(reuse) == m:
+            return reuse
+        start = self.append(m - len(reuse))
+        fresh = np.arange(start, start + m - len(reuse), dtype=np.int64)
+        return np.concatenate([reuse, fresh]) if len(reuse) else fresh
 
     def append(self, m: int) -> int:
         """Take ``m`` more slots (growing the tensors); returns the first."""
@@ -157,6 +177,23 @@ class _Resident:
         skeys[~is_new], sslots[~is_new] = self.skeys, self.sslots
         self.skeys, self.sslots = skeys, sslots
 
+    def remove(self, slots: np.ndarray, keys: np.ndarray) -> None:
+        """Let go of the resident rows of distinct ``keys`` (at ``slots``). The host arrays are
+        replaced, not changed in place (:meth:`DeviceTier.resident_keys` hands them out)."""
+        gone = keys
+        leaving = np.zeros(self.arena.n, bool)
+        leaving[slots] = True
+        stay = ~leaving[self.slots]
+        keys, slots = self.keys[stay], self.slots[stay]
+        self._keys, self._slots, self.n = keys, slots, len(keys)
+        if self.index is not None:
+            self.index.drop(gone)
+            return
+        device = self.arena.device
+        held = torch.ones(self.skeys.numel(), dtype=torch.bool, device=device)
+        held[torch.searchsorted(self.skeys, torch.from_numpy(np.sort(gone)).to(device))] = False
+        self.skeys, self.sslots = self.skeys[held], self.sslots[held]
+
     def keys_at(self, slots: torch.Tensor) -> torch.Tensor:
         """slots (U,) int64 of resident rows -> (U,) int64 their keys (on the device)."""
         if self.index is not None:
@@ -197,9 +234,13 @@ class DeviceTier:
         self.device = device
         self._arenas: dict[int, _Arena] = {}
         self._tables: dict[str, _Resident] = {}
+        self._numbers: dict[str, int] = {}  # each table's place in the order tables were added
         self._seen: list[Sightings] = []
         self._touched: list[tuple[_Arena, torch.Tensor]] = []  # rows gathered, their clock not yet set
         self.generation = 0  # changes when slots handed out may have become invalid
+        # Changes when slots of rows gathered since the last step (see :meth:`touch`) may have: as
+        # ``generation``, but for an eviction in place, which never lets those rows go (:meth:`evict`).
+        self.step_generation = 0
         self.version = 0  # changes whenever any table's resident keys change
         self.clock = 0  # advanced by every optimizer step: rows gathered since have used == clock
         self._bytes = 0  # bytes_used, kept as rows come and go
@@ -208,6 +249,7 @@ class DeviceTier:
         if table not in self._tables:
             arena = self._arenas.setdefault(width, _Arena(width, self.device))
             self._tables[table] = _Resident(arena)
+            self._numbers[table] = len(self._numbers)
             self.version += 1
 
     def row_bytes(self, table: str) -> int:
@@ -261,18 +303,28 @@ class DeviceTier:
             return torch.empty(0, dtype=torch.int64, device=self.device)
         r = self._tables[table]
         arena = r.arena
-        start = arena.append(m)
-        end = start + m
+        slots = arena.take(m)
+        at: slice | np.ndarray = slots
+        if m == 1 or bool((np.diff(slots) == 1).all()):  # appended (or freed together): a slice
+            at = slice(int(slots[0]), int(slots[0]) + m)
         if self.device.type == "cpu":  # numpy views of the arena: a slice assigned at memory speed
-            arena.rows.numpy()[start:end] = rows
-            arena.dirty.numpy()[start:end] = False
-            arena.used.numpy()[start:end] = self.clock
+            arena.rows.numpy()[at] = rows
+            arena.dirty.numpy()[at] = False
+            arena.used.numpy()[at] = self.clock
         else:
-            arena.rows[start:end] = torch.from_numpy(np.ascontiguousarray(rows)).to(self.device)
-            arena.dirty[start:end] = False
-            arena.used[start:end] = self.clock
-        slots = np.arange(start, end, dtype=np.int64)
+            idx = torch.from_numpy(slots).to(self.device)
+            arena.rows[idx] = torch.from_numpy(np.ascontiguousarray(rows)).to(self.device)
+            arena.dirty[idx] = False
+            arena.used[idx] = self.clock
         r.add(keys, slots)
+        if arena.owner is not None and arena.key_of is not None:  # kept for evictions (see _owners)
+            owner, key_of = arena.owner, arena.key_of
+            if len(owner) < arena.n:
+                grow = arena.rows.shape[0] - len(owner)
+                owner = arena.owner = np.concatenate([owner, np.full(grow, -1, np.int32)])
+                key_of = arena.key_of = np.concatenate([key_of, np.zeros(grow, np.int64)])
+            owner[slots] = self._numbers[table]
+            key_of[slots] = keys
         self._bytes += m * self.row_bytes(table)
         self.version += 1
         return torch.from_numpy(slots).to(self.device)
@@ -325,6 +377,102 @@ class DeviceTier:
             at += r.n
             out[table] = np.sort(chosen)
         return out
+
+    def evict(
+        self, nbytes: int, least: int, protect: list[tuple[str, torch.Tensor]]
+    ) -> dict[str, DrainedRows] | None:
+        """Free ``nbytes`` (at least ``least``) by letting go of the least recently used rows: the tier
+        as a cache, outside passes. Returns the rows that leave, per table, for write-back; None
+        (nothing changed) when those that may leave free less than ``least``.
+
+        Rows gathered since the last step (:meth:`touch`; their gradients are pending) and the rows
+        at ``protect``'s slots never leave, so slots handed out for them stay valid (see
+        :attr:`step_generation`); the freed slots are taken by the next rows inserted. Costs a look
+        at each arena's clock column, not a rebuild of the tier.
+        """
+        self._flush_touched()
+        arenas = [a for a in self._arenas.values() if a.n]
+        held: dict[int, np.ndarray] = {}
+        for table, kept in protect:
+            arena = self._tables[table].arena
+            held.setdefault(id(arena), np.zeros(arena.n, bool))[kept.cpu().numpy()] = True
+        used, slot, which, cost = [], [], [], []
+        for j, arena in enumerate(arenas):
+            owner, _ = self._owners(arena)
+            clock = arena.used[: arena.n].cpu().numpy()
+            may = (owner >= 0) & (clock < self.clock)
+            if id(arena) in held:
+                may &= ~held[id(arena)]
+            at = np.flatnonzero(may)
+            used.append(clock[at])
+            slot.append(at)
+            which.append(np.full(len(at), j, np.int32))
+            cost.append(np.full(len(at), arena.width * 4 + ROW_OVERHEAD, np.int64))
+        if not used:
+            return None
+        used_all = np.concatenate(used)
+        order = np.argsort(used_all, kind="stable")
+        freed = np.cumsum(np.concatenate(cost)[order])
+        if not len(freed) or freed[-1] < least:
+            return None
+        go = order[: int(np.searchsorted(freed, min(nbytes, int(freed[-1])))) + 1]
+        slot_all, which_all = np.concatenate(slot), np.concatenate(which)
+        names = list(self._tables)
+        leaving: list[tuple[_Arena, str, np.ndarray, np.ndarray]] = []  # (arena, table, slots, keys)
+        for j, arena in enumerate(arenas):
+            slots = np.sort(slot_all[go[which_all[go] == j]])
+            if not len(slots):
+                continue
+            owner, key_of = self._owners(arena)
+            tid = owner[slots]
+            by_table = np.argsort(tid, kind="stable")
+            tids, first = np.unique(tid[by_table], return_index=True)
+            for t, part in zip(tids.tolist(), np.split(slots[by_table], first[1:])):
+                leaving.append((arena, names[t], part, key_of[part]))
+        self._flush_seen_of([(a, s) for a, _, s, _ in leaving])
+        out: dict[str, DrainedRows] = {}
+        for arena, table, slots, keys in leaving:
+            idx = torch.from_numpy(slots).to(self.device)
+            out[table] = DrainedRows(
+                keys.copy(),
+                arena.rows.index_select(0, idx).cpu().numpy(),
+                arena.dirty.index_select(0, idx).cpu().numpy(),
+            )
+            self._tables[table].remove(slots, keys)
+            assert arena.owner is not None  # built by _owners above
+            arena.owner[slots] = -1
+            arena.free = np.concatenate([arena.free, slots])
+            self._bytes -= len(slots) * self.row_bytes(table)
+        self.generation += 1
+        self.version += 1
+        return out
+
+    def _owners(self, arena: _Arena) -> tuple[np.ndarray, np.ndarray]:
+        """(owner (n,) int32: the number of the table whose row each slot of ``arena`` holds (in the
+        order tables were added), -1 for none; key_of (n,) int64: that row's key), kept from then on
+        by :meth:`insert` and :meth:`evict`."""
+        if arena.owner is None or len(arena.owner) < arena.n:
+            arena.owner = np.full(arena.rows.shape[0], -1, np.int32)
+            arena.key_of = np.zeros(arena.rows.shape[0], np.int64)
+            for i, r in enumerate(self._tables.values()):
+                if r.arena is arena and r.n:
+                    arena.owner[r.slots] = i
+                    arena.key_of[r.slots] = r.keys
+        assert arena.key_of is not None
+        return arena.owner[: arena.n], arena.key_of[: arena.n]
+
+    def _flush_seen_of(self, leaving: list[tuple[_Arena, np.ndarray]]) -> None:
+        """Apply the deferred sightings before the rows at these slots leave, if any is theirs."""
+        if not self._seen:
+            return
+        gone: dict[int, np.ndarray] = {}
+        for arena, slots in leaving:
+            gone.setdefault(id(arena), np.zeros(arena.n, bool))[slots] = True
+        for s in self._seen:
+            mask = gone.get(id(s.arena))
+            if mask is not None and bool(mask[s.slots.cpu().numpy()].any()):
+                self.flush_seen()
+                return
 
     # -- counters -----------------------------------------------------------------------------
     def defer_seen(
@@ -409,18 +557,30 @@ class DeviceTier:
         if table is None:
             self._reset()
             return
-        self._tables[table] = _Resident(self._tables[table].arena)  # its slots stay unused until rebuilt
+        old = self._tables[table]
+        old.arena.free = np.concatenate([old.arena.free, old.slots])  # taken again by the next rows
+        old.arena.owner = None
+        self._tables[table] = _Resident(old.arena)
         self._count_bytes()
-        self.generation += 1
-        self.version += 1
+        self._invalidate()
 
     def _reset(self) -> None:
         self._touched = []
         self._arenas = {w: _Arena(w, self.device, clock=self.clock) for w in self._arenas}
         self._tables = {t: _Resident(self._arenas[r.width]) for t, r in self._tables.items()}
         self._bytes = 0
+        self._invalidate()
+
+    def _invalidate(self) -> None:
+        """Every slot handed out may have changed."""
         self.generation += 1
+        self.step_generation += 1
         self.version += 1
+
+    def valid(self, generation: int, touched: bool) -> bool:
+        """Whether slots handed out at ``generation`` (:attr:`step_generation` for ``touched`` rows,
+        gathered since the last step) still hold the same rows."""
+        return generation == (self.step_generation if touched else self.generation)
 
     # -- the working set between passes (see :mod:`hierps.tiers._working_set`) -----------------
     def layout(self, sizes: dict[str, int]) -> dict[str, int]:
@@ -497,8 +657,7 @@ class DeviceTier:
             )
         self._arenas, self._tables = arenas, tables
         self._count_bytes()
-        self.generation += 1
-        self.version += 1
+        self._invalidate()
         return out
 
     def _leaving(self, arena: _Arena, relayout: Relayout, width: int) -> dict[str, DrainedRows]:

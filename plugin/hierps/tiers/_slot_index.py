@@ -72,6 +72,10 @@ class SlotIndex:
             self._grow(self.n + len(keys))
         self.n += _native.slot_put(self._table, self.n, keys, slots)
 
+    def drop(self, keys: np.ndarray) -> None:
+        """Forget distinct ``keys`` (n,) int64 (those absent are ignored): rows that left the tier."""
+        self.n -= _native.slot_drop(self._table, np.ascontiguousarray(keys, dtype=np.int64))
+
     def _grow(self, n: int) -> None:
         cap = _MIN_CAPACITY
         while 4 * n > cap:  # a quarter full: room for as many again before the next growth

@@ -125,7 +125,8 @@ class PassStats:
     _pass: int = 0
     _t0: float = field(default_factory=time.perf_counter)  # when the pass (or what a record covers) began
     _ssd0: tuple[int, int] = (0, 0)
-    on_demand_rebuilds: int = 0  # times rows fetched on demand overflowed the device tier (all passes)
+    on_demand_rebuilds: int = 0  # times rows fetched on demand overflowed the device tier and it was rebuilt
+    on_demand_evictions: int = 0  # times they overflowed it and it let its least recently used rows go
     _steps: int = 0  # optimizer steps since the last record
 
     @property
@@ -146,6 +147,9 @@ class PassStats:
 
     def count_on_demand_rebuild(self) -> None:
         self.on_demand_rebuilds += 1
+
+    def count_on_demand_eviction(self) -> None:
+        self.on_demand_evictions += 1
 
     def count_step(self) -> None:
         self._steps += 1

@@ -36,6 +36,10 @@ from hierps.training._pipeline import PassPipeline
 __all__ = ["PassRunner", "plan_groups"]
 
 _EMPTY = np.empty(0, np.int64)
+# A device tier used as a cache (no mini-batches announced) that overflows lets its least recently
+# used rows go until this fraction of its budget is taken, the rows asked for included: evictions
+# come at most once per (1 - _EVICT_TO) of the budget in new rows, and most of the tier stays hot.
+_EVICT_TO = float(__import__("os").environ.get("HIERPS_EVICT_TO", "0.75"))
 
 
 @dataclass
@@ -384,7 +388,7 @@ class PassRunner:
         if need > tier.budget:
             raise DeviceBudgetError(self._budget_message(need))
         missing = keys.numpy()[~found.numpy()] if keys.device.type == "cpu" else keys[~found].cpu().numpy()
-        overflows = tier.bytes_used + len(missing) * row_bytes > tier.budget
+        overflows = not self._room_for(table, len(missing), slots, found)
         if overflows and len(self.plan.groups) <= 1:
             self._make_room(table, keys.cpu().numpy(), need)
         elif overflows:
@@ -430,7 +434,7 @@ class PassRunner:
         ids_np = ids.numpy() if cpu else ids.cpu().numpy()
         keys, inverse, _ = distinct_ids(torch.from_numpy(ids_np[lacking]))
         missing, at = keys.numpy(), inverse.numpy()
-        if tier.bytes_used + len(missing) * tier.row_bytes(table) > tier.budget:
+        if not self._room_for(table, len(missing), slots, found):
             self.resident_slots(table, torch.from_numpy(np.unique(ids_np)).to(ids.device))
             return tier.resolve(table, ids)[1]
         self._pipe.wait_writebacks()
@@ -441,6 +445,29 @@ class PassRunner:
         slots = slots.clone()
         slots[torch.from_numpy(lacking).to(ids.device)] = new[torch.from_numpy(at).to(ids.device)]
         return slots
+
+    def _room_for(self, table: str, m: int, slots: torch.Tensor, found: torch.Tensor) -> bool:
+        """Whether ``m`` more rows of ``table`` fit beside the resident ones, made so where they do not
+        by letting the least recently used rows go (:meth:`DeviceTier.evict`), down to
+        :data:`_EVICT_TO` of the budget: outside announced mini-batches, where no slot is planned
+        ahead. The rows gathered since the last step and those at ``slots[found]`` (a probe of the
+        lookup asking) stay, at their slots. False: the caller makes room by moving rows."""
+        tier = self._core.device_tier
+        need = m * tier.row_bytes(table)
+        over = tier.bytes_used + need - tier.budget
+        if over <= 0:
+            return True
+        if self.batches is not None or len(self.plan.groups) > 1:
+            return False
+        self._pipe.wait_writebacks()
+        stay = slots[found] if slots.device.type != "cpu" else torch.from_numpy(slots.numpy()[found.numpy()])
+        drained = tier.evict(over + int((1 - _EVICT_TO) * tier.budget), over, [(table, stay)])
+        if drained is None:
+            return False
+        with self._pipe.lock:
+            self._core.put_dirty(drained)
+        self._core.stats.count_on_demand_eviction()
+        return True
 
     def _make_room(self, table: str, keys: np.ndarray, need: int) -> None:
         """Make sorted unique ``keys`` resident when they do not fit: the tier keeps its most recently

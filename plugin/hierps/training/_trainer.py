@@ -44,7 +44,7 @@ from hierps.rows._counters import record_seen_rows
 from hierps.rows._layout import rounding_bits
 from hierps.rows._optim import apply_step
 from hierps.rows._table import TableInfo
-from hierps.tiers._device import Sightings
+from hierps.tiers._device import DeviceTier, Sightings
 from hierps.tiers._slot_index import NATIVE_UNIQUE_MAX, distinct_ids
 from hierps.training._batchplan import (
     Batch,
@@ -74,14 +74,19 @@ class _Pending:
     keys: (
         torch.Tensor
     )  # (R,) int64 unique (sorted, but for summed lookups of each id): the keys that have rows
-    slots: torch.Tensor  # (R,) int64, valid while generation matches
-    generation: int
+    slots: torch.Tensor  # (R,) int64, valid while generation matches (DeviceTier.valid)
+    generation: int  # the device tier's: its step_generation for touched rows, else its generation
     leaf: torch.Tensor | None = None  # (U, dim) requires_grad; None: the rows of a group
     rows: torch.Tensor | None = None  # (R,) positions of keys in the leaf; None: all of it
     group: RowGroup | None = None  # where the gradient is, for a table pooled from a group
     # keys, slots and the leaf's rows are one per id of the lookup, repeats included (a plain
     # nn.Embedding lookup outside announced mini-batches): the step makes them distinct
     each: bool = False
+    touched: bool = False  # the rows were marked gathered (DeviceTier.touch): evictions leave them
+
+    def valid(self, tier: DeviceTier) -> bool:
+        """Whether :attr:`slots` still hold the rows of :attr:`keys`."""
+        return tier.valid(self.generation, self.touched)
 
     def gradient(self, summed: dict[int, torch.Tensor]) -> torch.Tensor | None:
         """The gradient of the gathered rows (``summed``: leaves' by id), or None without a backward."""
@@ -314,7 +319,7 @@ class SparseTrainer:
         tier.touch(table, slots)
         tier.defer_seen(table, slots, None, info.counter_word, self._core.passes, info.eviction.decay)
         leaf = tier.weights(table, slots, info.layout).view(*ids.shape, info.dim).requires_grad_(True)
-        self._record(_Pending(table, flat, slots, tier.generation, leaf, each=True))
+        self._record(_Pending(table, flat, slots, tier.step_generation, leaf, each=True, touched=True))
         return leaf.clone()
 
     def _merged_each(
@@ -340,7 +345,7 @@ class SparseTrainer:
             info = self._core.tables[p.table]
             if not (p.each and p.leaf is not None and p.leaf.grad is not None):
                 rest.append(p)
-            elif lookups[p.table] > 1 or p.generation != tier.generation or info.layout.compact:
+            elif lookups[p.table] > 1 or not p.valid(tier) or info.layout.compact:
                 p.keys, p.slots, alone[id(p.leaf)] = self._sum_each([p])
                 p.each = False
                 rest.append(p)
@@ -520,7 +525,7 @@ class SparseTrainer:
         tier.defer_seen(table, slots, seen, info.counter_word, self._core.passes, info.eviction.decay)
         tier.touch(table, slots)
         weights = tier.weights(table, slots, info.layout).requires_grad_(True)
-        self._record(_Pending(table, keys, slots, tier.generation, weights))
+        self._record(_Pending(table, keys, slots, tier.step_generation, weights, touched=True))
         return weights
 
     def read_weights(self, table: str, keys: torch.Tensor) -> torch.Tensor:
@@ -571,8 +576,9 @@ class SparseTrainer:
             weights.requires_grad_(True)
             # Recorded even without rows: the table's step count (Adam's bias correction) then
             # advances as in an unfiltered run, so admitted rows train as unfiltered rows do.
+            tier = self._core.device_tier
             self._record(
-                _Pending(info.name, keys[at], slots, self._core.device_tier.generation, weights, rows=at)
+                _Pending(info.name, keys[at], slots, tier.step_generation, weights, rows=at, touched=True)
             )
         return weights
 
@@ -688,7 +694,7 @@ class SparseTrainer:
         by_keys = []
         for table, items in by_table.items():
             first = items[0][0]
-            if len(items) == 1 and first.generation == self._core.device_tier.generation:
+            if len(items) == 1 and first.valid(self._core.device_tier):
                 self._core.tables[table].step += 1
                 if first.keys.numel():
                     fused.append((table, first.keys, first.slots, items[0][1]))  # slots still valid

@@ -52,6 +52,7 @@ __all__ = [
     "plan_chunks",
     "plan_runs",
     "read_check_gather",
+    "slot_drop",
     "slot_find",
     "slot_put",
     "unique_ids",
@@ -209,6 +210,11 @@ def slot_find(index: Buffer, keys: Buffer, slots: Buffer, found: Buffer) -> int:
 def slot_put(index: Buffer, used: int, keys: Buffer, slots: Buffer) -> int:
     """:func:`._core.slot_put` (the compiled core only)."""
     return _core.slot_put(index, used, keys, slots)
+
+
+def slot_drop(index: Buffer, keys: Buffer) -> int:
+    """:func:`._core.slot_drop` (the compiled core only)."""
+    return _core.slot_drop(index, keys)
 
 
 def match_rows(

@@ -955,6 +955,47 @@ done:
     return result;
 }
 
+/* slot_drop(index, keys) -> n: keys no longer in the index (those absent ignored); returns how many
+ * were removed. Linear probing without tombstones: each removal shifts back the entries after it whose
+ * probe sequence passes through the freed entry, so every probe sequence still ends at an empty one. */
+static PyObject *py_slot_drop(PyObject *self, PyObject *args) {
+    PyObject *o_index, *o_keys;
+    if (!PyArg_ParseTuple(args, "OO", &o_index, &o_keys)) return NULL;
+    Buf index = {0}, keys = {0};
+    PyObject *result = NULL;
+    uint64_t cap = 0;
+    if (get_index(o_index, &index, 1, &cap) < 0 || get_words(o_keys, &keys, 0, "keys") < 0) goto done;
+    Py_ssize_t n = NWORDS(keys), removed = 0;
+    int64_t *t = index.view.buf;
+    const int64_t *k = WORDS(keys);
+    const uint64_t mask = cap - 1;
+    UNLOCK_IF(64 * n) for (Py_ssize_t i = 0; i < n; i++) {
+        uint64_t e = splitmix64((uint64_t)k[i]) & mask;
+        while (t[2 * e + 1] != 0 && t[2 * e] != k[i]) e = (e + 1) & mask;
+        if (t[2 * e + 1] == 0) continue;
+        uint64_t hole = e, j = e;
+        for (;;) {
+            j = (j + 1) & mask;
+            if (t[2 * j + 1] == 0) break;
+            uint64_t home = splitmix64((uint64_t)t[2 * j]) & mask;
+            /* the entry at j stays where its home lies cyclically in (hole, j] */
+            int stays = hole <= j ? (hole < home && home <= j) : (hole < home || home <= j);
+            if (stays) continue;
+            t[2 * hole] = t[2 * j];
+            t[2 * hole + 1] = t[2 * j + 1];
+            hole = j;
+        }
+        t[2 * hole] = 0;
+        t[2 * hole + 1] = 0;
+        removed++;
+    }
+    RELOCK result = PyLong_FromSsize_t(removed);
+done:
+    release(&index);
+    release(&keys);
+    return result;
+}
+
 /* -- matching a segment's rows to the keys asked (hierps.tiers._ssd) ------------------------- */
 /* match_rows(block, width, keys, which, found, holder, seg, rows) -> n: `block` holds a segment's rows
  * read for a lookup, (k, 2 + width) float32, in key order, each row's key in its first 8 bytes; `keys` (n,)
@@ -1241,6 +1282,7 @@ static PyMethodDef methods[] = {
      "bloom_may_contain(filter, keys, block, full_words, out): False where the filter proves a key absent."},
     {"slot_find", py_slot_find, METH_VARARGS, "slot_find(index, keys, slots, found) -> n: look keys up; see _core.pyi."},
     {"slot_put", py_slot_put, METH_VARARGS, "slot_put(index, used, keys, slots) -> n: add or move keys; see _core.pyi."},
+    {"slot_drop", py_slot_drop, METH_VARARGS, "slot_drop(index, keys) -> n: remove keys; see _core.pyi."},
     {"match_rows", py_match_rows, METH_VARARGS,
      "match_rows(block, width, keys, which, found, holder, seg, rows) -> n: a segment's rows to the keys asked; see _core.pyi."},
     {"unique_ids", py_unique_ids, METH_VARARGS, "unique_ids(ids, keys, inverse, counts) -> u: see _core.pyi."},

@@ -126,6 +126,10 @@ def slot_put(index: Buffer, used: int, keys: Buffer, slots: Buffer) -> int:
     (added, or moved where present); returns how many were added. ``ValueError`` (and no later key put) where a slot is
     negative or the index would be more than half full."""
 
+def slot_drop(index: Buffer, keys: Buffer) -> int:
+    """Remove ``keys`` (n,) int64 from ``index`` (those absent are ignored), shifting back the entries
+    after each so that every probe sequence still ends at an empty entry; returns how many were removed."""
+
 def match_rows(
     block: Buffer,
     width: int,
