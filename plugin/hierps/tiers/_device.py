@@ -237,6 +237,7 @@ class DeviceTier:
         self._numbers: dict[str, int] = {}  # each table's place in the order tables were added
         self._seen: list[Sightings] = []
         self._touched: list[tuple[_Arena, torch.Tensor]] = []  # rows gathered, their clock not yet set
+        self._looked_up: set[int] = set()  # numbers of the tables touched since the last step
         self.generation = 0  # changes when slots handed out may have become invalid
         # Changes when slots of rows gathered since the last step (see :meth:`touch`) may have: as
         # ``generation``, but for an eviction in place, which never lets those rows go (:meth:`evict`).
@@ -337,6 +338,7 @@ class DeviceTier:
         """Mark rows as gathered for training now (see :meth:`recent`): recorded here, written into
         their arena's clock column by one call per arena before the clock moves or is read."""
         self._touched.append((self._tables[table].arena, slots))
+        self._looked_up.add(self._numbers[table])
 
     def _flush_touched(self) -> None:
         if not self._touched:
@@ -351,6 +353,7 @@ class DeviceTier:
     def tick(self) -> None:
         """An optimizer step ran: rows gathered from now on are newer than all before."""
         self._flush_touched()
+        self._looked_up = set()
         self.clock += 1
 
     def recent(self, budget_bytes: int) -> dict[str, np.ndarray]:
@@ -396,6 +399,10 @@ class DeviceTier:
         for table, kept in protect:
             arena = self._tables[table].arena
             held.setdefault(id(arena), np.zeros(arena.n, bool))[kept.cpu().numpy()] = True
+        # Of rows last used at the same step, those of tables looked up since the last step go first:
+        # a model looks each table up once a step, so they are not asked for again before the next.
+        later = np.ones(len(self._numbers), np.int64)
+        later[list(self._looked_up)] = 0
         used, slot, which, cost = [], [], [], []
         for j, arena in enumerate(arenas):
             owner, _ = self._owners(arena)
@@ -404,7 +411,7 @@ class DeviceTier:
             if id(arena) in held:
                 may &= ~held[id(arena)]
             at = np.flatnonzero(may)
-            used.append(clock[at])
+            used.append(2 * clock[at] + later[owner[at]])
             slot.append(at)
             which.append(np.full(len(at), j, np.int32))
             cost.append(np.full(len(at), arena.width * 4 + ROW_OVERHEAD, np.int64))
@@ -565,7 +572,7 @@ class DeviceTier:
         self._invalidate()
 
     def _reset(self) -> None:
-        self._touched = []
+        self._touched, self._looked_up = [], set()
         self._arenas = {w: _Arena(w, self.device, clock=self.clock) for w in self._arenas}
         self._tables = {t: _Resident(self._arenas[r.width]) for t, r in self._tables.items()}
         self._bytes = 0

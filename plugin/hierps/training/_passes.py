@@ -39,7 +39,7 @@ _EMPTY = np.empty(0, np.int64)
 # A device tier used as a cache (no mini-batches announced) that overflows lets its least recently
 # used rows go until this fraction of its budget is taken, the rows asked for included: evictions
 # come at most once per (1 - _EVICT_TO) of the budget in new rows, and most of the tier stays hot.
-_EVICT_TO = float(__import__("os").environ.get("HIERPS_EVICT_TO", "0.75"))
+_EVICT_TO = 0.75
 
 
 @dataclass
