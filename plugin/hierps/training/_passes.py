@@ -449,7 +449,7 @@ class PassRunner:
     def _room_for(self, table: str, m: int, slots: torch.Tensor, found: torch.Tensor) -> bool:
         """Whether ``m`` more rows of ``table`` fit beside the resident ones, made so where they do not
         by letting the least recently used rows go (:meth:`DeviceTier.evict`), down to
-        :data:`_EVICT_TO` of the budget: outside announced mini-batches, where no slot is planned
+        :data:`_EVICT_TO` of the budget: outside passes, where no slot is planned or mapped
         ahead. The rows gathered since the last step and those at ``slots[found]`` (a probe of the
         lookup asking) stay, at their slots. False: the caller makes room by moving rows."""
         tier = self._core.device_tier
@@ -457,7 +457,7 @@ class PassRunner:
         over = tier.bytes_used + need - tier.budget
         if over <= 0:
             return True
-        if self.batches is not None or len(self.plan.groups) > 1:
+        if self.in_pass:  # slots may be planned or mapped for the pass's working set: move rows instead
             return False
         self._pipe.wait_writebacks()
         stay = slots[found] if slots.device.type != "cpu" else torch.from_numpy(slots.numpy()[found.numpy()])
