@@ -425,31 +425,34 @@ class DeviceTier:
         go = order[: int(np.searchsorted(freed, min(nbytes, int(freed[-1])))) + 1]
         slot_all, which_all = np.concatenate(slot), np.concatenate(which)
         names = list(self._tables)
-        leaving: list[tuple[_Arena, str, np.ndarray, np.ndarray]] = []  # (arena, table, slots, keys)
+        # Per arena: the leaving slots grouped by table, and where each table's run begins.
+        leaving: list[
+            tuple[_Arena, np.ndarray, np.ndarray, np.ndarray]
+        ] = []  # (arena, slots, tables, firsts)
         for j, arena in enumerate(arenas):
             slots = np.sort(slot_all[go[which_all[go] == j]])
-            if not len(slots):
-                continue
-            owner, key_of = self._owners(arena)
-            tid = owner[slots]
-            by_table = np.argsort(tid, kind="stable")
-            tids, first = np.unique(tid[by_table], return_index=True)
-            for t, part in zip(tids.tolist(), np.split(slots[by_table], first[1:])):
-                leaving.append((arena, names[t], part, key_of[part]))
-        self._flush_seen_of([(a, s) for a, _, s, _ in leaving])
+            if len(slots):
+                tid = self._owners(arena)[0][slots]
+                by_table = np.argsort(tid, kind="stable")
+                tids, first = np.unique(tid[by_table], return_index=True)
+                leaving.append((arena, slots[by_table], tids, first))
+        self._flush_seen_of([(a, s) for a, s, _, _ in leaving])
         out: dict[str, DrainedRows] = {}
-        for arena, table, slots, keys in leaving:
+        for arena, slots, tids, first in leaving:
             idx = torch.from_numpy(slots).to(self.device)
-            out[table] = DrainedRows(
-                keys.copy(),
-                arena.rows.index_select(0, idx).cpu().numpy(),
-                arena.dirty.index_select(0, idx).cpu().numpy(),
-            )
-            self._tables[table].remove(slots, keys)
+            rows = arena.rows.index_select(0, idx).cpu().numpy()  # one gather for all its tables
+            dirty = arena.dirty.index_select(0, idx).cpu().numpy()
+            key_of = self._owners(arena)[1]
+            bounds = [*first.tolist(), len(slots)]
+            for t, lo, hi in zip(tids.tolist(), bounds[:-1], bounds[1:]):
+                table, part = names[t], slots[lo:hi]
+                keys = key_of[part]
+                out[table] = DrainedRows(keys, rows[lo:hi], dirty[lo:hi])
+                self._tables[table].remove(part, keys)
+                self._bytes -= len(part) * self.row_bytes(table)
             assert arena.owner is not None  # built by _owners above
             arena.owner[slots] = -1
             arena.free = np.concatenate([arena.free, slots])
-            self._bytes -= len(slots) * self.row_bytes(table)
         self.generation += 1
         self.version += 1
         return out
