@@ -376,3 +376,71 @@ def test_eviction_in_place_lets_the_least_recent_rows_go_and_keeps_the_gathered(
     keys, rows = _resident(tier, "a")
     np.testing.assert_array_equal(keys, [1, 3])
     np.testing.assert_array_equal(rows, rows_of(keys) + [[0, 0], [5, 5]])  # a3 trained, still here
+
+
+@pytest.mark.parametrize("hashed", [True, False], ids=["hash-index", "sorted-index"])
+def test_evictions_inserts_and_steps_in_any_order_keep_every_row_where_its_key_says(monkeypatch, hashed):
+    """Three tables over two arenas; random inserts, gathers (touch), row updates, evictions and
+    steps. After each operation every resident key resolves to a slot holding its own latest row,
+    rows gathered since the last step and protected rows never leave, and each row that leaves comes
+    back once with its latest value and dirty bit."""
+    from hierps.tiers import _device
+
+    monkeypatch.setattr(_device, "hashed", lambda: hashed)
+    widths = {"a": 2, "b": 2, "c": 3}
+    tier = _device.DeviceTier(60 * (2 * 4 + 25), torch.device("cpu"))
+    for t, w in widths.items():
+        tier.add_table(t, w)
+    rng = np.random.default_rng(11)
+    held: dict[str, dict[int, tuple[np.ndarray, bool]]] = {t: {} for t in widths}  # key -> (row, dirty)
+    version = 0.0
+
+    def check() -> None:
+        for t, rows in held.items():
+            keys = np.array(sorted(rows), np.int64)
+            assert tier.num_rows(t) == len(keys)
+            if not len(keys):
+                continue
+            found, slots = tier.resolve(t, torch.from_numpy(keys))
+            assert bool(found.all())
+            np.testing.assert_array_equal(tier.rows(t)[slots].numpy(), np.stack([rows[k][0] for k in keys]))
+
+    for _ in range(300):
+        op = rng.integers(0, 4)
+        t = str(rng.choice(list(widths)))
+        if op == 0:  # load some absent keys when they fit
+            keys = np.unique(rng.integers(0, 80, int(rng.integers(1, 8))))
+            keys = keys[~np.isin(keys, list(held[t]))]
+            if len(keys) and tier.bytes_used + len(keys) * tier.row_bytes(t) <= tier.budget:
+                version += 1
+                rows = np.stack([np.full(widths[t], k + version, np.float32) for k in keys])
+                tier.insert(t, keys, rows)
+                held[t].update({int(k): (r, False) for k, r in zip(keys, rows)})
+        elif op == 1 and held[t]:  # a training gather: touch and change some resident rows
+            keys = np.array(sorted(rng.choice(list(held[t]), min(3, len(held[t])), replace=False)), np.int64)
+            _, slots = tier.resolve(t, torch.from_numpy(keys))
+            tier.touch(t, slots)
+            tier.rows(t)[slots] += 1.0
+            tier.mark_dirty(t, slots)
+            held[t].update({int(k): (held[t][int(k)][0] + 1.0, True) for k in keys})
+        elif op == 2:  # evict, protecting a few rows of one table
+            protect_keys = np.array(sorted(held[t])[:2], np.int64)
+            _, protect = tier.resolve(t, torch.from_numpy(protect_keys))
+            tier._flush_touched()
+            pinned = {
+                (u, int(k))
+                for u in widths
+                for k in held[u]
+                if int(tier.arena(u).used[int(tier.resolve(u, torch.tensor([k]))[1][0])]) == tier.clock
+            }
+            want = int(rng.integers(1, 20)) * 33
+            drained = tier.evict(want, min(want, 33), [(t, protect)])
+            for u, d in (drained or {}).items():
+                for k, row, dirty in zip(d.keys.tolist(), d.rows, d.dirty.tolist()):
+                    assert (u, k) not in pinned and not (u == t and k in protect_keys.tolist())
+                    np.testing.assert_array_equal(row, held[u][k][0])
+                    assert dirty == held[u][k][1]
+                    del held[u][k]
+        else:
+            tier.tick()
+        check()
