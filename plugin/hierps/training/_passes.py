@@ -375,8 +375,10 @@ class PassRunner:
 
         When the missing rows do not fit next to the working set: in a pass split into groups,
         the working set is written back (the pass is split) and the next planned group is loaded
-        along with them; otherwise (rows fetched on demand, no pass announced) the tier works as
-        a cache and keeps its most recently used rows (:meth:`_make_room`).
+        along with them; otherwise (rows fetched on demand) the tier works as a cache: outside
+        passes it lets its least recently used rows go in place (:meth:`_room_for`), and where
+        that cannot free enough, or in a pass, it keeps its most recently used rows and moves them
+        (:meth:`_make_room`).
         """
         self._core.check_open()
         tier = self._core.device_tier
@@ -470,8 +472,9 @@ class PassRunner:
         return True
 
     def _make_room(self, table: str, keys: np.ndarray, need: int) -> None:
-        """Make sorted unique ``keys`` resident when they do not fit: the tier keeps its most recently
-        used rows, up to half its budget (rows gathered since the last step first), and writes the
+        """Make sorted unique ``keys`` resident when they do not fit and no eviction in place can make
+        room (in a pass, or rows gathered since the last step fill the tier): the tier is rebuilt with its
+        most recently used rows, up to half its budget (rows gathered since the last step first), and writes the
         others back. With skewed ids most rows of the next mini-batches are among those kept, so
         fetching on demand does not reload the hot rows after each overflow; and since half the
         budget is freed, overflows come at most once per half a budget of new rows."""
