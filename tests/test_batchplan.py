@@ -503,3 +503,19 @@ def test_embedding_lookups_of_a_mini_batch_are_one_call_and_train_as_one_by_one(
     for t in names:
         np.testing.assert_array_equal(results[1][t], results[0][t], err_msg=t)
     assert calls == [3, 3, 3, 3]  # one lookup of all three tables per mini-batch
+
+
+@pytest.mark.parametrize("n", [0, 1, 2, 7, 5_600, 70_000])
+def test_distinct_and_union_equal_numpy(n):
+    from hierps.rows._ids import distinct, union
+
+    rng = np.random.default_rng(n)
+    for ids in (
+        (rng.zipf(1.3, n) % 1000).astype(np.int64) - 500,  # many repeats, both signs
+        rng.integers(-(2**63), 2**63 - 1, n, dtype=np.int64),  # all distinct
+        np.resize(np.array([2**63 - 1, -(2**63), 0, -1], np.int64), n).reshape(-1, 1),  # extremes, 2-D
+    ):
+        got = distinct(ids)
+        assert got.dtype == np.int64 and got.tolist() == np.unique(ids).tolist()
+        other = ids.reshape(-1)[::3] + 1
+        assert union(ids, other).tolist() == np.union1d(ids, other).tolist()

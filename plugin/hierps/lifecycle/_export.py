@@ -51,6 +51,7 @@ import zarr
 from zarr.storage import LocalStore
 
 from hierps.errors import ConfigError, MissingPartsError, StoreFormatError
+from hierps.rows._ids import distinct
 from hierps.rows._table import TableInfo
 from hierps.storage._checkpoint import CheckpointCatalog
 from hierps.storage._commit_log import (
@@ -516,7 +517,7 @@ def _changed(
 def _deleted(parts: Sequence[ExportPart], table: str) -> np.ndarray:
     """(m,) int64 sorted: keys a part's old checkpoint held and no part's new checkpoint holds."""
     gone = [p.gone(table) for p in parts]
-    keys = np.unique(np.concatenate(gone)) if gone else np.empty(0, np.int64)
+    keys = distinct(np.concatenate(gone)) if gone else np.empty(0, np.int64)
     if len(parts) > 1:  # (moved to another rank: not deleted)
         for p in parts:
             if len(keys):

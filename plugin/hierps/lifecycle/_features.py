@@ -16,6 +16,7 @@ from hierps._core import StoreCore
 from hierps.config import EvictionConfig
 from hierps.lifecycle._admission import admitted
 from hierps.rows._counters import condemned, record_seen
+from hierps.rows._ids import distinct
 from hierps.rows._initializers import initial_rows
 from hierps.rows._table import TableInfo
 
@@ -81,7 +82,7 @@ class Features:
         for keys, block in self._core.ssd.scan(name, cols):
             older = ~self._core.memory.contains(name, keys)  # a cached row is newer than its SSD copy
             doomed.append(keys[older][condemned(block[older], self._core.passes, rule)])
-        gone = np.unique(np.concatenate(doomed))
+        gone = distinct(np.concatenate(doomed))
         if len(gone):
             # The SSD first: a deletion the disk refuses changes nothing there, and the RAM tier
             # still holds the newest rows, so no older SSD copy of a condemned key reappears.

@@ -103,6 +103,17 @@ def sorted_unique(values: np.ndarray) -> np.ndarray:
     return values[keep]
 
 
+def distinct(values: np.ndarray) -> np.ndarray:
+    """``np.unique(values)`` (sorted distinct values, flattened) by one sort: numpy 2's ``np.unique``
+    hashes the values first, 5-8x slower for a mini-batch's int64 ids (300 against 40 µs at 5,600)."""
+    return sorted_unique(np.sort(np.asarray(values).reshape(-1)))
+
+
+def union(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """``np.union1d(a, b)`` by one sort (see :func:`distinct`)."""
+    return distinct(np.concatenate([np.asarray(a).reshape(-1), np.asarray(b).reshape(-1)]))
+
+
 def strictly_increasing(keys: np.ndarray) -> bool:
     """keys (n,) int64 sorted and unique (as a segment and the RAM tier's index need them)."""
     return len(keys) < 2 or bool(np.all(keys[1:] > keys[:-1]))

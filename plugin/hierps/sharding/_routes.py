@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from hierps.rows._ids import distinct
 from hierps.rows._initializers import splitmix64
 from hierps.training._batchplan import Batch, translate, union_positions
 
@@ -214,7 +215,7 @@ def plan_serving(
     for r, h in enumerate(per_table):
         cuts = np.cumsum(h)[:-1]
         src_keys.append(dict(zip(names, np.split(keys[r], cuts))))
-    owned = {t: np.unique(np.concatenate([s[t] for s in src_keys])) for t in names}
+    owned = {t: distinct(np.concatenate([s[t] for s in src_keys])) for t in names}
     start = dict(zip(names, np.cumsum([0, *[len(owned[t]) for t in names[:-1]]]).tolist()))
     # Where each source's keys are in the joined owned keys.
     src_at = [{t: start[t] + np.searchsorted(owned[t], s[t]) for t in names} for s in src_keys]

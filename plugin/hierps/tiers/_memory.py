@@ -23,7 +23,7 @@ from typing import Protocol
 import numpy as np
 
 from hierps._faults import fault_point
-from hierps.rows._ids import find_sorted
+from hierps.rows._ids import distinct, find_sorted
 
 __all__ = ["MemoryTier", "RowSink", "ram_row_bytes"]
 
@@ -361,7 +361,7 @@ class MemoryTier:
         if keys is None:
             self._slabs[table] = _Slab(slab.width)
             return
-        hit, at = slab.find(np.unique(keys))
+        hit, at = slab.find(distinct(keys))
         if hit.any():
             slab.remove(np.sort(at[hit]))
 

@@ -442,7 +442,7 @@ class SsdTier:
         """Remove ``keys`` from the tier: every segment holding any row of them is rewritten without
         them (at once: no index remembers deletions). Returns how many keys had a row."""
         self.changes += 1
-        keys = np.unique(np.asarray(keys, np.int64))
+        keys = _ids.distinct(np.asarray(keys, np.int64))
         found = self._locate({table: keys}, with_rows=False)[table][0]
         holding = {
             s

@@ -77,7 +77,7 @@ def plan_groups(
         merged = dict(keys)
         if current is not None:
             merged = {
-                t: np.union1d(current.get(t, _EMPTY), keys.get(t, _EMPTY))
+                t: _ids.union(current.get(t, _EMPTY), keys.get(t, _EMPTY))
                 for t in current.keys() | keys.keys()
             }
             if nbytes({t: len(k) for t, k in merged.items()}) > budget:
@@ -340,7 +340,7 @@ class PassRunner:
                 return [], None
             keys, positions = union_positions(batches)
             return [keys], positions
-        uniques = [{t: np.unique(k) for t, k in b.items()} for b in batches]
+        uniques = [{t: _ids.distinct(k) for t, k in b.items()} for b in batches]
         for keys in uniques:
             alone = self._core.device_tier.bytes_for({t: len(k) for t, k in keys.items()})
             if alone > budget:
@@ -402,7 +402,7 @@ class PassRunner:
                 plan.cursor += 1
                 nxt = plan.groups[plan.cursor]
                 merged = {
-                    t: np.union1d(nxt.get(t, _EMPTY), load.get(t, _EMPTY)) for t in nxt.keys() | load.keys()
+                    t: _ids.union(nxt.get(t, _EMPTY), load.get(t, _EMPTY)) for t in nxt.keys() | load.keys()
                 }
                 if (
                     self._core.device_tier.bytes_for({t: len(k) for t, k in merged.items()})
@@ -437,7 +437,7 @@ class PassRunner:
         keys, inverse, _ = distinct_ids(torch.from_numpy(ids_np[lacking]))
         missing, at = keys.numpy(), inverse.numpy()
         if not self._room_for(table, len(missing), slots, found):
-            self.resident_slots(table, torch.from_numpy(np.unique(ids_np)).to(ids.device))
+            self.resident_slots(table, torch.from_numpy(_ids.distinct(ids_np)).to(ids.device))
             return tier.resolve(table, ids)[1]
         self._pipe.wait_writebacks()
         new = tier.insert(table, missing, self._core.fetch(table, missing, touch=True))
@@ -481,7 +481,7 @@ class PassRunner:
         tier = self._core.device_tier
         self._pipe.wait_writebacks()
         keep = tier.recent(max(tier.budget // 2 - need, 0))
-        keep[table] = np.union1d(keep.get(table, _EMPTY), keys)
+        keep[table] = _ids.union(keep.get(table, _EMPTY), keys)
         drained = tier.rebuild(keep, None, partial(self._core.fetch_many, touch=True))
         with self._pipe.lock:
             self._core.put_dirty(drained)

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from hierps._core import StoreCore
-from hierps.rows._ids import find_sorted
+from hierps.rows._ids import distinct, find_sorted
 
 __all__ = ["ReadAhead"]
 
@@ -72,7 +72,7 @@ class ReadAhead:
         n = len(batches)
         while True:
             keys = {
-                t: np.unique(np.concatenate([b[t] for b in batches[:n] if t in b]))
+                t: distinct(np.concatenate([b[t] for b in batches[:n] if t in b]))
                 for t in {t for b in batches[:n] for t in b}
             }
             if n == 1 or sum(len(k) * tier.row_bytes(t) for t, k in keys.items()) <= tier.budget // _KEPT:
