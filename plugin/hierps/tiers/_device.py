@@ -84,6 +84,18 @@ class _Arena:
         fresh = np.arange(start, start + m - len(reuse), dtype=np.int64)
         return np.concatenate([reuse, fresh]) if len(reuse) else fresh
 
+    def own(self, slots: np.ndarray, table: int, keys: np.ndarray) -> None:
+        """``keys`` of table number ``table`` now at ``slots``: kept in :attr:`owner` / :attr:`key_of`
+        once an eviction has built them (see :meth:`DeviceTier._owners`)."""
+        if self.owner is None or self.key_of is None:
+            return
+        if len(self.owner) < self.n:
+            grow = self.rows.shape[0] - len(self.owner)
+            self.owner = np.concatenate([self.owner, np.full(grow, -1, np.int32)])
+            self.key_of = np.concatenate([self.key_of, np.zeros(grow, np.int64)])
+        self.owner[slots] = table
+        self.key_of[slots] = keys
+
     def append(self, m: int) -> int:
         """Take ``m`` more slots (growing the tensors); returns the first."""
         if self.n + m > self.rows.shape[0]:
@@ -177,13 +189,10 @@ class _Resident:
         skeys[~is_new], sslots[~is_new] = self.skeys, self.sslots
         self.skeys, self.sslots = skeys, sslots
 
-    def remove(self, slots: np.ndarray, keys: np.ndarray) -> None:
-        """Let go of the resident rows of distinct ``keys`` (at ``slots``). The host arrays are
-        replaced, not changed in place (:meth:`DeviceTier.resident_keys` hands them out)."""
-        gone = keys
-        leaving = np.zeros(self.arena.n, bool)
-        leaving[slots] = True
-        stay = ~leaving[self.slots]
+    def remove(self, gone: np.ndarray, stay: np.ndarray) -> None:
+        """Let go of the resident rows of distinct keys ``gone``; ``stay`` (n,) bool: which of
+        :attr:`keys` stay. The host arrays are replaced, not changed in place
+        (:meth:`DeviceTier.resident_keys` hands them out)."""
         keys, slots = self.keys[stay], self.slots[stay]
         self._keys, self._slots, self.n = keys, slots, len(keys)
         if self.index is not None:
@@ -318,14 +327,7 @@ class DeviceTier:
             arena.dirty[idx] = False
             arena.used[idx] = self.clock
         r.add(keys, slots)
-        if arena.owner is not None and arena.key_of is not None:  # kept for evictions (see _owners)
-            owner, key_of = arena.owner, arena.key_of
-            if len(owner) < arena.n:
-                grow = arena.rows.shape[0] - len(owner)
-                owner = arena.owner = np.concatenate([owner, np.full(grow, -1, np.int32)])
-                key_of = arena.key_of = np.concatenate([key_of, np.zeros(grow, np.int64)])
-            owner[slots] = self._numbers[table]
-            key_of[slots] = keys
+        arena.own(slots, self._numbers[table], keys)
         self._bytes += m * self.row_bytes(table)
         self.version += 1
         return torch.from_numpy(slots).to(self.device)
@@ -403,9 +405,10 @@ class DeviceTier:
         # a model looks each table up once a step, so they are not asked for again before the next.
         later = np.ones(len(self._numbers), np.int64)
         later[list(self._looked_up)] = 0
+        owners = [self._owners(arena) for arena in arenas]
         used, slot, which, cost = [], [], [], []
         for j, arena in enumerate(arenas):
-            owner, _ = self._owners(arena)
+            owner = owners[j][0]
             clock = arena.used[: arena.n].cpu().numpy()
             may = (owner >= 0) & (clock < self.clock)
             if id(arena) in held:
@@ -427,32 +430,32 @@ class DeviceTier:
         names = list(self._tables)
         # Per arena: the leaving slots grouped by table, and where each table's run begins.
         leaving: list[
-            tuple[_Arena, np.ndarray, np.ndarray, np.ndarray]
-        ] = []  # (arena, slots, tables, firsts)
-        for j, arena in enumerate(arenas):
+            tuple[int, np.ndarray, np.ndarray, np.ndarray]
+        ] = []  # (arena's j, slots, tables, firsts)
+        for j in range(len(arenas)):
             slots = np.sort(slot_all[go[which_all[go] == j]])
             if len(slots):
-                tid = self._owners(arena)[0][slots]
+                tid = owners[j][0][slots]
                 by_table = np.argsort(tid, kind="stable")
                 tids, first = np.unique(tid[by_table], return_index=True)
-                leaving.append((arena, slots[by_table], tids, first))
-        self._flush_seen_of([(a, s) for a, s, _, _ in leaving])
+                leaving.append((j, slots[by_table], tids, first))
+        self._flush_seen_of([(arenas[j], s) for j, s, _, _ in leaving])
         out: dict[str, DrainedRows] = {}
-        for arena, slots, tids, first in leaving:
+        for j, slots, tids, first in leaving:
+            arena, (owner, key_of) = arenas[j], owners[j]
             idx = torch.from_numpy(slots).to(self.device)
             rows = arena.rows.index_select(0, idx).cpu().numpy()  # one gather for all its tables
             dirty = arena.dirty.index_select(0, idx).cpu().numpy()
-            key_of = self._owners(arena)[1]
+            keys_all = key_of[slots]
+            owner[slots] = -1  # a view of arena.owner: the slots are free from now on
+            arena.free = np.concatenate([arena.free, slots])
             bounds = [*first.tolist(), len(slots)]
             for t, lo, hi in zip(tids.tolist(), bounds[:-1], bounds[1:]):
-                table, part = names[t], slots[lo:hi]
-                keys = key_of[part]
-                out[table] = DrainedRows(keys, rows[lo:hi], dirty[lo:hi])
-                self._tables[table].remove(part, keys)
-                self._bytes -= len(part) * self.row_bytes(table)
-            assert arena.owner is not None  # built by _owners above
-            arena.owner[slots] = -1
-            arena.free = np.concatenate([arena.free, slots])
+                table = names[t]
+                r = self._tables[table]
+                out[table] = DrainedRows(keys_all[lo:hi], rows[lo:hi], dirty[lo:hi])
+                r.remove(keys_all[lo:hi], owner[r.slots] == t)
+                self._bytes -= (hi - lo) * self.row_bytes(table)
         self.generation += 1
         self.version += 1
         return out

@@ -385,17 +385,29 @@ class PassRunner:
         slots, found = tier.locate(table, keys)
         if found is None:
             return slots
-        row_bytes = tier.row_bytes(table)
-        need = int(keys.numel()) * row_bytes
-        if need > tier.budget:
-            raise DeviceBudgetError(self._budget_message(need))
+        need = self._fitting(table, int(keys.numel()))
         missing = keys.numpy()[~found.numpy()] if keys.device.type == "cpu" else keys[~found].cpu().numpy()
-        overflows = not self._room_for(table, len(missing), slots, found)
-        if overflows and len(self.plan.groups) <= 1:
-            self._make_room(table, keys.cpu().numpy(), need)
-        elif overflows:
+        if self._room_for(table, len(missing), slots, found):  # load them beside, their slots known
+            return self._load_missing(table, missing, slots, found, None)
+        self._overflow(table, keys.cpu().numpy(), need)
+        return tier.resolve(table, keys)[1]
+
+    def _fitting(self, table: str, n: int) -> int:
+        """The bytes ``n`` rows of ``table`` take in the device tier; ``DeviceBudgetError`` past its budget."""
+        need = n * self._core.device_tier.row_bytes(table)
+        if need > self._core.device_tier.budget:
+            raise DeviceBudgetError(self._budget_message(need))
+        return need
+
+    def _overflow(self, table: str, keys: np.ndarray, need: int) -> None:
+        """Make sorted unique ``keys`` (``need`` bytes) resident where no eviction in place made room:
+        on demand the tier is rebuilt (:meth:`_make_room`); in a pass split into groups the working
+        set is written back and the next planned group loaded along with them."""
+        if len(self.plan.groups) <= 1:
+            self._make_room(table, keys, need)
+        else:
             self._core.write_back()
-            load = {table: keys.cpu().numpy()}
+            load = {table: keys}
             self._load(load)
             plan = self.plan
             if plan.cursor + 1 < len(plan.groups):
@@ -409,17 +421,6 @@ class PassRunner:
                     <= self._core.device_tier.budget
                 ):
                     self._load(nxt, create=False)
-        else:  # the missing rows fit beside the resident ones: load them, their slots known
-            self._pipe.wait_writebacks()
-            new = tier.insert(table, missing, self._core.fetch(table, missing, touch=True))
-            if slots.device.type == "cpu":  # numpy masks: a few µs where torch's take tens
-                slots.numpy()[~found.numpy()] = new.numpy()  # slots is this call's own tensor
-                return slots
-            slots = slots.clone()
-            slots[~found] = new
-            return slots
-        found, slots = tier.resolve(table, keys)
-        return slots
 
     def resident_each(
         self, table: str, ids: torch.Tensor, slots: torch.Tensor, found: torch.Tensor
@@ -437,15 +438,24 @@ class PassRunner:
         keys, inverse, _ = distinct_ids(torch.from_numpy(ids_np[lacking]))
         missing, at = keys.numpy(), inverse.numpy()
         if not self._room_for(table, len(missing), slots, found):
-            self.resident_slots(table, torch.from_numpy(_ids.distinct(ids_np)).to(ids.device))
+            keys_all = _ids.distinct(ids_np)
+            self._overflow(table, keys_all, self._fitting(table, len(keys_all)))
             return tier.resolve(table, ids)[1]
+        return self._load_missing(table, missing, slots, found, at)
+
+    def _load_missing(
+        self, table: str, missing: np.ndarray, slots: torch.Tensor, found: torch.Tensor, at: np.ndarray | None
+    ) -> torch.Tensor:
+        """Load sorted unique ``missing`` keys (they fit) and fill their slots into a probe's ``slots``
+        where not ``found``: each such entry is the key ``missing[at[i]]`` (``at`` None: ``missing`` in
+        order). Returns the slots of all (the probe's own tensor on the CPU, filled in place)."""
         self._pipe.wait_writebacks()
-        new = tier.insert(table, missing, self._core.fetch(table, missing, touch=True))
-        if cpu:  # slots is the probe's own tensor
-            slots.numpy()[lacking] = new.numpy()[at]
+        new = self._core.device_tier.insert(table, missing, self._core.fetch(table, missing, touch=True))
+        if slots.device.type == "cpu":  # numpy masks: a few µs where torch's take tens
+            slots.numpy()[~found.numpy()] = new.numpy() if at is None else new.numpy()[at]
             return slots
         slots = slots.clone()
-        slots[torch.from_numpy(lacking).to(ids.device)] = new[torch.from_numpy(at).to(ids.device)]
+        slots[~found] = new if at is None else new[torch.from_numpy(at).to(slots.device)]
         return slots
 
     def _room_for(self, table: str, m: int, slots: torch.Tensor, found: torch.Tensor) -> bool:
