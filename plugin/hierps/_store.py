@@ -449,6 +449,14 @@ class Store:
         """``[{"id", "tag", "created"}, ...]`` of the restorable checkpoints, oldest first."""
         return self._checkpoints.list()
 
+    def _settle_for_fork(self) -> None:
+        """Let the background work of this store finish (write-back, read-ahead, removals), so that a
+        process forked next (DataLoader workers) is made while its threads are idle."""
+        if self._core.is_open:
+            self._pipe.settle()
+            self._trainer.read_ahead.settle()
+            self._core.ssd.wait_removals()
+
     def flush(self) -> None:
         """Write the working set back (end of pass) without a checkpoint."""
         self._core.write_back()

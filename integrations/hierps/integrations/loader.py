@@ -28,6 +28,7 @@ from __future__ import annotations
 import copy
 import itertools
 import logging
+import multiprocessing
 import warnings
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -205,6 +206,8 @@ class PassLoader:
         if self._stateful and self._position is None:  # the epoch's start, before anything is read ahead
             self._position = copy.deepcopy(self.loader.state_dict())  # type: ignore[attr-defined]
         resume_left, self._resume_left = self._resume_left, None
+        if _forks_workers(self.loader):  # iter() forks them: not while the store's threads are mid-task
+            self.store._settle_for_fork()
         # One iterator for the whole epoch, even over a loader whose __iter__ starts it again (DeepSpeed's).
         batches = _Tracked(iter(self.loader), self.loader, self._stateful, self._streams)
         if self.ids_of is None:
@@ -366,6 +369,28 @@ class _Tracked:
         if self.streams:
             self.last_of_pass = bool(self.loader.last_of_pass())
         return batch
+
+
+def _forks_workers(loader: Any) -> bool:
+    """Whether ``iter(loader)`` starts worker processes with ``fork``: a torch DataLoader (or
+    torchdata's) with workers that are not kept across epochs, or DeepSpeed's loader (which builds
+    one at every ``iter()``), where the platform's start method is fork."""
+    workers = getattr(loader, "num_workers", None)
+    if workers is None:
+        workers = getattr(loader, "num_local_io_workers", 0)  # DeepSpeedDataLoader
+    if not isinstance(workers, int) or workers <= 0:
+        return False
+    if getattr(loader, "persistent_workers", False) and getattr(loader, "_iterator", None) is not None:
+        return False  # started once, kept
+    context = getattr(loader, "multiprocessing_context", None)
+    if context is None:
+        method = (
+            multiprocessing.get_start_method(allow_none=True)
+            or multiprocessing.get_context().get_start_method()
+        )
+    else:
+        method = context if isinstance(context, str) else context.get_start_method()
+    return method == "fork"
 
 
 def _store_of(target: Any) -> Store | ShardedStore:

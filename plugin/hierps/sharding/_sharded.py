@@ -312,6 +312,10 @@ class ShardedStore:
         in order, those mini-batches take the fast path (see :mod:`hierps.sharding._fastpath`)."""
         self._passes.begin_pass(self._parts.passes.parse_batches(batches))
 
+    def _settle_for_fork(self) -> None:
+        """The local store's :meth:`hierps.Store._settle_for_fork` (routing is idle between passes)."""
+        self.local._settle_for_fork()
+
     def prefetch(self, batches: Any) -> None:
         """Announce the next pass (collective): routed in the background, read ahead by its owners."""
         self._passes.prefetch(self._parts.passes.parse_batches(batches))

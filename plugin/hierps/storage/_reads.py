@@ -485,6 +485,16 @@ def _tag_error(arr: Array, chunk: int, count: int) -> CorruptStoreError:
     )
 
 
+def _reset_pool_in_child() -> None:
+    """In a forked child: the parent's read threads are gone, and another of its threads may have
+    held ``_pool_lock`` at the fork; start over with a fresh lock and no pool."""
+    global _pool, _pool_lock
+    _pool, _pool_lock = None, threading.Lock()
+
+
+os.register_at_fork(after_in_child=_reset_pool_in_child)
+
+
 def _executor() -> ThreadPoolExecutor:
     """The process's read threads (made anew in a forked child, whose parent's threads are gone)."""
     global _pool

@@ -698,6 +698,10 @@ class SsdTier:
                     pass  # removed since the walk listed it
         return total
 
+    def wait_removals(self) -> None:
+        """Block until the retired segments handed to the background remover so far are deleted."""
+        self._removed.wait()
+
     def close(self) -> None:
         """Close the segment files kept open for reads (they reopen on the next read), once retired
         segments are deleted."""

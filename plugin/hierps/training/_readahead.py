@@ -20,7 +20,7 @@ holds the same keys; otherwise the forward reads for itself.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
 import numpy as np
@@ -108,6 +108,10 @@ class ReadAhead:
             return None
         self.rows_given += int(found.sum())
         return found, rows[found]
+
+    def settle(self) -> None:
+        """Wait until the reads announced have finished (their failures stay for :meth:`rows` to raise)."""
+        wait([read.result for read in self._reads])
 
     def forget(self) -> None:
         """Drop every read (e.g. when the store returns to a checkpoint)."""
