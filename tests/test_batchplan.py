@@ -519,3 +519,50 @@ def test_distinct_and_union_equal_numpy(n):
         assert got.dtype == np.int64 and got.tolist() == np.unique(ids).tolist()
         other = ids.reshape(-1)[::3] + 1
         assert union(ids, other).tolist() == np.union1d(ids, other).tolist()
+
+
+@pytest.mark.parametrize("n", [0, 1, 3, 5_600])
+def test_grouping_of_ids_by_counting_equals_numpy(n):
+    """The compiled grouping of a mini-batch's ids in the pass's keys (positions given or searched)
+    gives numpy's distinct positions, counts, numbering and stable order; an id not among the keys is
+    refused."""
+    from hierps.storage import _native
+    from hierps.training._batchplan import _grouped
+
+    rng = np.random.default_rng(n)
+    keep = np.unique(rng.integers(-(2**63), 2**63 - 1, 3 * n + 5, dtype=np.int64))
+    at = (rng.zipf(1.2, n) % len(keep)).astype(np.int64)
+    ids = keep[at]
+    with _native.disabled():
+        want = _grouped(ids, keep, None)
+    assert want[3] is None
+    order = np.argsort(want[2], kind="stable")
+    for known in (None, at):
+        got = _grouped(ids, keep, known)
+        for g, w in zip(got, (*want[:3], order)):
+            assert g is not None and g.dtype == np.int64 and g.tolist() == w.tolist()
+    if _native.enabled():
+        with pytest.raises(ValueError, match="not among the"):
+            _native.group_ids(np.append(ids, keep[-1] + 1 if keep[-1] < 2**63 - 1 else 0), keep, None)
+
+
+def test_union_positions_equal_numpy_with_or_without_the_compiled_core():
+    from hierps.storage import _native
+    from hierps.training._batchplan import union_positions
+
+    rng = np.random.default_rng(3)
+    batches = [
+        {"a": (rng.zipf(1.2, 700) % 500).astype(np.int64) - 250, "b": rng.integers(0, 2**40, 300)},
+        {"a": np.empty(0, np.int64)},
+        {"b": np.array([2**63 - 1, -(2**63), 7], np.int64)},
+    ]
+    got = union_positions(batches)
+    with _native.disabled():
+        want = union_positions(batches)
+    for t in ("a", "b"):
+        ids = np.concatenate([b[t] for b in batches if t in b])
+        assert got[0][t].tolist() == want[0][t].tolist() == np.unique(ids).tolist()
+    for g, w, b in zip(got[1], want[1], batches):
+        assert g.keys() == w.keys() == b.keys()
+        for t in b:
+            assert g[t].tolist() == w[t].tolist() and got[0][t][g[t]].tolist() == b[t].tolist()

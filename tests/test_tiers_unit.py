@@ -444,3 +444,25 @@ def test_evictions_inserts_and_steps_in_any_order_keep_every_row_where_its_key_s
         else:
             tier.tick()
         check()
+
+
+def test_the_ram_tiers_victims_by_counting_scores_are_those_of_a_stable_sort():
+    """The rows the RAM tier evicts to free ``nbytes``: the first of a stable sort by score whose
+    costs reach it (all if none do), whether the scores are counted (a narrow range) or sorted."""
+    from hierps.tiers._memory import _lowest
+
+    rng = np.random.default_rng(5)
+    for scores in (
+        rng.integers(0, 7, 5_000),  # LRU clocks: many ties, which go in their order
+        rng.integers(3, 900, 2_000),  # with gaps
+        rng.integers(-(2**62), 2**62, 300),  # scattered: sorted
+        np.array([4]),
+    ):
+        scores = scores.astype(np.int64)
+        costs = rng.choice(np.array([57, 93, 121]), len(scores))
+        order = np.argsort(scores, kind="stable")
+        total = int(costs.sum())
+        for nbytes in (-5, 0, 1, 57, total // 3, total // 2 + 1, total - 1, total, total + 10**6):
+            want = np.zeros(len(scores), bool)
+            want[order[: int(np.searchsorted(np.cumsum(costs[order]), nbytes)) + 1]] = True
+            assert _lowest(scores, costs, nbytes).tolist() == want.tolist(), (len(scores), nbytes)

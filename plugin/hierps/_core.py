@@ -440,7 +440,7 @@ class StoreCore:
                     if not d.dirty.any():
                         continue
                     keys, rows = d.keys[d.dirty], d.rows[d.dirty]
-                    order = np.argsort(keys, kind="stable")
+                    order = _ids.distinct_order(keys)  # resident rows: one per key
                     try:
                         self.memory.put(table, keys[order], rows[order], dirty=True, tick=tick)
                     except Exception as exc:

@@ -149,13 +149,17 @@ class _Run:
         self.epoch, self.profile = epoch, profile
         self.profiler = cProfile.Profile() if profile else None
         self.losses: list[float] = []
-        self.t0 = self.cpu0 = 0.0
+        self.t0 = self.cpu0 = self.process0 = 0.0
 
     def steps(self, batches: Iterable[Any]) -> Iterator[Any]:
         """The batches of ``batches``, with the clock (and the profiler) started at the second epoch."""
         for i, batch in enumerate(batches):
             if i == self.epoch:
-                self.t0, self.cpu0 = time.perf_counter(), time.thread_time()
+                self.t0, self.cpu0, self.process0 = (
+                    time.perf_counter(),
+                    time.thread_time(),
+                    time.process_time(),
+                )
                 if self.profiler is not None:
                     self.profiler.enable()
             yield batch
@@ -163,6 +167,7 @@ class _Run:
     def record(self, **extra: Any) -> dict[str, Any]:
         seconds = time.perf_counter() - self.t0
         train_cpu = time.thread_time() - self.cpu0
+        process_cpu = time.process_time() - self.process0
         if self.profiler is not None:
             self.profiler.disable()
         examples = self.epoch * extra.pop("batch_size")
@@ -173,6 +178,8 @@ class _Run:
             # CPU seconds of the training thread alone (a loaded machine stretches wall time)
             "train_thread_cpu_s": train_cpu,
             "examples_per_train_cpu_s": examples / train_cpu,
+            # and of every thread (the training thread's and the background work's: pipeline, reads)
+            "process_cpu_s": process_cpu,
             "losses": self.losses,
             "final_loss": self.losses[-1],
             **extra,

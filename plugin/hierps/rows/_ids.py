@@ -12,6 +12,8 @@ from hierps.errors import InvalidIdsError
 __all__ = [
     "as_int64_array",
     "check_ids_tensor",
+    "distinct",
+    "distinct_order",
     "find_sorted",
     "same_device",
     "sorted_unique",
@@ -101,6 +103,12 @@ def sorted_unique(values: np.ndarray) -> np.ndarray:
     keep[0] = True
     np.not_equal(values[1:], values[:-1], out=keep[1:])
     return values[keep]
+
+
+def distinct_order(keys: np.ndarray) -> np.ndarray:
+    """The permutation sorting distinct ``keys``: ``np.argsort(keys, kind="stable")``, by numpy's
+    default sort, 2x faster for int64 (for distinct keys every sort gives the same permutation)."""
+    return np.argsort(keys)
 
 
 def distinct(values: np.ndarray) -> np.ndarray:

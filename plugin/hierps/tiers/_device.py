@@ -31,7 +31,7 @@ import torch
 
 from hierps._tensors import joined
 from hierps.rows._counters import record_seen
-from hierps.rows._ids import find_sorted
+from hierps.rows._ids import distinct_order, find_sorted
 from hierps.rows._layout import RowLayout
 from hierps.tiers._slot_index import SlotIndex, distinct_ids, hashed
 from hierps.tiers._working_set import Relayout, ResidentKeys
@@ -128,7 +128,7 @@ class _Resident:
         if arena.device.type == "cpu" and hashed():
             self.index = SlotIndex(keys, slots)
         else:
-            order = np.argsort(keys, kind="stable")
+            order = distinct_order(keys)
             self.skeys = torch.from_numpy(keys[order]).to(arena.device)
             self.sslots = torch.from_numpy(slots[order]).to(arena.device)
 

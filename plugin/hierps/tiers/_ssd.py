@@ -310,7 +310,7 @@ class SsdTier:
             self.write_seconds += time.perf_counter() - t0
 
     def _write(self, table: str, keys: np.ndarray, rows: np.ndarray, at: np.ndarray | None) -> None:
-        order = None if _ids.strictly_increasing(keys) else np.argsort(keys, kind="stable")
+        order = None if _ids.strictly_increasing(keys) else _ids.distinct_order(keys)
         if order is not None:
             keys = keys[order]
         where = at if order is None else (order if at is None else at[order])

@@ -31,6 +31,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from hierps.storage import _native
+
 __all__ = [
     "BagIds",
     "Batch",
@@ -609,9 +611,13 @@ def union_positions(
 
 
 def _unique_inverse(ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """``np.unique(ids, return_inverse=True)`` by one stable (radix) argsort: faster for int64."""
+    """``np.unique(ids, return_inverse=True)``: by the compiled core's hashing (only the distinct ids
+    are sorted), else by one stable argsort."""
     if len(ids) == 0:
         return ids.copy(), np.empty(0, np.int64)
+    if _native.enabled():
+        keys, inverse, _ = _native.unique_ids(np.ascontiguousarray(ids, np.int64))
+        return keys.copy(), inverse  # the keys stay with the pass: not a view of the whole buffer
     order = np.argsort(ids, kind="stable")
     ranked = ids[order]
     first = np.empty(len(ids), bool)
@@ -620,6 +626,21 @@ def _unique_inverse(ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     inverse = np.empty(len(ids), np.int64)
     inverse[order] = np.cumsum(first) - 1
     return ranked[first], inverse
+
+
+def _grouped(
+    ids: np.ndarray, keep: np.ndarray, at: np.ndarray | None
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray | None]:
+    """ids (n,) int64, all among ``keep`` (sorted distinct), ``at`` their positions in it if known ->
+    the distinct ids' positions in ``keep`` (u,), their counts (u,), each id's number among them (n,)
+    and, from the compiled core, the ids' order by it (``np.argsort(local, kind="stable")``; None
+    from numpy: the caller sorts if it needs it). By counting, not sorting."""
+    if _native.enabled():
+        return _native.group_ids(ids, np.ascontiguousarray(keep, np.int64), at)
+    at = at if at is not None else np.searchsorted(keep, ids)
+    seen = np.bincount(at, minlength=len(keep))
+    where = np.flatnonzero(seen)
+    return where, seen[where], (np.cumsum(seen > 0) - 1)[at], None
 
 
 def _bag_tensors(bags: tuple[np.ndarray, np.ndarray] | None, device: torch.device) -> dict[str, torch.Tensor]:
@@ -656,20 +677,16 @@ def translate(
             t_offsets = getattr(batch[table], "offsets", None)
             # Dedup through the positions in the pass's sorted keys: counting, no sort.
             known = positions[k].get(table) if positions is not None else None
-            at = known if known is not None else np.searchsorted(keep[table], t_ids)
-            seen = np.bincount(at, minlength=len(keep[table]))
-            where = np.flatnonzero(seen)
+            where, t_counts, t_local, order = _grouped(t_ids, keep[table], known)
             ids.append(t_ids)
             keys.append(keep[table][where])
-            t_local = (np.cumsum(seen > 0) - 1)[at]
             local.append(t_local)
-            t_counts = seen[where]
             counts.append(t_counts.astype(np.float32))
             slots.append(base[table] + where)
             if table in coalesced:  # torch sorts the ids themselves: sort them as it does
                 orders.append(sum_order(torch.from_numpy(t_ids)).numpy())
             else:
-                orders.append(np.argsort(t_local, kind="stable"))
+                orders.append(np.argsort(t_local, kind="stable") if order is None else order)
             starts.append(np.cumsum(t_counts) - t_counts)
             if t_offsets is None:
                 bags.append(None)

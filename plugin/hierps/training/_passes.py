@@ -211,13 +211,9 @@ class PassRunner:
             # This pass is loaded group by group: rows of its later groups are not resident yet, so
             # a read now would take their values from before this pass trains them.
             return
-        group = None  # fits even counting repeats: one group, found on the worker
-        if self._core.device_tier.bytes_for(_id_counts(raw)) > self._core.device_tier.budget:
-            groups, _ = self._planned(raw)
-            if len(groups) != 1:
-                return  # a pass split into groups is loaded group by group as training reaches them
-            group = groups[0]
-        self._pipe.submit_prepare(raw, group, self._core.device_tier.resident_keys())
+        # The worker finds its working set; a pass it does not fit in the device tier is left to
+        # begin_pass, which splits it into groups loaded as training reaches them.
+        self._pipe.submit_prepare(raw, self._core.device_tier.resident_keys())
 
     def end_pass(self) -> None:
         """Close the pass. Without the pipeline its working set is written back now; with it, when

@@ -57,7 +57,8 @@ class PassPipeline:
         self.lock = threading.RLock()
         self._executor: ThreadPoolExecutor | None = None
         self._writebacks: list[Future[None]] = []
-        self._prepared: tuple[list[dict[str, np.ndarray]], Future[ReadAhead]] | None = None  # announced
+        # The pass announced, and its read-ahead (None: its working set is over the device budget).
+        self._prepared: tuple[list[dict[str, np.ndarray]], Future[ReadAhead | None]] | None = None
         self._tasks: list[Future[Any]] = []  # every task not known to have succeeded
         self.prepare_seconds = 0.0
         self.writeback_seconds = 0.0
@@ -120,21 +121,23 @@ class PassPipeline:
             self.wait_seconds += time.perf_counter() - t0
 
     # -- read-ahead ----------------------------------------------------------------------------
-    def submit_prepare(self, batches: list[Ids], group: Ids | None, resident: ResidentKeys) -> None:
+    def submit_prepare(self, batches: list[Ids], resident: ResidentKeys) -> None:
         """Prepare the pass of ``batches`` ({table: ids} per mini-batch) in the background.
 
-        Its working set (``group``, or the union of the batches' ids), the relayout of the device
-        tier from ``resident`` to it, the rows not in ``resident``, and the mini-batches
-        translated into the slots they will have: see :class:`ReadAhead`.
+        Its working set (the union of the batches' ids), the relayout of the device tier from
+        ``resident`` to it, the rows not in ``resident``, and the mini-batches translated into the
+        slots they will have: see :class:`ReadAhead`. A working set over the device budget is
+        prepared no further (:meth:`take` gives None: the pass is split into groups when it begins).
         """
         tick = self._core.memory.tick  # its RAM hits are scored now, however late the worker reads them
-        self._prepared = (batches, self._submit(self._prepare, batches, group, resident, tick))
+        self._prepared = (batches, self._submit(self._prepare, batches, resident, tick))
 
-    def _prepare(self, batches: list[Ids], group: Ids | None, resident: ResidentKeys, tick: int) -> ReadAhead:
+    def _prepare(self, batches: list[Ids], resident: ResidentKeys, tick: int) -> ReadAhead | None:
         t0 = time.perf_counter()
-        positions = None
-        if group is None:
-            group, positions = union_positions(batches)
+        group, positions = union_positions(batches)
+        tier = self._core.device_tier
+        if tier.bytes_for({t: len(k) for t, k in group.items()}) > tier.budget:
+            return None
         relayout = resident.relayout_to(group)
         with self.lock:
             rows = self._core.fetch_many(relayout.missing, touch=True, ahead=True, tick=tick)
@@ -156,6 +159,13 @@ class PassPipeline:
         finally:
             self.wait_seconds += time.perf_counter() - t0
         return fut.result() if same_batches(announced, batches) else None
+
+    def settle(self) -> None:
+        """Wait until the worker is idle (every task submitted so far finished), keeping what was
+        read ahead. A process about to fork calls it, so that no task of this store is mid-way in
+        the parent when the child is made (its threads, and whatever they hold, are not copied)."""
+        if self._tasks:
+            self._wait(list(self._tasks))
 
     def drain(self) -> None:
         """Wait for every background task; the tiers below are then quiet. Raises the first failure

@@ -46,6 +46,7 @@ __all__ = [
     "disabled",
     "enabled",
     "encode_chunks",
+    "group_ids",
     "hardware_crc",
     "match_rows",
     "merge_runs",
@@ -239,3 +240,19 @@ def unique_ids(ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     keys, inverse, counts = out[:n], out[n : 2 * n], out[2 * n :]
     u = _core.unique_ids(ids, keys, inverse, counts)
     return keys[:u], inverse, counts[:u]
+
+
+def group_ids(
+    ids: np.ndarray, keep: np.ndarray, at: np.ndarray | None
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """ids (n,) int64, all among ``keep`` (sorted distinct), ``at`` their positions in it if known ->
+    (where: the distinct ids' positions in ``keep`` (u,), their counts (u,), each id's number among
+    them (n,), ``np.argsort`` of that, stable (n,)) by counting (the compiled core only)."""
+    n = len(ids)
+    out = np.empty(5 * n if at is None else 4 * n, np.int64)
+    local, order, where, counts = out[:n], out[n : 2 * n], out[2 * n : 3 * n], out[3 * n : 4 * n]
+    pos = out[4 * n :] if at is None else np.ascontiguousarray(at, np.int64)
+    u = _core.group_ids(
+        np.ascontiguousarray(ids, np.int64), keep, pos, at is None, local, order, where, counts
+    )
+    return where[:u], counts[:u], local, order

@@ -1161,6 +1161,91 @@ done:
     return result;
 }
 
+/* group_ids(ids, keep, at, search, local, order, where, counts) -> u: a mini-batch's ids of one table
+ * grouped by key, for its plan (hierps.training._batchplan.translate). keep (K,) int64: the pass's keys,
+ * strictly increasing, every id among them; at (n,) int64: each id's position in keep, given, or (search)
+ * found here by binary search and written. Fills where[:u] (the positions in keep of the u distinct ids,
+ * increasing), counts[:u] (their counts), local (n,) (each id's number among them) and order (n,) (the
+ * ids' indices stably sorted by local: np.argsort(local, kind="stable")), by counting, in O(n + K). */
+static PyObject *py_group_ids(PyObject *self, PyObject *args) {
+    PyObject *o_ids, *o_keep, *o_at, *o_local, *o_order, *o_where, *o_counts;
+    int search;
+    if (!PyArg_ParseTuple(args, "OOOpOOOO", &o_ids, &o_keep, &o_at, &search, &o_local, &o_order, &o_where,
+                          &o_counts))
+        return NULL;
+    Buf ids = {0}, keep = {0}, at = {0}, local = {0}, order = {0}, where = {0}, counts = {0};
+    PyObject *result = NULL;
+    int64_t *rank = NULL;
+    if (get_words(o_ids, &ids, 0, "ids") < 0 || get_words(o_keep, &keep, 0, "keep") < 0 ||
+        get_words(o_at, &at, search, "at") < 0 || get_words(o_local, &local, 1, "local") < 0 ||
+        get_words(o_order, &order, 1, "order") < 0 || get_words(o_where, &where, 1, "where") < 0 ||
+        get_words(o_counts, &counts, 1, "counts") < 0)
+        goto done;
+    Py_ssize_t n = NWORDS(ids), k = NWORDS(keep);
+    if (NWORDS(at) != n || NWORDS(local) != n || NWORDS(order) != n || NWORDS(where) != n || NWORDS(counts) != n) {
+        PyErr_SetString(PyExc_ValueError, "group_ids: expected at, local, order, where and counts as long as ids");
+        goto done;
+    }
+    rank = PyMem_Calloc((size_t)(k ? k : 1), sizeof(int64_t));
+    if (!rank) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    const int64_t *x = WORDS(ids), *kp = WORDS(keep);
+    int64_t *a = at.view.buf, *loc = local.view.buf, *ord = order.view.buf, *w = where.view.buf,
+            *c = counts.view.buf;
+    Py_ssize_t bad = -1, u = 0;
+    UNLOCK_IF(32 * n + 16 * k)
+    for (Py_ssize_t i = 0; i < n && bad < 0; i++) {
+        if (search) {
+            Py_ssize_t lo = 0, hi = k;
+            while (lo < hi) {
+                Py_ssize_t mid = lo + (hi - lo) / 2;
+                if (kp[mid] < x[i]) lo = mid + 1;
+                else hi = mid;
+            }
+            a[i] = lo;
+        }
+        if (a[i] < 0 || a[i] >= k || kp[a[i]] != x[i]) bad = i;
+        else rank[a[i]]++;
+    }
+    if (bad < 0) {
+        for (Py_ssize_t j = 0; j < k; j++) { /* counts, then each used key's first place in order */
+            if (rank[j]) {
+                w[u] = j;
+                c[u] = rank[j];
+                rank[j] = u++;
+            }
+        }
+        Py_ssize_t first = 0;
+        for (Py_ssize_t j = 0; j < u; j++) { /* counts[j] becomes key j's first place in order */
+            int64_t cj = c[j];
+            c[j] = first;
+            first += cj;
+        }
+        for (Py_ssize_t i = 0; i < n; i++) {
+            int64_t l = rank[a[i]];
+            loc[i] = l;
+            ord[c[l]++] = i;
+        }
+        for (Py_ssize_t j = u - 1; j > 0; j--) c[j] -= c[j - 1]; /* each run's end, back to its count */
+    }
+    RELOCK if (bad >= 0) PyErr_Format(PyExc_ValueError,
+                                      "group_ids: id %lld (index %zd) is not among the %zd keys given",
+                                      (long long)x[bad], bad, k);
+    else result = PyLong_FromSsize_t(u);
+done:
+    PyMem_Free(rank);
+    release(&ids);
+    release(&keep);
+    release(&at);
+    release(&local);
+    release(&order);
+    release(&where);
+    release(&counts);
+    return result;
+}
+
 /* -- merging sorted runs (hierps.storage._merge) ---------------------------------------------- */
 /* merge_runs(keys, rows, ranks, newest_only, out_keys, out_rows, out_src) -> n: the entries of k parts
  * (keys[i] (n_i,) int64 strictly increasing, rows[i] (n_i, ...) rows of equal bytes, each row
@@ -1286,6 +1371,8 @@ static PyMethodDef methods[] = {
     {"match_rows", py_match_rows, METH_VARARGS,
      "match_rows(block, width, keys, which, found, holder, seg, rows) -> n: a segment's rows to the keys asked; see _core.pyi."},
     {"unique_ids", py_unique_ids, METH_VARARGS, "unique_ids(ids, keys, inverse, counts) -> u: see _core.pyi."},
+    {"group_ids", py_group_ids, METH_VARARGS,
+     "group_ids(ids, keep, at, search, local, order, where, counts) -> u: see _core.pyi."},
     {"merge_runs", py_merge_runs, METH_VARARGS, "Merge sorted parts by key, then rank descending; see _core.pyi."},
     {"encode_chunks", py_encode_chunks, METH_VARARGS,
      "encode_chunks(rows, chunk_rows, first, seed, stride, out, content) -> int: chunks with crc32c and binding tag."},

@@ -152,6 +152,22 @@ def unique_ids(ids: Buffer, keys: Buffer, inverse: Buffer, counts: Buffer) -> in
     returns u, the distinct ids, sorted, in ``keys[:u]`` and their counts in ``counts[:u]`` ((n,) int64
     each), each id's position among them in ``inverse`` (n,) int64."""
 
+def group_ids(
+    ids: Buffer,
+    keep: Buffer,
+    at: Buffer,
+    search: bool,
+    local: Buffer,
+    order: Buffer,
+    where: Buffer,
+    counts: Buffer,
+) -> int:
+    """A mini-batch's ids (n,) int64 of one table grouped by key: ``keep`` (K,) int64, strictly increasing,
+    holds every id; ``at`` (n,) int64 is each id's position in ``keep``, given, or (``search``) found by
+    binary search and written. Returns u, the distinct ids' count; fills ``where[:u]`` (their positions in
+    ``keep``, increasing) and ``counts[:u]``, ``local`` (each id's number among them) and ``order``
+    (``np.argsort(local, kind="stable")``), each (n,) int64. ``ValueError`` for an id not in ``keep``."""
+
 def merge_runs(
     keys: list[Buffer],
     rows: list[Buffer],
