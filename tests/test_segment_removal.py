@@ -1,5 +1,6 @@
 """Retired segments are renamed out of their table's directory at once and deleted in the background
-(:class:`hierps.storage._files.Remover`): the live set, the rows and what is on disk stay as they were."""
+(:class:`hierps.storage._files.Remover`): the live set, the rows and what is on disk stay as they were.
+New segments find their directories made ahead (:class:`hierps.storage._files.Skeletons`)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,8 @@ from pathlib import Path
 
 import numpy as np
 
-from hierps.storage._files import OpenFiles, Remover
+from hierps.storage._files import OpenFiles, Remover, Skeletons
+from hierps.storage._segment import SEGMENT_DIRS
 from hierps.tiers._ssd import SsdTier
 
 T = "t"
@@ -93,3 +95,53 @@ def test_compaction_leaves_only_the_live_set_and_exact_rows_after_a_reopen(tmp_p
     assert found.all() and np.array_equal(rows.view(np.uint32), want.view(np.uint32))
     assert fresh.num_rows(T) == len(keys)
     fresh.close()
+
+
+def test_skeletons_are_made_ahead_and_renamed_into_place(tmp_path):
+    spare = tmp_path / ".spare"
+    trees = Skeletons(spare, ("x/c/0", "y/c"), keep=4)
+    for i in range(1, 8):  # the table's directory made with the first; refills as they are taken
+        assert trees.place(tmp_path / "t" / str(i))
+        assert (tmp_path / "t" / str(i) / "x" / "c" / "0").is_dir() and (
+            tmp_path / "t" / str(i) / "y" / "c"
+        ).is_dir()
+    trees.wait()
+    ahead = trees._asked - trees._taken
+    assert trees.placed == 7 and 2 <= ahead <= 4 and len(list(spare.iterdir())) == ahead
+    (spare / "left-by-a-killed-process" / "x").mkdir(parents=True)
+    trees.empty()
+    assert sorted(p.name.rsplit("-", 1)[0] for p in spare.iterdir()) == [trees._prefix] * ahead
+    assert not trees.place(tmp_path / "t" / "2")  # taken: not placed over it, and that tree deleted
+    assert len(list(spare.iterdir())) == ahead - 1
+    trees.close()
+    assert list(spare.iterdir()) == []
+    assert trees.place(tmp_path / "t" / "8")  # a closed one starts again
+
+
+def test_skeletons_that_cannot_be_made_leave_the_directories_to_the_writer(tmp_path):
+    (tmp_path / "a-file").write_bytes(b"")
+    trees = Skeletons(tmp_path / "a-file" / ".spare", ("x",), keep=4)
+    assert not trees.place(tmp_path / "t" / "1") and not (tmp_path / "t" / "1").exists()
+    trees.close()
+
+
+def test_segments_written_into_directories_made_ahead_read_back_exactly(tmp_path):
+    tier = SsdTier(tmp_path / "ssd", store_id="s")
+    tier.add_table(T, WIDTH)
+    rng = np.random.default_rng(0)
+    written = {}
+    for i in range(6):
+        keys = np.arange(i * 50, i * 50 + 80, dtype=np.int64)  # overlapping: newer rows supersede
+        rows = rng.standard_normal((len(keys), WIDTH)).astype(np.float32)
+        tier.write(T, keys, rows)
+        written.update(zip(keys.tolist(), rows))
+    assert tier._skeletons.placed >= 6  # every segment written (merges too) into a tree made ahead
+    keys = np.array(sorted(written), dtype=np.int64)
+    found, rows = tier.read_many({T: keys})[T]
+    assert found.all()
+    np.testing.assert_array_equal(rows, np.stack([written[k] for k in keys.tolist()]))
+    for seg in _dirs(tier.root, T):
+        for rel in SEGMENT_DIRS:
+            assert (tier.root / T / f"{seg:08d}" / rel).is_dir()
+    tier.close()
+    assert not (tier.root / ".spare").exists() or list((tier.root / ".spare").iterdir()) == []

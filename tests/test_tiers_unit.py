@@ -449,7 +449,7 @@ def test_evictions_inserts_and_steps_in_any_order_keep_every_row_where_its_key_s
 def test_the_ram_tiers_victims_by_counting_scores_are_those_of_a_stable_sort():
     """The rows the RAM tier evicts to free ``nbytes``: the first of a stable sort by score whose
     costs reach it (all if none do), whether the scores are counted (a narrow range) or sorted."""
-    from hierps.tiers._memory import _lowest
+    from hierps.rows._ids import lowest_scored
 
     rng = np.random.default_rng(5)
     for scores in (
@@ -465,4 +465,4 @@ def test_the_ram_tiers_victims_by_counting_scores_are_those_of_a_stable_sort():
         for nbytes in (-5, 0, 1, 57, total // 3, total // 2 + 1, total - 1, total, total + 10**6):
             want = np.zeros(len(scores), bool)
             want[order[: int(np.searchsorted(np.cumsum(costs[order]), nbytes)) + 1]] = True
-            assert _lowest(scores, costs, nbytes).tolist() == want.tolist(), (len(scores), nbytes)
+            assert lowest_scored(scores, costs, nbytes).tolist() == want.tolist(), (len(scores), nbytes)

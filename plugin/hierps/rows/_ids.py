@@ -15,6 +15,7 @@ __all__ = [
     "distinct",
     "distinct_order",
     "find_sorted",
+    "lowest_scored",
     "same_device",
     "sorted_unique",
     "strictly_increasing",
@@ -138,3 +139,29 @@ def find_sorted(sorted_keys: np.ndarray, keys: np.ndarray) -> tuple[np.ndarray, 
         return np.zeros(len(keys), bool), np.zeros(len(keys), np.int64)
     at = np.minimum(at, len(sorted_keys) - 1)
     return sorted_keys[at] == keys, at
+
+
+def lowest_scored(scores: np.ndarray, costs: np.ndarray, nbytes: int) -> np.ndarray:
+    """(n,) bool: the rows a stable sort by ``scores`` (int64) puts first, up to the first whose
+    cumulative ``costs`` reach ``nbytes`` (every row if none does). Scores within a range about the
+    rows' count (LRU clocks, LFU counts) are counted, not sorted: the cost of each score, the score
+    that reaches ``nbytes``, then its rows in order."""
+    n = len(scores)
+    lo = int(scores.min())
+    span = int(scores.max()) - lo + 1
+    out = np.zeros(n, bool)
+    if span > 4 * n + 1024:  # scattered scores: sort them
+        order = np.argsort(scores, kind="stable")
+        out[order[: int(np.searchsorted(np.cumsum(costs[order]), nbytes)) + 1]] = True
+        return out
+    rel = scores - lo
+    cum = np.cumsum(np.bincount(rel, weights=costs, minlength=span))
+    v = int(np.searchsorted(cum, nbytes))  # the first score whose rows, with the lower ones, reach nbytes
+    if v >= span:
+        out[:] = True
+        return out
+    np.less(rel, v, out=out)
+    ties = np.flatnonzero(rel == v)
+    rest = nbytes - (float(cum[v - 1]) if v else 0.0)
+    out[ties[: int(np.searchsorted(np.cumsum(costs[ties]), rest)) + 1]] = True
+    return out

@@ -22,6 +22,7 @@ from hierps.errors import CorruptStoreError, StoreFullError
 
 __all__ = [
     "Remover",
+    "Skeletons",
     "disk_full_as_error",
     "fsync_dir",
     "fsync_tree",
@@ -118,6 +119,112 @@ class Remover:
             pool, self._pool = self._pool, None
         if pool is not None and pool[0] == os.getpid():
             pool[1].shutdown(wait=True)
+
+
+class Skeletons:
+    """Empty directory trees of one shape (``dirs``: relative paths, each with its parents), made ahead
+    in ``spare`` by a thread of their own, so that a writer gets the directories of what it writes by
+    one rename (:meth:`place`) where making them costs one ``mkdir`` each (0.2 ms on a quiet ext4
+    here, a few ms under load): a segment has 8.
+
+    The trees are numbered in the order :meth:`place` takes them, and asked for ``keep`` ahead: the
+    thread makes them in that order, and :meth:`place` waits for its tree if the thread has not made
+    it yet (at most one tree's ``mkdir`` calls), so which calls a run makes, and in which order around
+    a checkpoint (:meth:`wait`), does not depend on timing. A tree that could not be made (a full
+    disk) is not placed: the writer makes its directories and reports the error itself. What a
+    killed process left in ``spare`` goes at :meth:`empty`."""
+
+    def __init__(self, spare: Path, dirs: tuple[str, ...], keep: int = 16) -> None:
+        self.spare, self._dirs, self._keep = spare, dirs, keep
+        self._prefix = uuid.uuid4().hex[:12]  # this process's trees in spare
+        self._cond = threading.Condition()
+        self._asked = 0  # trees asked of the thread: numbers [0, asked)
+        self._taken = 0  # trees placed or passed over: numbers [0, taken)
+        self._made: dict[int, Path | None] = {}  # made and not yet taken (None: could not be made)
+        self._pool: tuple[int, ThreadPoolExecutor] | None = None
+        self.placed = 0  # trees placed so far
+
+    def place(self, path: Path) -> bool:
+        """Rename the next tree to ``path`` (its parent made if missing); False when it could not be
+        made or renamed: the caller makes the directories."""
+        with self._cond:
+            if self._asked - self._taken <= self._keep // 2:
+                self._ask(self._keep - (self._asked - self._taken))
+            k, self._taken = self._taken, self._taken + 1
+            while k not in self._made:
+                self._cond.wait()
+            tree = self._made.pop(k)
+        if tree is None:
+            return False
+        for attempt in (0, 1):
+            try:
+                os.rename(tree, path)
+                break
+            except FileNotFoundError:
+                if attempt == 0 and tree.is_dir():  # the first of its parent's: made, then again
+                    os.makedirs(path.parent, exist_ok=True)
+                    continue
+                shutil.rmtree(tree, ignore_errors=True)
+                return False
+            except OSError:
+                shutil.rmtree(tree, ignore_errors=True)
+                return False
+        self.placed += 1
+        return True
+
+    def _ask(self, count: int) -> None:
+        """(Under the condition's lock.) Have the thread make the next ``count`` trees."""
+        if self._pool is None or self._pool[0] != os.getpid():  # a forked child has no thread
+            self._pool = (os.getpid(), ThreadPoolExecutor(1, thread_name_prefix="hierps-skeletons"))
+        self._pool[1].submit(self._make, self._asked, count)
+        self._asked += count
+
+    def _make(self, first: int, count: int) -> None:
+        failed = False
+        for k in range(first, first + count):
+            made: Path | None = None
+            try:
+                if not failed:
+                    tree = self.spare / f"{self._prefix}-{k}"
+                    try:
+                        self.spare.mkdir(exist_ok=True)
+                        os.mkdir(tree)
+                        for rel in self._dirs:
+                            os.makedirs(tree / rel, exist_ok=True)
+                        made = tree
+                    except Exception:  # e.g. a full disk: the writers make their directories, and say so
+                        shutil.rmtree(tree, ignore_errors=True)
+                        failed = True
+            finally:
+                with self._cond:
+                    self._made[k] = made
+                    self._cond.notify_all()
+
+    def wait(self) -> None:
+        """Block until every tree asked for is made (or could not be)."""
+        with self._cond:
+            while any(k not in self._made for k in range(self._taken, self._asked)):
+                self._cond.wait()
+
+    def empty(self) -> None:
+        """Delete what other processes left in ``spare`` (this one's trees stay ready)."""
+        mine = f"{self._prefix}-"
+        for p in self.spare.iterdir() if self.spare.is_dir() else []:
+            if not p.name.startswith(mine):
+                shutil.rmtree(p, ignore_errors=True)
+
+    def close(self) -> None:
+        """End the thread and delete the trees not taken (a later :meth:`place` starts again)."""
+        with self._cond:
+            pool, self._pool = self._pool, None
+        if pool is not None and pool[0] == os.getpid():
+            pool[1].shutdown(wait=True)
+        with self._cond:
+            made, self._made = self._made, {}
+            self._taken = self._asked  # the next tree asked for is numbered after them
+        for tree in made.values():
+            if tree is not None:
+                shutil.rmtree(tree, ignore_errors=True)
 
 
 def temp_dir_for(path: Path) -> Path:

@@ -35,6 +35,7 @@ from hierps.storage._reads import chunk_positions, read_array, read_arrays
 
 __all__ = [
     "KEY_COLUMNS",
+    "SEGMENT_DIRS",
     "Segment",
     "SegmentWriter",
     "chunk_rows_for",
@@ -42,6 +43,9 @@ __all__ = [
 ]
 
 KEY_COLUMNS = 2  # float32 columns holding a row's int64 key
+# The directories of a segment under its own (what :class:`SegmentWriter`'s arrays make: the rows'
+# 2-D chunk grid, the fences' and the filter's 1-D ones), which a writer may find made ahead.
+SEGMENT_DIRS = ("rows/c/0", "fences/c", "filter/c")
 _PAGE = (
     4 << 10
 )  # inner chunks of at most a page (with their checksum and tag), page-aligned: a lookup reads one page

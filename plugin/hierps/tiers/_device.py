@@ -31,7 +31,7 @@ import torch
 
 from hierps._tensors import joined
 from hierps.rows._counters import record_seen
-from hierps.rows._ids import distinct_order, find_sorted
+from hierps.rows._ids import distinct_order, find_sorted, lowest_scored
 from hierps.rows._layout import RowLayout
 from hierps.tiers._slot_index import SlotIndex, distinct_ids, hashed
 from hierps.tiers._working_set import Relayout, ResidentKeys
@@ -420,12 +420,13 @@ class DeviceTier:
             cost.append(np.full(len(at), arena.width * 4 + ROW_OVERHEAD, np.int64))
         if not used:
             return None
-        used_all = np.concatenate(used)
-        order = np.argsort(used_all, kind="stable")
-        freed = np.cumsum(np.concatenate(cost)[order])
-        if not len(freed) or freed[-1] < least:
+        used_all, cost_all = np.concatenate(used), np.concatenate(cost)
+        total = int(cost_all.sum())
+        if not len(used_all) or total < least:
             return None
-        go = order[: int(np.searchsorted(freed, min(nbytes, int(freed[-1])))) + 1]
+        # The least recently used first (a stable order: slots in order within a clock), until
+        # nbytes are freed: counted, not sorted (the clocks span about the steps since the start).
+        go = lowest_scored(used_all, cost_all, min(nbytes, total))
         slot_all, which_all = np.concatenate(slot), np.concatenate(which)
         names = list(self._tables)
         # Per arena: the leaving slots grouped by table, and where each table's run begins.
@@ -433,12 +434,13 @@ class DeviceTier:
             tuple[int, np.ndarray, np.ndarray, np.ndarray]
         ] = []  # (arena's j, slots, tables, firsts)
         for j in range(len(arenas)):
-            slots = np.sort(slot_all[go[which_all[go] == j]])
+            slots = slot_all[go & (which_all == j)]  # increasing: each arena's candidates are
             if len(slots):
                 tid = owners[j][0][slots]
                 by_table = np.argsort(tid, kind="stable")
-                tids, first = np.unique(tid[by_table], return_index=True)
-                leaving.append((j, slots[by_table], tids, first))
+                ranked = tid[by_table]
+                first = np.flatnonzero(np.concatenate([[True], ranked[1:] != ranked[:-1]]))
+                leaving.append((j, slots[by_table], ranked[first], first))
         self._flush_seen_of([(arenas[j], s) for j, s, _, _ in leaving])
         out: dict[str, DrainedRows] = {}
         for j, slots, tids, first in leaving:

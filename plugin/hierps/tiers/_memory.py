@@ -23,7 +23,7 @@ from typing import Protocol
 import numpy as np
 
 from hierps._faults import fault_point
-from hierps.rows._ids import distinct, find_sorted
+from hierps.rows._ids import distinct, find_sorted, lowest_scored
 
 __all__ = ["MemoryTier", "RowSink", "ram_row_bytes"]
 
@@ -266,7 +266,7 @@ class MemoryTier:
         sizes = [len(self._slabs[t]) for t in tables]
         scores = np.concatenate([self._slabs[t].score[self._slabs[t].slots] for t in tables])
         costs = np.concatenate([np.full(n, self.row_bytes(t)) for t, n in zip(tables, sizes)])
-        victims = _lowest(scores, costs, nbytes)
+        victims = lowest_scored(scores, costs, nbytes)
         ends = np.cumsum(sizes)
         for t, end, n in zip(tables, ends.tolist(), sizes):
             positions = np.flatnonzero(victims[end - n : end])
@@ -365,29 +365,3 @@ class MemoryTier:
     def clear(self) -> None:
         for table in list(self._slabs):
             self.discard(table)
-
-
-def _lowest(scores: np.ndarray, costs: np.ndarray, nbytes: int) -> np.ndarray:
-    """(n,) bool: the rows a stable sort by ``scores`` (int64) puts first, up to the first whose
-    cumulative ``costs`` reach ``nbytes`` (every row if none does). Scores within a range about the
-    rows' count (LRU clocks, LFU counts) are counted, not sorted: the cost of each score, the score
-    that reaches ``nbytes``, then its rows in order."""
-    n = len(scores)
-    lo = int(scores.min())
-    span = int(scores.max()) - lo + 1
-    out = np.zeros(n, bool)
-    if span > 4 * n + 1024:  # scattered scores: sort them
-        order = np.argsort(scores, kind="stable")
-        out[order[: int(np.searchsorted(np.cumsum(costs[order]), nbytes)) + 1]] = True
-        return out
-    rel = scores - lo
-    cum = np.cumsum(np.bincount(rel, weights=costs, minlength=span))
-    v = int(np.searchsorted(cum, nbytes))  # the first score whose rows, with the lower ones, reach nbytes
-    if v >= span:
-        out[:] = True
-        return out
-    np.less(rel, v, out=out)
-    ties = np.flatnonzero(rel == v)
-    rest = nbytes - (float(cum[v - 1]) if v else 0.0)
-    out[ties[: int(np.searchsorted(np.cumsum(costs[ties]), rest)) + 1]] = True
-    return out

@@ -49,11 +49,18 @@ from hierps.errors import StoreFullError
 from hierps.rows import _ids
 from hierps.storage import _native
 from hierps.storage._arrays import Array, encoded_rows_bytes
-from hierps.storage._files import OpenFiles, Remover, disk_full_as_error, fsync_dir, fsync_tree
+from hierps.storage._files import OpenFiles, Remover, Skeletons, disk_full_as_error, fsync_dir, fsync_tree
 from hierps.storage._manifest import SegmentRef
 from hierps.storage._merge import merged, run_rows, runs
 from hierps.storage._reads import read_arrays
-from hierps.storage._segment import KEY_COLUMNS, Segment, SegmentWriter, segment_name, split_block
+from hierps.storage._segment import (
+    KEY_COLUMNS,
+    SEGMENT_DIRS,
+    Segment,
+    SegmentWriter,
+    segment_name,
+    split_block,
+)
 
 __all__ = ["SsdTier"]
 
@@ -80,6 +87,7 @@ _WRITE_SLICE_BYTES = 8 << 20
 _HARD_SEGMENTS = 2
 # Where retired segments go to be deleted (no table's name starts with a dot).
 _TRASH = ".removed"
+_SPARE = ".spare"  # segment directories made ahead (storage._files.Skeletons)
 
 
 # The range a segment whose keys are not known yet is taken to span (asked, it loads its fences).
@@ -126,6 +134,8 @@ class SsdTier:
         weakref.finalize(self, self._files.close)
         # Retired segments leave their table's directory at once and are deleted in the background.
         self._removed = Remover(self.root / _TRASH)
+        # A new segment's 8 directories are made ahead in the background and renamed into place.
+        self._skeletons = Skeletons(self.root / _SPARE, SEGMENT_DIRS)
         self.bytes_read = 0
         self.bytes_written = 0
         self.rows_read = 0
@@ -401,6 +411,7 @@ class SsdTier:
         self._writing.add((table, seg_id))
         try:
             with disk_full_as_error(self.root / name, f"segment {seg_id} of table {table!r}", needed):
+                self._skeletons.place(self.root / name)  # else the writer makes its directories
                 writer = SegmentWriter(
                     self._zstore,
                     self.root,
@@ -602,6 +613,9 @@ class SsdTier:
         """
         if self._sync_error is not None:
             raise self._sync_error
+        # The directories asked for are made before the fsyncs: a checkpoint's file-system calls
+        # come in one order, whatever the timing of the thread making them.
+        self._skeletons.wait()
         try:
             for table, seg in self._unsynced:
                 path = self.root / segment_name(table, seg)
@@ -663,6 +677,7 @@ class SsdTier:
         if not self.root.exists():
             return 0
         self._removed.empty()
+        self._skeletons.empty()
         for tdir in self.root.iterdir():
             if not tdir.is_dir():
                 continue
@@ -706,4 +721,5 @@ class SsdTier:
         """Close the segment files kept open for reads (they reopen on the next read), once retired
         segments are deleted."""
         self._removed.close()
+        self._skeletons.close()
         self._files.close()
