@@ -34,6 +34,11 @@ def test_the_dlrm_ref_bench_reports_every_variant_at_torchs_losses(tmp_path, cap
         assert record["max_loss_diff"] < 1e-5, name
         assert record["final_loss"] == pytest.approx(torch_run["final_loss"], abs=1e-5)
         assert record["vs_torch"] == pytest.approx(record["examples_per_s"] / torch_run["examples_per_s"])
+        # every thread's CPU counts, the training thread's among them
+        assert record["process_cpu_s"] >= record["train_thread_cpu_s"] * 0.999
+        assert record["vs_torch_process_cpu"] == pytest.approx(
+            record["examples_per_process_cpu_s"] / torch_run["examples_per_process_cpu_s"]
+        )
     ssd, ram = variants["hierps-ssd"], variants["hierps-ram"]
     assert ssd["memory_budget"] == "64KiB" and ram["memory_budget"] >= 64 << 20
     assert ssd["rows_memory"] < ssd["distinct_rows"] == ram["distinct_rows"]
