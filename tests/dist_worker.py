@@ -199,4 +199,12 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    finally:
+        import torch.distributed as dist
+
+        # Leave the process group before the interpreter exits: gloo's threads, still running at exit,
+        # can abort the process ("terminate called without an active exception") after its work is done.
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
