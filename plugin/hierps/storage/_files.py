@@ -60,6 +60,33 @@ def fsync_tree(path: Path) -> None:
         fsync_dir(Path(dirpath))
 
 
+class _Thread:
+    """The one background thread of a file-system helper, started at its first task; a forked child
+    (whose parent's threads are gone) starts its own."""
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+        self._pool: tuple[int, ThreadPoolExecutor] | None = None
+
+    def submit(self, fn: Any, *args: Any) -> Future[Any]:
+        if self._pool is None or self._pool[0] != os.getpid():
+            self._pool = (os.getpid(), ThreadPoolExecutor(1, thread_name_prefix=self._name))
+        return self._pool[1].submit(fn, *args)
+
+    def stop(self) -> None:
+        """Wait for the tasks submitted, and end the thread (the next :meth:`submit` starts another)."""
+        pool, self._pool = self._pool, None
+        if pool is not None and pool[0] == os.getpid():
+            pool[1].shutdown(wait=True)
+
+
+def _delete_others(folder: Path, mine: str) -> None:
+    """Delete what is in ``folder`` but the entries named ``<mine>-...`` (left by processes that were killed)."""
+    for p in folder.iterdir() if folder.is_dir() else []:
+        if not p.name.startswith(f"{mine}-"):
+            shutil.rmtree(p, ignore_errors=True)
+
+
 class Remover:
     """Directories deleted in the background: each is renamed into ``trash`` at once (one rename: it
     is gone from where it was listed), then deleted there by a thread of its own.
@@ -76,7 +103,7 @@ class Remover:
         self._count = 0
         self._lock = threading.Lock()
         self._pending: list[Future[None]] = []
-        self._pool: tuple[int, ThreadPoolExecutor] | None = None
+        self._thread = _Thread("hierps-remove")
 
     def remove(self, path: Path) -> None:
         """Delete the directory ``path`` (nothing if it is gone), in the background when it can."""
@@ -93,10 +120,8 @@ class Remover:
             except OSError:
                 shutil.rmtree(path, ignore_errors=True)
                 return
-            if self._pool is None or self._pool[0] != os.getpid():  # a forked child has no thread
-                self._pool = (os.getpid(), ThreadPoolExecutor(1, thread_name_prefix="hierps-remove"))
             self._pending = [f for f in self._pending if not f.done()]
-            self._pending.append(self._pool[1].submit(shutil.rmtree, target, True))
+            self._pending.append(self._thread.submit(shutil.rmtree, target, True))
 
     def wait(self) -> None:
         """Block until every directory handed to :meth:`remove` so far is deleted."""
@@ -107,18 +132,13 @@ class Remover:
     def empty(self) -> None:
         """:meth:`wait`, then delete what else is in ``trash`` (left there by a process that was killed)."""
         self.wait()
-        mine = f"{self._prefix}-"
-        for p in self.trash.iterdir() if self.trash.is_dir() else []:
-            if not p.name.startswith(mine):
-                shutil.rmtree(p, ignore_errors=True)
+        _delete_others(self.trash, self._prefix)
 
     def close(self) -> None:
         """:meth:`wait`, and end the thread (a later :meth:`remove` starts another)."""
         self.wait()
         with self._lock:
-            pool, self._pool = self._pool, None
-        if pool is not None and pool[0] == os.getpid():
-            pool[1].shutdown(wait=True)
+            self._thread.stop()
 
 
 class Skeletons:
@@ -141,7 +161,7 @@ class Skeletons:
         self._asked = 0  # trees asked of the thread: numbers [0, asked)
         self._taken = 0  # trees placed or passed over: numbers [0, taken)
         self._made: dict[int, Path | None] = {}  # made and not yet taken (None: could not be made)
-        self._pool: tuple[int, ThreadPoolExecutor] | None = None
+        self._thread = _Thread("hierps-skeletons")
         self.placed = 0  # trees placed so far
 
     def place(self, path: Path) -> bool:
@@ -156,48 +176,40 @@ class Skeletons:
             tree = self._made.pop(k)
         if tree is None:
             return False
-        for attempt in (0, 1):
+        try:
             try:
                 os.rename(tree, path)
-                break
-            except FileNotFoundError:
-                if attempt == 0 and tree.is_dir():  # the first of its parent's: made, then again
-                    os.makedirs(path.parent, exist_ok=True)
-                    continue
-                shutil.rmtree(tree, ignore_errors=True)
-                return False
-            except OSError:
-                shutil.rmtree(tree, ignore_errors=True)
-                return False
+            except FileNotFoundError:  # a table's first segment: its directory is made first
+                os.makedirs(path.parent, exist_ok=True)
+                os.rename(tree, path)
+        except OSError:
+            shutil.rmtree(tree, ignore_errors=True)
+            return False
         self.placed += 1
         return True
 
     def _ask(self, count: int) -> None:
         """(Under the condition's lock.) Have the thread make the next ``count`` trees."""
-        if self._pool is None or self._pool[0] != os.getpid():  # a forked child has no thread
-            self._pool = (os.getpid(), ThreadPoolExecutor(1, thread_name_prefix="hierps-skeletons"))
-        self._pool[1].submit(self._make, self._asked, count)
+        self._thread.submit(self._make, self._asked, count)
         self._asked += count
 
     def _make(self, first: int, count: int) -> None:
-        failed = False
+        failed = False  # e.g. a full disk: the writers make their directories, and say so
         for k in range(first, first + count):
-            made: Path | None = None
+            tree = None if failed else self.spare / f"{self._prefix}-{k}"
             try:
-                if not failed:
-                    tree = self.spare / f"{self._prefix}-{k}"
+                if tree is not None:
                     try:
                         self.spare.mkdir(exist_ok=True)
                         os.mkdir(tree)
                         for rel in self._dirs:
                             os.makedirs(tree / rel, exist_ok=True)
-                        made = tree
-                    except Exception:  # e.g. a full disk: the writers make their directories, and say so
+                    except Exception:
                         shutil.rmtree(tree, ignore_errors=True)
-                        failed = True
+                        tree, failed = None, True
             finally:
-                with self._cond:
-                    self._made[k] = made
+                with self._cond:  # a waiting place() gets its answer, made or not
+                    self._made[k] = tree
                     self._cond.notify_all()
 
     def wait(self) -> None:
@@ -208,17 +220,11 @@ class Skeletons:
 
     def empty(self) -> None:
         """Delete what other processes left in ``spare`` (this one's trees stay ready)."""
-        mine = f"{self._prefix}-"
-        for p in self.spare.iterdir() if self.spare.is_dir() else []:
-            if not p.name.startswith(mine):
-                shutil.rmtree(p, ignore_errors=True)
+        _delete_others(self.spare, self._prefix)
 
     def close(self) -> None:
         """End the thread and delete the trees not taken (a later :meth:`place` starts again)."""
-        with self._cond:
-            pool, self._pool = self._pool, None
-        if pool is not None and pool[0] == os.getpid():
-            pool[1].shutdown(wait=True)
+        self._thread.stop()
         with self._cond:
             made, self._made = self._made, {}
             self._taken = self._asked  # the next tree asked for is numbered after them

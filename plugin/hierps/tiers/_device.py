@@ -465,8 +465,8 @@ class DeviceTier:
     def _owners(self, arena: _Arena) -> tuple[np.ndarray, np.ndarray]:
         """(owner (n,) int32: the number of the table whose row each slot of ``arena`` holds (in the
         order tables were added), -1 for none; key_of (n,) int64: that row's key), kept from then on
-        by :meth:`insert` and :meth:`evict`."""
-        if arena.owner is None or len(arena.owner) < arena.n:
+        by :meth:`insert` (:meth:`_Arena.own`) and :meth:`evict`."""
+        if arena.owner is None:
             arena.owner = np.full(arena.rows.shape[0], -1, np.int32)
             arena.key_of = np.zeros(arena.rows.shape[0], np.int64)
             for i, r in enumerate(self._tables.values()):
