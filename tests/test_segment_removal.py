@@ -1,6 +1,7 @@
 """Retired segments are renamed out of their table's directory at once and deleted in the background
-(:class:`hierps.storage._files.Remover`): the live set, the rows and what is on disk stay as they were.
-New segments find their directories made ahead (:class:`hierps.storage._files.Skeletons`)."""
+(:class:`hierps.storage._files.Remover`), or written into again: the live set, the rows and what is on
+disk stay as they were. New segments find their directories made ahead, or a retired segment's
+(:class:`hierps.storage._files.Skeletons`)."""
 
 from __future__ import annotations
 
@@ -82,9 +83,13 @@ def test_compaction_leaves_only_the_live_set_and_exact_rows_after_a_reopen(tmp_p
     want = np.stack([oracle[k] for k in keys.tolist()])
     found, rows = tier.read(T, keys)
     assert found.all() and np.array_equal(rows.view(np.uint32), want.view(np.uint32))
+    # Retired trees were written into again (the rows above read back exactly from them).
+    assert tier._skeletons.reused > 0
     recorded = tier.live_set(T)
     tier.close()
-    assert list((tmp_path / ".removed").iterdir()) == []  # deleted by the time the tier is closed
+    removed = tmp_path / ".removed"  # deleted by the time the tier is closed, or never moved there
+    assert not removed.exists() or list(removed.iterdir()) == []
+    assert list((tmp_path / ".spare").iterdir()) == []  # the trees held for reuse, deleted at close
 
     fresh = SsdTier(tmp_path, max_segments=2, store_id="test")
     fresh.add_table(T, WIDTH)
@@ -116,6 +121,34 @@ def test_skeletons_are_made_ahead_and_renamed_into_place(tmp_path):
     trees.close()
     assert list(spare.iterdir()) == []
     assert trees.place(tmp_path / "t" / "8")  # a closed one starts again
+
+
+def test_trees_given_back_are_placed_first_in_their_order_with_their_files_emptied(tmp_path):
+    spare = tmp_path / ".spare"
+    trees = Skeletons(spare, ("x/c/0", "y/c"), keep=2)
+    for i in range(3):
+        tree = tmp_path / "t" / f"old{i}"
+        (tree / "x" / "c" / "0").mkdir(parents=True)
+        (tree / "y" / "c").mkdir(parents=True)
+        (tree / "x" / "c" / "0" / "0").write_bytes(b"rows of old %d" % i)
+        (tree / "y" / "zarr.json").write_bytes(b"{}")
+        # keep=2: the third is not taken, and stays where it was for the caller to delete
+        assert trees.recycle(tree) == (i < 2) and tree.exists() == (i == 2)
+    trees.wait()
+    inodes = [(spare / f"{trees._prefix}-r{i}" / "x" / "c" / "0" / "0").stat().st_ino for i in range(2)]
+    for i in range(2):
+        new = tmp_path / "t" / f"new{i}"
+        assert trees.place(new)
+        assert (new / "x" / "c" / "0" / "0").stat().st_ino == inodes[i]  # the oldest first, files and all
+        assert (new / "x" / "c" / "0" / "0").read_bytes() == b"" and (
+            new / "y" / "zarr.json"
+        ).read_bytes() == b""
+    assert trees.placed == 2 and trees.reused == 2 and trees._asked == 0  # nothing made ahead yet
+    assert trees.place(tmp_path / "t" / "new2") and trees.reused == 2  # none held: one made ahead
+    assert (tmp_path / "t" / "new2" / "y" / "c").is_dir() and list((tmp_path / "t" / "new2").rglob("0")) != []
+    assert trees.recycle(tmp_path / "t" / "new0")
+    trees.close()  # the tree held is deleted with those made ahead
+    assert list(spare.iterdir()) == []
 
 
 def test_skeletons_that_cannot_be_made_leave_the_directories_to_the_writer(tmp_path):

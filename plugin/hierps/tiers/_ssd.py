@@ -134,7 +134,8 @@ class SsdTier:
         weakref.finalize(self, self._files.close)
         # Retired segments leave their table's directory at once and are deleted in the background.
         self._removed = Remover(self.root / _TRASH)
-        # A new segment's 8 directories are made ahead in the background and renamed into place.
+        # A new segment's 8 directories are made ahead in the background and renamed into place, or
+        # a retired segment's tree is (its 6 files emptied).
         self._skeletons = Skeletons(self.root / _SPARE, SEGMENT_DIRS)
         self.bytes_read = 0
         self.bytes_written = 0
@@ -662,10 +663,17 @@ class SsdTier:
         self._files.forget_under(gone.path)
 
     def _retire(self, table: str, seg: int) -> None:
-        """Take a segment out of the live set, deleting it unless a kept checkpoint names it."""
+        """Take a segment out of the live set, deleting it unless a kept checkpoint names it: its tree
+        goes back to the trees new segments are written into (files emptied), or is deleted.
+
+        Nothing reads it any more: reads of the live set hold the tier's lock, as a retirement does,
+        and a merge retires its inputs once it has read them; kept checkpoints' segments, which other
+        readers open, are never retired (they leave through :meth:`collect_garbage`)."""
         self._drop(table, seg)
         if (table, seg) not in self.protected:
-            self._removed.remove(self.root / segment_name(table, seg))
+            path = self.root / segment_name(table, seg)
+            if not self._skeletons.recycle(path):
+                self._removed.remove(path)
             fault_point("ssd.gc_segment")
 
     def collect_garbage(self, keep: set[tuple[str, int]]) -> int:
@@ -704,6 +712,7 @@ class SsdTier:
         """Bytes of the files under the tier's directory now. The pipeline's worker may merge and
         collect segments meanwhile: a file or directory removed during the walk counts as gone."""
         self._removed.wait()  # retired segments still being deleted are gone
+        self._skeletons.wait()  # and those given back to the trees made ahead are emptied
         total = 0
         for folder, _, files in os.walk(self.root):  # a folder removed meanwhile is skipped
             for name in files:
@@ -714,8 +723,10 @@ class SsdTier:
         return total
 
     def wait_removals(self) -> None:
-        """Block until the retired segments handed to the background remover so far are deleted."""
+        """Block until the retired segments handed to the background threads so far are deleted, or
+        emptied to be written into again."""
         self._removed.wait()
+        self._skeletons.wait()
 
     def close(self) -> None:
         """Close the segment files kept open for reads (they reopen on the next read), once retired
