@@ -525,6 +525,70 @@ def test_lookups_match_rows_as_numpy_matches_them(tmp_path):
         assert found.all() and np.array_equal(rows.view(np.uint32), want_all[name][1].view(np.uint32))
 
 
+def test_lookups_of_segments_whose_keys_are_held_equal_lookups_that_read_them(tmp_path, monkeypatch):
+    """The keys of the segments a tier wrote, held in RAM, give the found flags and newest holders
+    (and the chunks that hold the rows) that reading the segments gives: every segment held, none,
+    and only some (the older ones let go), with the segments' live counts as they were."""
+    tier, requests = _overlapping_segments(tmp_path)
+    assert sorted(tier._held_keys) == [(t, s) for t in ("t0", "t1") for _, s in tier.segments(t)]
+    assert tier._held_bytes == sum(k.nbytes for k in tier._held_keys.values())
+    held = dict(tier._held_keys)
+    results = {}
+    for case in ("all", "some", "none"):
+        tier._held_keys.clear()
+        if case != "none":
+            kept = list(held.items())[3 if case == "some" else 0 :]
+            tier._held_keys.update(kept)
+        results[case] = {w: tier._locate(requests, with_rows=w) for w in (True, False)}
+    for case in ("all", "some"):
+        for w in (True, False):
+            for name, (found, holder, rows) in results[case][w].items():
+                w_found, w_holder, w_rows = results["none"][w][name]
+                assert np.array_equal(found, w_found) and np.array_equal(holder, w_holder), (case, w, name)
+                if w:
+                    assert np.array_equal(rows[found].view(np.uint32), w_rows[w_found].view(np.uint32))
+    # Past the allowance, the oldest segments' keys are let go as newer ones come.
+    tier._held_keys.clear()
+    tier._held_keys.update(held)
+    live = {name: tier.num_rows(name) for name in requests}
+    monkeypatch.setattr("hierps.tiers._ssd._HELD_KEYS_BYTES", 6_000 * 8)
+    keys = np.arange(5_000, dtype=np.int64)
+    tier.write("t1", keys, np.zeros((len(keys), 5), np.float32))
+    assert list(tier._held_keys) == [tier.segments("t1")[-1]]
+    assert tier._held_bytes == keys.nbytes
+    assert tier.num_rows("t1") == len(np.union1d(keys, tier.keys("t1"))) and tier.num_rows("t0") == live["t0"]
+    tier.close()
+
+
+def test_find_sorted_equals_numpy():
+    """Positions (numpy's searchsorted, clamped) and found flags of keys in sorted keys: ascending,
+    in any order, repeated, outside the range, against no keys at all."""
+    rng = np.random.default_rng(5)
+    extremes = np.array([np.iinfo(np.int64).min, -1, 0, np.iinfo(np.int64).max], np.int64)
+    for n in (0, 1, 7, 1_000, 40_000):
+        stored = np.unique(np.concatenate([rng.integers(-(10**6), 10**6, n), extremes[: min(n, 4)]]))
+        for m in (0, 1, 33, 5_000):
+            mixed = np.concatenate(
+                [
+                    rng.choice(stored, m // 2) if len(stored) else [],
+                    rng.integers(-(2 * 10**6), 2 * 10**6, m - m // 2),
+                ]
+            )
+            mixed = np.concatenate([mixed.astype(np.int64), extremes])
+            for keys in (np.sort(mixed), mixed, np.repeat(np.sort(mixed), 2)):
+                found, at = np.empty(len(keys), bool), np.empty(len(keys), np.int64)
+                hits = core.find_sorted(stored, keys, found, at)
+                want_at = np.minimum(np.searchsorted(stored, keys), max(len(stored) - 1, 0))
+                want = stored[want_at] == keys if len(stored) else np.zeros(len(keys), bool)
+                assert np.array_equal(at, want_at) and np.array_equal(found, want) and hits == want.sum()
+    with pytest.raises(ValueError, match="one position and one bool per key"):
+        core.find_sorted(stored, stored, np.empty(1, bool), np.empty(len(stored), np.int64))
+    with pytest.raises(TypeError, match="int64"):
+        core.find_sorted(
+            stored.astype(np.int32), stored, np.empty(len(stored), bool), np.empty(len(stored), np.int64)
+        )
+
+
 def test_match_rows_refuses_what_does_not_fit():
     block = np.zeros((4, 2 + 3), np.float32)
     keys, which = np.arange(4, dtype=np.int64), np.arange(4, dtype=np.int64)

@@ -34,7 +34,7 @@ import os
 import shutil
 import time
 import weakref
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
@@ -88,6 +88,10 @@ _HARD_SEGMENTS = 2
 # Where retired segments go to be deleted (no table's name starts with a dot).
 _TRASH = ".removed"
 _SPARE = ".spare"  # segment directories made ahead (storage._files.Skeletons)
+# Keys (8 B each) of the segments this process wrote that stay in RAM, the newest segments' first: a
+# look-up of which segment holds a key (a write-back's, a merge's; no rows read) searches them there
+# instead of reading the segments' chunks. A fixed allowance, whatever the table's size.
+_HELD_KEYS_BYTES = 16 << 20
 
 
 # The range a segment whose keys are not known yet is taken to span (asked, it loads its fences).
@@ -129,6 +133,9 @@ class SsdTier:
         self._writing: set[tuple[str, int]] = set()
         self.next_segment = 1
         self._unsynced: list[tuple[str, int]] = []
+        # The keys of some live segments (see _HELD_KEYS_BYTES), oldest held first, and their bytes.
+        self._held_keys: OrderedDict[tuple[str, int], np.ndarray] = OrderedDict()
+        self._held_bytes = 0
         self._sync_error: OSError | None = None
         self._files = OpenFiles()  # segment files stay open between reads
         weakref.finalize(self, self._files.close)
@@ -229,6 +236,10 @@ class SsdTier:
             rows = np.empty((len(keys), self.widths[table]) if with_rows else (0, 0), np.float32)
             out[table] = (np.zeros(len(keys), bool), np.full(len(keys), -1, np.int64), rows)
         wanted: deque[tuple[str, int, np.ndarray, Segment, np.ndarray]] = deque()
+        # The segments whose keys are held (see _HELD_KEYS_BYTES) are searched in RAM: without rows,
+        # after the reads (table, start, keys, segment); with rows, for the chunks that hold the keys.
+        in_ram: list[tuple[str, int, np.ndarray, int]] = []
+        held = self._held_keys
 
         def reads() -> Iterator[tuple[Array, np.ndarray]]:
             for table, keys in requests.items():
@@ -241,7 +252,16 @@ class SsdTier:
                     hi = np.searchsorted(part, lasts, side="right")
                     for i in np.flatnonzero(hi > lo).tolist():  # newest first
                         seg, a, b = newest_first[i], int(lo[i]), int(hi[i])
-                        which, chunks = seg.candidates(part[a:b])
+                        stored = held.get((table, seg.seg))
+                        if stored is not None and not with_rows:
+                            in_ram.append((table, start + a, part[a:b], seg.seg))
+                            continue
+                        if stored is not None:  # exactly the chunks holding keys asked: no filter's guess
+                            hit, at = _ids.find_sorted(stored, part[a:b])
+                            which = np.flatnonzero(hit)
+                            chunks = _ids.sorted_unique(at[which] // seg.rows_array.chunk_rows)
+                        else:
+                            which, chunks = seg.candidates(part[a:b])
                         if len(chunks):
                             wanted.append((table, start + a, part[a:b], seg, which))
                             yield seg.rows_array, seg.chunk_positions(chunks)
@@ -254,7 +274,35 @@ class SsdTier:
             self._match(blocks, wanted, out, with_rows, native)
         finally:
             blocks.close()  # on an error: the reads in flight end, and their files are released, here
+        for table, start, keys, seg_id in in_ram:
+            stored = held.get((table, seg_id))
+            if stored is None:  # let go meanwhile (a merge looks up without the tier's lock): read it
+                self._locate_in(table, seg_id, start, keys, out)
+                continue
+            found, holder, _ = out[table]
+            hit = _ids.find_sorted(stored, keys)[0]
+            # The newest holder wins, whichever was matched first (segments are numbered as they age).
+            newer = start + np.flatnonzero(
+                hit & ~(found[start : start + len(keys)] & (holder[start : start + len(keys)] > seg_id))
+            )
+            found[newer], holder[newer] = True, seg_id
         return out
+
+    def _locate_in(
+        self,
+        table: str,
+        seg_id: int,
+        start: int,
+        keys: np.ndarray,
+        out: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]],
+    ) -> None:
+        """:meth:`_locate` (no rows) of sorted ``keys`` in one segment, into ``out[table]`` at ``start``:
+        a key found there is held by it unless a newer segment holds it."""
+        found, holder, _ = self._locate({table: keys}, with_rows=False, among={table: [seg_id]})[table]
+        at_found, at_holder, _ = out[table]
+        end = start + len(keys)
+        newer = start + np.flatnonzero(found & ~(at_found[start:end] & (at_holder[start:end] > seg_id)))
+        at_found[newer], at_holder[newer] = True, seg_id
 
     def _match(
         self,
@@ -332,6 +380,7 @@ class SsdTier:
         )
         found, holder, _ = self._locate({table: keys}, with_rows=False)[table]
         seg = self._write_segment(table, parts, len(keys), keep_index=True)
+        self._hold_keys(seg, keys)
         self._supersede(table, holder[found])
         self._set_live(table, seg.seg, seg.n)
         self.settle(table)
@@ -378,6 +427,16 @@ class SsdTier:
     def _set_live(self, table: str, seg: int, live: int) -> None:
         self._rows[table] = self._rows.get(table, 0) + live - self._live.get((table, seg), 0)
         self._live[(table, seg)] = live
+
+    def _hold_keys(self, seg: Segment, keys: np.ndarray) -> None:
+        """Keep sorted unique ``keys``, every key the new segment ``seg`` holds, in RAM (see
+        :data:`_HELD_KEYS_BYTES`), letting the oldest held go past the allowance."""
+        if seg.n != len(keys) or keys.nbytes > _HELD_KEYS_BYTES or seg.n == 0:
+            return
+        self._held_keys[(seg.table, seg.seg)] = keys
+        self._held_bytes += keys.nbytes
+        while self._held_bytes > _HELD_KEYS_BYTES:
+            self._held_bytes -= self._held_keys.popitem(last=False)[1].nbytes
 
     def _supersede(self, table: str, holders: np.ndarray) -> None:
         """The newest rows of some keys left segments ``holders`` (one entry per key)."""
@@ -564,8 +623,9 @@ class SsdTier:
     ) -> int:
         """Write the merged segment (without the lock), then swap it in (with it)."""
         table = merge.table
+        kept: list[np.ndarray] | None = [] if 8 * merge.live <= _HELD_KEYS_BYTES else None
         try:
-            parts = self._live_parts(table, merge.inputs, merge.newer, drop)
+            parts = self._live_parts(table, merge.inputs, merge.newer, drop, kept)
             out = self._write_segment(table, parts, max(merge.live, 1), seg_id=merge.out)
         except BaseException:
             self._merging.discard(table)
@@ -577,6 +637,8 @@ class SsdTier:
                 superseded = merge.live - sum(self._live[(table, s.seg)] for s in merge.inputs)
                 self._register(out)
                 self._set_live(table, out.seg, out.n - superseded)
+                if kept is not None and sum(len(k) for k in kept) <= _HELD_KEYS_BYTES // 8:
+                    self._hold_keys(out, np.concatenate(kept) if kept else np.empty(0, np.int64))
                 for s in merge.inputs:
                     self._set_live(table, s.seg, 0)
                     self._retire(table, s.seg)
@@ -589,10 +651,15 @@ class SsdTier:
         return out.n
 
     def _live_parts(
-        self, table: str, inputs: list[Segment], newer: list[int], drop: np.ndarray | None
+        self,
+        table: str,
+        inputs: list[Segment],
+        newer: list[int],
+        drop: np.ndarray | None,
+        kept: list[np.ndarray] | None = None,
     ) -> Iterator[tuple[np.ndarray, np.ndarray]]:
         """The rows of ``inputs`` that are the newest of their key: not in a ``newer`` segment outside
-        the merge (nor in ``drop``), by key."""
+        the merge (nor in ``drop``), by key; their keys also appended to ``kept`` if given."""
         for keys, rows, seg in merged(inputs, self.widths[table]):
             keep = np.ones(len(keys), bool)
             if drop is not None and len(drop):
@@ -602,6 +669,8 @@ class SsdTier:
                 keep &= ~(found & (holder > seg))
             self.rows_read += len(keys)
             if keep.any():
+                if kept is not None:
+                    kept.append(keys[keep])
                 yield keys[keep], rows[keep]
 
     # -- durability ---------------------------------------------------------------------------
@@ -658,6 +727,8 @@ class SsdTier:
     def _drop(self, table: str, seg: int) -> None:
         """Take a segment out of the live set (its files stay)."""
         gone = self._segs[table].pop(seg)
+        held = self._held_keys.pop((table, seg), None)
+        self._held_bytes -= 0 if held is None else held.nbytes
         self._set_live(table, seg, 0)
         self._live.pop((table, seg), None)
         self._files.forget_under(gone.path)

@@ -46,6 +46,7 @@ __all__ = [
     "disabled",
     "enabled",
     "encode_chunks",
+    "find_sorted",
     "group_ids",
     "hardware_crc",
     "match_rows",
@@ -230,6 +231,14 @@ def match_rows(
 ) -> int:
     """:func:`._core.match_rows` (the compiled core only)."""
     return _core.match_rows(block, width, keys, which, found, holder, seg, rows)
+
+
+def find_sorted(sorted_keys: np.ndarray, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """sorted_keys (n,) int64 ascending, keys (m,) int64 -> (found (m,) bool, at (m,) int64): see
+    :func:`hierps.rows._ids.find_sorted` (the compiled core only)."""
+    found, at = np.empty(len(keys), bool), np.empty(len(keys), np.int64)
+    _core.find_sorted(sorted_keys, keys, found, at)
+    return found, at
 
 
 def unique_ids(ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -1354,6 +1354,60 @@ static PyObject *py_set_hardware(PyObject *self, PyObject *arg) {
     return PyBool_FromLong(prev);
 }
 
+/* find_sorted(sorted_keys, keys, found, at) -> hits: where each of keys (m,) int64 stands in sorted_keys
+ * (n,) int64 ascending: at[i] = the first position whose key is >= keys[i] (numpy's searchsorted, side
+ * left), clamped to n - 1 (0 when n == 0), found[i] = sorted_keys[at[i]] == keys[i]. Keys in ascending
+ * order (a mini-batch's, a lookup's) are searched from where the one before stopped, by steps that
+ * double, then halve: O(m log(n / m)) where a search each costs O(m log n). */
+static PyObject *py_find_sorted(PyObject *self, PyObject *args) {
+    PyObject *o_sorted, *o_keys, *o_found, *o_at;
+    if (!PyArg_ParseTuple(args, "OOOO", &o_sorted, &o_keys, &o_found, &o_at)) return NULL;
+    Buf sorted = {0}, keys = {0}, found = {0}, at = {0};
+    PyObject *result = NULL;
+    if (get_words(o_sorted, &sorted, 0, "sorted_keys") < 0 || get_words(o_keys, &keys, 0, "keys") < 0 ||
+        get_bytes(o_found, &found, 1, "found") < 0 || get_words(o_at, &at, 1, "at") < 0)
+        goto done;
+    Py_ssize_t n = NWORDS(sorted), m = NWORDS(keys);
+    if (NWORDS(at) != m || found.view.len != m) {
+        PyErr_SetString(PyExc_ValueError, "find_sorted: expected one position and one bool per key");
+        goto done;
+    }
+    const int64_t *s = WORDS(sorted), *k = WORDS(keys);
+    int64_t *a = at.view.buf;
+    unsigned char *f = found.view.buf;
+    Py_ssize_t hits = 0;
+    UNLOCK_IF(8 * m) Py_ssize_t pos = 0;
+    for (Py_ssize_t i = 0; i < m; i++) {
+        int64_t key = k[i];
+        Py_ssize_t lo = (i > 0 && key >= k[i - 1]) ? pos : 0, step = 1;
+        /* Every key below lo is < key. Gallop: skip runs of keys < key, doubling. */
+        while (lo + step <= n && s[lo + step - 1] < key) {
+            lo += step;
+            step <<= 1;
+        }
+        Py_ssize_t hi = lo + step - 1 < n ? lo + step - 1 : n; /* the answer is in [lo, hi] */
+        while (lo < hi) {
+            Py_ssize_t mid = lo + (hi - lo) / 2;
+            if (s[mid] < key)
+                lo = mid + 1;
+            else
+                hi = mid;
+        }
+        pos = lo;
+        Py_ssize_t c = n == 0 ? 0 : (pos < n ? pos : n - 1);
+        a[i] = c;
+        f[i] = n > 0 && s[c] == key;
+        hits += f[i];
+    }
+    RELOCK result = PyLong_FromSsize_t(hits);
+done:
+    release(&sorted);
+    release(&keys);
+    release(&found);
+    release(&at);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"crc32c", py_crc32c, METH_VARARGS, "crc32c(data, value=0) -> int: the crc32c of data, continuing value."},
     {"check_gather", (PyCFunction)(void (*)(void))py_check_gather, METH_VARARGS | METH_KEYWORDS,
@@ -1370,6 +1424,8 @@ static PyMethodDef methods[] = {
     {"slot_drop", py_slot_drop, METH_VARARGS, "slot_drop(index, keys) -> n: remove keys; see _core.pyi."},
     {"match_rows", py_match_rows, METH_VARARGS,
      "match_rows(block, width, keys, which, found, holder, seg, rows) -> n: a segment's rows to the keys asked; see _core.pyi."},
+    {"find_sorted", py_find_sorted, METH_VARARGS,
+     "find_sorted(sorted_keys, keys, found, at) -> hits: where keys stand in sorted keys; see _core.pyi."},
     {"unique_ids", py_unique_ids, METH_VARARGS, "unique_ids(ids, keys, inverse, counts) -> u: see _core.pyi."},
     {"group_ids", py_group_ids, METH_VARARGS,
      "group_ids(ids, keep, at, search, local, order, where, counts) -> u: see _core.pyi."},

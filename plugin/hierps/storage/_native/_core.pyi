@@ -147,6 +147,13 @@ def match_rows(
     ``rows`` (n, width) float32 at that position = the block row's weights. Returns how many it found
     (as ``hierps.tiers._ssd.SsdTier._locate_slice``'s numpy code)."""
 
+def find_sorted(sorted_keys: Buffer, keys: Buffer, found: Buffer, at: Buffer) -> int:
+    """Where ``keys`` (m,) int64 stand in ``sorted_keys`` (n,) int64 ascending: ``at`` (m,) int64 the
+    first position whose key is not below each (``np.searchsorted``, side left) clamped to ``n - 1``
+    (0 when ``n`` is 0), ``found`` (m,) bool where that position holds the key. Returns how many were
+    found (as ``hierps.rows._ids.find_sorted``'s numpy code). Ascending keys are searched from where the
+    one before stopped."""
+
 def unique_ids(ids: Buffer, keys: Buffer, inverse: Buffer, counts: Buffer) -> int:
     """``torch.unique(ids, sorted=True, return_inverse=True, return_counts=True)`` of ``ids`` (n,) int64:
     returns u, the distinct ids, sorted, in ``keys[:u]`` and their counts in ``counts[:u]`` ((n,) int64
