@@ -125,14 +125,14 @@ def test_skeletons_are_made_ahead_and_renamed_into_place(tmp_path):
 
 def test_trees_given_back_are_placed_first_in_their_order_with_their_files_emptied(tmp_path):
     spare = tmp_path / ".spare"
-    trees = Skeletons(spare, ("x/c/0", "y/c"), keep=2)
+    trees = Skeletons(spare, ("x/c/0", "y/c"), keep=4, hold=2)
     for i in range(3):
         tree = tmp_path / "t" / f"old{i}"
         (tree / "x" / "c" / "0").mkdir(parents=True)
         (tree / "y" / "c").mkdir(parents=True)
         (tree / "x" / "c" / "0" / "0").write_bytes(b"rows of old %d" % i)
         (tree / "y" / "zarr.json").write_bytes(b"{}")
-        # keep=2: the third is not taken, and stays where it was for the caller to delete
+        # hold=2: the third is not taken, and stays where it was for the caller to delete
         assert trees.recycle(tree) == (i < 2) and tree.exists() == (i == 2)
     trees.wait()
     inodes = [(spare / f"{trees._prefix}-r{i}" / "x" / "c" / "0" / "0").stat().st_ino for i in range(2)]

@@ -163,8 +163,8 @@ class Skeletons:
     a ``mkdir`` or file here, 14 of them a segment), and deleting one costs about a third of that.
     """
 
-    def __init__(self, spare: Path, dirs: tuple[str, ...], keep: int = 16) -> None:
-        self.spare, self._dirs, self._keep = spare, dirs, keep
+    def __init__(self, spare: Path, dirs: tuple[str, ...], keep: int = 16, hold: int = 64) -> None:
+        self.spare, self._dirs, self._keep, self._hold = spare, dirs, keep, hold
         self._prefix = uuid.uuid4().hex[:12]  # this process's trees in spare
         self._cond = threading.Condition()
         self._asked = 0  # trees asked of the thread: numbers [0, asked)
@@ -209,9 +209,10 @@ class Skeletons:
 
     def recycle(self, path: Path) -> bool:
         """Take back the tree at ``path`` (of this shape; the files in it are emptied), to be placed
-        again; False when ``keep`` trees are held already or it cannot be moved: the caller deletes it."""
+        again; False when ``hold`` trees are held already or it cannot be moved: the caller deletes it.
+        (A merge retires its inputs together: more than a write-back takes at once.)"""
         with self._cond:
-            if len(self._recycled) >= self._keep:
+            if len(self._recycled) >= self._hold:
                 return False
             target = self.spare / f"{self._prefix}-r{self._returned}"
             try:
