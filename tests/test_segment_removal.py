@@ -5,6 +5,7 @@ disk stay as they were. New segments find their directories made ahead, or a ret
 
 from __future__ import annotations
 
+from collections import deque
 from pathlib import Path
 
 import numpy as np
@@ -46,6 +47,22 @@ def test_remover_renames_at_once_and_deletes_in_the_background(tmp_path):
     remover.remove(tmp_path / "after-close")  # a closed remover starts another thread
     remover.close()
     assert not (tmp_path / "after-close").exists() and list(trash.iterdir()) == []
+
+
+def test_large_retired_segments_are_deleted_not_written_into_again(tmp_path, monkeypatch):
+    monkeypatch.setattr("hierps.tiers._ssd._RECYCLE_BYTES", 400 * 4 * (WIDTH + 2) - 1)  # under a segment
+    tier = SsdTier(tmp_path, max_segments=2, store_id="test")
+    tier.add_table(T, WIDTH)
+    tier.collect_garbage(set())
+    rng = np.random.default_rng(1)
+    for _ in range(6):
+        keys = rng.choice(3000, 400, replace=False).astype(np.int64)
+        tier.write(T, keys, rng.standard_normal((len(keys), WIDTH)).astype(np.float32))
+        tier.compact(T)
+    tier.wait_removals()
+    assert tier._skeletons.reused == 0 and tier._skeletons._recycled == deque()
+    assert list((tmp_path / ".removed").iterdir()) == []  # deleted, in the background
+    tier.close()
 
 
 def test_forget_under_closes_only_the_files_below(tmp_path):

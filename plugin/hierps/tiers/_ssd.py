@@ -92,6 +92,8 @@ _SPARE = ".spare"  # segment directories made ahead (storage._files.Skeletons)
 # look-up of which segment holds a key (a write-back's, a merge's; no rows read) searches them there
 # instead of reading the segments' chunks. A fixed allowance, whatever the table's size.
 _HELD_KEYS_BYTES = 16 << 20
+# Retired segments of at most this many bytes of rows give their trees to new segments (Skeletons).
+_RECYCLE_BYTES = 32 << 20
 
 
 # The range a segment whose keys are not known yet is taken to span (asked, it loads its fences).
@@ -740,10 +742,13 @@ class SsdTier:
         Nothing reads it any more: reads of the live set hold the tier's lock, as a retirement does,
         and a merge retires its inputs once it has read them; kept checkpoints' segments, which other
         readers open, are never retired (they leave through :meth:`collect_garbage`)."""
+        rows_bytes = self._segs[table][seg].n * 4 * (self.widths[table] + KEY_COLUMNS)
         self._drop(table, seg)
         if (table, seg) not in self.protected:
             path = self.root / segment_name(table, seg)
-            if not self._skeletons.recycle(path):
+            # A large tree is deleted in the background: emptying its files would hold up the
+            # writer that takes it, and making its few files again costs little beside its bytes.
+            if rows_bytes > _RECYCLE_BYTES or not self._skeletons.recycle(path):
                 self._removed.remove(path)
             fault_point("ssd.gc_segment")
 
