@@ -195,3 +195,28 @@ def test_segments_written_into_directories_made_ahead_read_back_exactly(tmp_path
             assert (tier.root / T / f"{seg:08d}" / rel).is_dir()
     tier.close()
     assert not (tier.root / ".spare").exists() or list((tier.root / ".spare").iterdir()) == []
+
+
+def test_a_written_segment_reads_through_the_array_its_writer_describes(tmp_path):
+    """A write-back's segment is read through the rows' array as its writer describes it (nothing
+    read back to open it): what opening it from disk gives, chunk for chunk."""
+    tier = SsdTier(tmp_path, store_id="test")
+    tier.add_table(T, WIDTH)
+    rng = np.random.default_rng(3)
+    for n in (1, 40, 1_000):  # one chunk, a partial last chunk, many
+        keys = np.sort(rng.choice(10**6, n, replace=False)).astype(np.int64)
+        rows = rng.standard_normal((n, WIDTH)).astype(np.float32)
+        tier.write(T, keys, rows)
+        seg = tier._segs[T][max(tier._segs[T])]
+        described = seg._rows
+        assert described is not None  # preloaded by the write
+        seg._rows = None
+        opened = seg.rows_array  # opened from disk
+        for field in ("path", "shape", "dtype", "chunk_rows", "chunks_per_file", "files", "seed", "identity"):
+            assert getattr(described, field) == getattr(opened, field), field
+        chunks = np.arange(opened.n_chunks, dtype=np.int64)
+        assert np.array_equal(described.chunk_offsets(chunks), opened.chunk_offsets(chunks))
+        seg._rows = described
+        found, got = tier.read(T, keys)
+        assert found.all() and np.array_equal(got.view(np.uint32), rows.view(np.uint32))
+    tier.close()

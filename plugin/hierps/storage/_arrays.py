@@ -220,6 +220,7 @@ class ArrayWriter:
         # chunk of at most a page then costs one page read, not two.
         self._stride = -(-(self._payload + TRAILER) // align) * align
         self._seed = identity_seed(identity)
+        self._identity = identity
         self._block_point = block_point
         self._partial = np.empty((0, self._row_bytes), np.uint8)
         self._fd: int | None = None
@@ -325,6 +326,25 @@ class ArrayWriter:
             _write_all(fd, np.frombuffer(json.dumps(meta).encode("utf-8"), np.uint8))
         finally:
             os.close(fd)
+
+    def written(self) -> Array | None:
+        """Once closed, the array as :func:`open_array` opens it, without reading it back; None when
+        it has no chunk."""
+        if self._chunks == 0:
+            return None
+        file = self.path / "c" / "/".join(["0"] * (1 + len(self._rest)))
+        return Array(
+            self.path,
+            (self.n, *self._rest),
+            self._dtype,
+            self._chunk_rows,
+            self._chunks,
+            (file,),
+            np.empty(0, np.int64),
+            self._seed,
+            self._identity,
+            stride=self._stride,
+        )
 
 
 def make_dir(path: Path) -> None:

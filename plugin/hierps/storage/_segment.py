@@ -91,7 +91,7 @@ class SegmentWriter:
         # With keep_index, the filter's words as written, for :meth:`index` (a small segment's: a
         # large one is written in bounded memory).
         self._kept: list[np.ndarray] | None = [] if keep_index else None
-        self._index: tuple[np.ndarray, np.ndarray, int] | None = None
+        self._index: tuple[np.ndarray, np.ndarray, int, Array | None] | None = None
         self._store_id = store_id
         self.chunk_rows = chunk_rows_for(width)
         make_dir(root / name)
@@ -190,13 +190,13 @@ class SegmentWriter:
         out.append(fences)
         out.close()
         if self._kept is not None and self._last is not None:
-            self._index = (fences, np.concatenate(self._kept), self._last)
+            self._index = (fences, np.concatenate(self._kept), self._last, self._rows.written())
         return self.n, fences_check(fences)
 
     @property
-    def index(self) -> tuple[np.ndarray, np.ndarray, int] | None:
-        """Once closed, with ``keep_index`` and rows: the fences and filter words written and the last
-        key (what :meth:`Segment.preload` takes), else None."""
+    def index(self) -> tuple[np.ndarray, np.ndarray, int, Array | None] | None:
+        """Once closed, with ``keep_index`` and rows: the fences and filter words written, the last
+        key and the rows' array as opened (what :meth:`Segment.preload` takes), else None."""
         return self._index
 
 
@@ -335,10 +335,12 @@ class Segment:
         """Record its first and last keys, as its writer saw them."""
         self._range = (first, last)
 
-    def preload(self, fences: np.ndarray, filt: np.ndarray, last: int) -> None:
-        """Hold the fences, filter words and last key its writer just wrote (:attr:`SegmentWriter.index`)
-        instead of reading them back at the first lookup."""
+    def preload(self, fences: np.ndarray, filt: np.ndarray, last: int, rows: Array | None) -> None:
+        """Hold the fences, filter words, last key and rows' array its writer just wrote
+        (:attr:`SegmentWriter.index`) instead of reading them back at the first lookup."""
         self._fences, self._filter, self._last = fences, filt, last
+        if rows is not None and rows.shape == (self.n, self.width + KEY_COLUMNS):
+            self._rows = rows
         self._range = (int(fences[0]), last)
 
     def unload(self) -> None:

@@ -258,12 +258,14 @@ class SsdTier:
                         if stored is not None and not with_rows:
                             in_ram.append((table, start + a, part[a:b], seg.seg))
                             continue
-                        if stored is not None:  # exactly the chunks holding keys asked: no filter's guess
+                        if stored is not None:  # exactly the rows of the keys asked: no filter's guess
                             hit, at = _ids.find_sorted(stored, part[a:b])
                             which = np.flatnonzero(hit)
-                            chunks = _ids.sorted_unique(at[which] // seg.rows_array.chunk_rows)
-                        else:
-                            which, chunks = seg.candidates(part[a:b])
+                            if len(which):
+                                wanted.append((table, start + a, part[a:b], seg, which))
+                                yield seg.rows_array, at[which]
+                            continue
+                        which, chunks = seg.candidates(part[a:b])
                         if len(chunks):
                             wanted.append((table, start + a, part[a:b], seg, which))
                             yield seg.rows_array, seg.chunk_positions(chunks)
