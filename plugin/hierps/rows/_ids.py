@@ -134,26 +134,11 @@ def find_sorted(sorted_keys: np.ndarray, keys: np.ndarray) -> tuple[np.ndarray, 
     ``at`` is a valid index into ``sorted_keys`` (clamped to its last row; 0 when it is empty), so
     ``sorted_keys[at[found]] == keys[found]`` and ``rows[at[found]]`` gathers what was found.
     """
-    native = _native_core()
-    if native.enabled() and sorted_keys.dtype == np.int64 and keys.dtype == np.int64:
-        return native.find_sorted(np.ascontiguousarray(sorted_keys), np.ascontiguousarray(keys))
     at = np.searchsorted(sorted_keys, keys)
     if len(sorted_keys) == 0:
         return np.zeros(len(keys), bool), np.zeros(len(keys), np.int64)
     at = np.minimum(at, len(sorted_keys) - 1)
     return sorted_keys[at] == keys, at
-
-
-_NATIVE: list[Any] = []  # [hierps.storage._native], set at the first call
-
-
-def _native_core() -> Any:
-    """:mod:`hierps.storage._native`, imported at the first use (the storage package imports this module)."""
-    if not _NATIVE:
-        from hierps.storage import _native
-
-        _NATIVE.append(_native)
-    return _NATIVE[0]
 
 
 def lowest_scored(scores: np.ndarray, costs: np.ndarray, nbytes: int) -> np.ndarray:

@@ -31,8 +31,9 @@ import torch
 
 from hierps._tensors import joined
 from hierps.rows._counters import record_seen
-from hierps.rows._ids import distinct_order, find_sorted, lowest_scored
+from hierps.rows._ids import distinct_order, lowest_scored
 from hierps.rows._layout import RowLayout
+from hierps.storage._native import find_sorted
 from hierps.tiers._slot_index import SlotIndex, distinct_ids, hashed
 from hierps.tiers._working_set import Relayout, ResidentKeys
 

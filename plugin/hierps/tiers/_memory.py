@@ -23,7 +23,8 @@ from typing import Protocol
 import numpy as np
 
 from hierps._faults import fault_point
-from hierps.rows._ids import distinct, find_sorted, lowest_scored
+from hierps.rows._ids import distinct, lowest_scored
+from hierps.storage._native import find_sorted
 
 __all__ = ["MemoryTier", "RowSink", "ram_row_bytes"]
 

@@ -259,7 +259,7 @@ class SsdTier:
                             in_ram.append((table, start + a, part[a:b], seg.seg))
                             continue
                         if stored is not None:  # exactly the rows of the keys asked: no filter's guess
-                            hit, at = _ids.find_sorted(stored, part[a:b])
+                            hit, at = _native.find_sorted(stored, part[a:b])
                             which = np.flatnonzero(hit)
                             if len(which):
                                 wanted.append((table, start + a, part[a:b], seg, which))
@@ -284,7 +284,7 @@ class SsdTier:
                 self._locate_in(table, seg_id, start, keys, out)
                 continue
             found, holder, _ = out[table]
-            hit = _ids.find_sorted(stored, keys)[0]
+            hit = _native.find_sorted(stored, keys)[0]
             # The newest holder wins, whichever was matched first (segments are numbered as they age).
             newer = start + np.flatnonzero(
                 hit & ~(found[start : start + len(keys)] & (holder[start : start + len(keys)] > seg_id))
@@ -329,7 +329,7 @@ class SsdTier:
                 )
                 continue
             stored, stored_rows = split_block(block)
-            hit, at = _ids.find_sorted(stored, keys[which])
+            hit, at = _native.find_sorted(stored, keys[which])
             fresh = hit & ~found[start + which]  # newest first: an older copy is stale
             dest = start + which[fresh]
             found[dest], holder[dest] = True, seg.seg

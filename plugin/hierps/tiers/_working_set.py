@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from hierps.rows._ids import find_sorted
+from hierps.storage._native import find_sorted
 
 __all__ = ["Relayout", "ResidentKeys"]
 

@@ -26,7 +26,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from hierps._core import StoreCore
-from hierps.rows._ids import distinct, find_sorted
+from hierps.rows._ids import distinct
+from hierps.storage._native import find_sorted
 
 __all__ = ["ReadAhead"]
 

@@ -26,6 +26,8 @@ from typing import TYPE_CHECKING
 import crc32c as _crc32c
 import numpy as np
 
+from hierps.rows import _ids
+
 try:
     from hierps.storage._native import _core
 except ImportError as exc:  # built without a C compiler: the numpy code serves
@@ -234,10 +236,13 @@ def match_rows(
 
 
 def find_sorted(sorted_keys: np.ndarray, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """sorted_keys (n,) int64 ascending, keys (m,) int64 -> (found (m,) bool, at (m,) int64): see
-    :func:`hierps.rows._ids.find_sorted` (the compiled core only)."""
+    """:func:`hierps.rows._ids.find_sorted` (where ``keys`` (m,) stand in ``sorted_keys`` (n,)
+    ascending: found (m,) bool, at (m,) int64), by the compiled core where it serves and both are
+    int64."""
+    if not _on or sorted_keys.dtype != np.int64 or keys.dtype != np.int64:
+        return _ids.find_sorted(sorted_keys, keys)
     found, at = np.empty(len(keys), bool), np.empty(len(keys), np.int64)
-    _core.find_sorted(sorted_keys, keys, found, at)
+    _core.find_sorted(np.ascontiguousarray(sorted_keys), np.ascontiguousarray(keys), found, at)
     return found, at
 
 
