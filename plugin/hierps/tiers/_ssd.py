@@ -113,6 +113,18 @@ def _ranges(segments: list[Segment]) -> tuple[np.ndarray, np.ndarray, bool]:
     return firsts, lasts, known
 
 
+def _mark_newest(
+    out: tuple[np.ndarray, np.ndarray, np.ndarray], start: int, hit: np.ndarray, seg: int
+) -> None:
+    """Keys ``start`` on of a lookup's ``(found, holder, rows)`` that segment ``seg`` holds (``hit``):
+    found, held by it unless a newer segment (a higher id: segments are numbered as they age) holds
+    them, whichever was matched first."""
+    found, holder, _ = out
+    end = start + len(hit)
+    newer = start + np.flatnonzero(hit & ~(found[start:end] & (holder[start:end] > seg)))
+    found[newer], holder[newer] = True, seg
+
+
 class SsdTier:
     """Sorted runs of rows for many tables on disk; RAM holds each run's fences and filter."""
 
@@ -283,13 +295,7 @@ class SsdTier:
             if stored is None:  # let go meanwhile (a merge looks up without the tier's lock): read it
                 self._locate_in(table, seg_id, start, keys, out)
                 continue
-            found, holder, _ = out[table]
-            hit = _native.find_sorted(stored, keys)[0]
-            # The newest holder wins, whichever was matched first (segments are numbered as they age).
-            newer = start + np.flatnonzero(
-                hit & ~(found[start : start + len(keys)] & (holder[start : start + len(keys)] > seg_id))
-            )
-            found[newer], holder[newer] = True, seg_id
+            _mark_newest(out[table], start, _native.find_sorted(stored, keys)[0], seg_id)
         return out
 
     def _locate_in(
@@ -302,11 +308,8 @@ class SsdTier:
     ) -> None:
         """:meth:`_locate` (no rows) of sorted ``keys`` in one segment, into ``out[table]`` at ``start``:
         a key found there is held by it unless a newer segment holds it."""
-        found, holder, _ = self._locate({table: keys}, with_rows=False, among={table: [seg_id]})[table]
-        at_found, at_holder, _ = out[table]
-        end = start + len(keys)
-        newer = start + np.flatnonzero(found & ~(at_found[start:end] & (at_holder[start:end] > seg_id)))
-        at_found[newer], at_holder[newer] = True, seg_id
+        found = self._locate({table: keys}, with_rows=False, among={table: [seg_id]})[table][0]
+        _mark_newest(out[table], start, found, seg_id)
 
     def _match(
         self,
@@ -437,6 +440,8 @@ class SsdTier:
         :data:`_HELD_KEYS_BYTES`), letting the oldest held go past the allowance."""
         if seg.n != len(keys) or keys.nbytes > _HELD_KEYS_BYTES or seg.n == 0:
             return
+        keys = np.array(keys, np.int64)  # a copy of its own: the caller's may change
+        keys.flags.writeable = False
         self._held_keys[(seg.table, seg.seg)] = keys
         self._held_bytes += keys.nbytes
         while self._held_bytes > _HELD_KEYS_BYTES:
