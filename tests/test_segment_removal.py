@@ -5,6 +5,7 @@ disk stay as they were. New segments find their directories made ahead, or a ret
 
 from __future__ import annotations
 
+import os
 from collections import deque
 from pathlib import Path
 
@@ -166,6 +167,24 @@ def test_trees_given_back_are_placed_first_in_their_order_with_their_files_empti
     assert trees.recycle(tmp_path / "t" / "new0")
     trees.close()  # the tree held is deleted with those made ahead
     assert list(spare.iterdir()) == []
+
+
+def test_a_file_with_a_hard_link_elsewhere_keeps_its_bytes_there(tmp_path):
+    """A backup made of hard links (``cp -al``) of a segment that is later retired keeps its bytes:
+    that file is unlinked from the tree given back, not truncated; the others are emptied."""
+    trees = Skeletons(tmp_path / ".spare", ("x/c",), keep=2)
+    tree = tmp_path / "t" / "old"
+    (tree / "x" / "c").mkdir(parents=True)
+    (tree / "x" / "c" / "0").write_bytes(b"rows")
+    (tree / "x" / "zarr.json").write_bytes(b"{}")
+    (tmp_path / "backup").mkdir()
+    os.link(tree / "x" / "c" / "0", tmp_path / "backup" / "0")
+    assert trees.recycle(tree)
+    assert trees.place(tmp_path / "t" / "new")
+    assert (tmp_path / "backup" / "0").read_bytes() == b"rows"
+    assert not (tmp_path / "t" / "new" / "x" / "c" / "0").exists()  # its writer makes it again
+    assert (tmp_path / "t" / "new" / "x" / "zarr.json").read_bytes() == b""
+    trees.close()
 
 
 def test_skeletons_that_cannot_be_made_leave_the_directories_to_the_writer(tmp_path):

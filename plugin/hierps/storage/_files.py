@@ -155,7 +155,8 @@ class Skeletons:
     killed process left in ``spare`` goes at :meth:`empty`.
 
     Trees of that shape that are done with (a retired segment's) come back through :meth:`recycle`:
-    the thread empties their files (truncated to 0 bytes, their space freed at once) and
+    the thread empties their files (truncated to 0 bytes, their space freed at once; a file with a
+    hard link elsewhere is unlinked instead, so that a backup made of links keeps its bytes) and
     :meth:`place` hands them out before any tree made ahead, files and all. So a store in its steady
     state, which retires about as many segments as it writes, neither makes nor deletes directories
     and files: on a file system that has deleted many files lately, making one costs more than
@@ -276,15 +277,24 @@ class Skeletons:
 
 
 def _empty_files(tree: Path) -> bool:
-    """Truncate every file under ``tree`` to 0 bytes; False (the tree deleted) when one cannot be."""
+    """Truncate every file under ``tree`` to 0 bytes; False (the tree deleted) when one cannot be.
+
+    A file with another name elsewhere (a hard link: a backup of the store made by ``cp -al`` or
+    ``rsync --link-dest``) is unlinked instead, so that the other name keeps its bytes; its writer
+    makes it again."""
     try:
         for folder, _, names in os.walk(tree):
             for name in names:
-                fd = os.open(os.path.join(folder, name), os.O_WRONLY)
+                path = os.path.join(folder, name)
+                fd = os.open(path, os.O_WRONLY)
                 try:
-                    os.ftruncate(fd, 0)
+                    linked = os.fstat(fd).st_nlink > 1
+                    if not linked:
+                        os.ftruncate(fd, 0)
                 finally:
                     os.close(fd)
+                if linked:
+                    os.unlink(path)
     except OSError:
         shutil.rmtree(tree, ignore_errors=True)
         return False
