@@ -196,11 +196,7 @@ class Skeletons:
         if tree is None:
             return False
         try:
-            try:
-                os.rename(tree, path)
-            except FileNotFoundError:  # a table's first segment: its directory is made first
-                os.makedirs(path.parent, exist_ok=True)
-                os.rename(tree, path)
+            _rename_into(tree, path)  # a table's first segment: its directory is made first
         except OSError:
             shutil.rmtree(tree, ignore_errors=True)
             return False
@@ -217,11 +213,7 @@ class Skeletons:
                 return False
             target = self.spare / f"{self._prefix}-r{self._returned}"
             try:
-                try:
-                    os.rename(path, target)
-                except FileNotFoundError:  # no tree made ahead yet: spare is made first
-                    self.spare.mkdir(exist_ok=True)
-                    os.rename(path, target)
+                _rename_into(path, target)  # no tree made ahead yet: spare is made first
             except OSError:
                 return False
             self._returned += 1
@@ -274,6 +266,17 @@ class Skeletons:
         for tree in [*made.values(), *(t for t, _ in recycled)]:
             if tree is not None:
                 shutil.rmtree(tree, ignore_errors=True)
+
+
+def _rename_into(src: Path, dst: Path) -> None:
+    """``os.rename(src, dst)``, making ``dst``'s parent first where it is missing."""
+    try:
+        os.rename(src, dst)
+    except FileNotFoundError:
+        if not src.exists():
+            raise
+        os.makedirs(dst.parent, exist_ok=True)
+        os.rename(src, dst)
 
 
 def _empty_files(tree: Path) -> bool:

@@ -273,14 +273,13 @@ class SsdTier:
                         if stored is not None:  # exactly the rows of the keys asked: no filter's guess
                             hit, at = _native.find_sorted(stored, part[a:b])
                             which = np.flatnonzero(hit)
-                            if len(which):
-                                wanted.append((table, start + a, part[a:b], seg, which))
-                                yield seg.rows_array, at[which]
-                            continue
-                        which, chunks = seg.candidates(part[a:b])
-                        if len(chunks):
+                            rows_at = at[which]
+                        else:  # the chunks that may hold them
+                            which, chunks = seg.candidates(part[a:b])
+                            rows_at = seg.chunk_positions(chunks) if len(chunks) else which
+                        if len(which):
                             wanted.append((table, start + a, part[a:b], seg, which))
-                            yield seg.rows_array, seg.chunk_positions(chunks)
+                            yield seg.rows_array, rows_at
                     if not known:  # the segments asked know their ranges now (loaded)
                         firsts, lasts, known = _ranges(newest_first)
 
@@ -646,8 +645,8 @@ class SsdTier:
                 superseded = merge.live - sum(self._live[(table, s.seg)] for s in merge.inputs)
                 self._register(out)
                 self._set_live(table, out.seg, out.n - superseded)
-                if kept is not None and sum(len(k) for k in kept) <= _HELD_KEYS_BYTES // 8:
-                    self._hold_keys(out, np.concatenate(kept) if kept else np.empty(0, np.int64))
+                if kept:
+                    self._hold_keys(out, np.concatenate(kept))
                 for s in merge.inputs:
                     self._set_live(table, s.seg, 0)
                     self._retire(table, s.seg)
