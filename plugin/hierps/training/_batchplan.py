@@ -403,9 +403,9 @@ class _PooledBags(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, leaf, local, bags, mode, bag_count, members, backed, by_key):
+    def forward(ctx, leaf, local, bags, mode, bag_count, members, backed, by_key, by_order):
         ctx.set_materialize_grads(False)  # an output no loss uses comes back as None, not zeros
-        ctx.backed, ctx.by_key = backed, by_key
+        ctx.backed, ctx.by_key, ctx.by_order = backed, by_key, by_order
         out, offset2bag, bag_size, max_indices = torch.ops.aten._embedding_bag(
             leaf, local, bags, False, _MODES[mode], True, None, False, -1
         )
@@ -436,18 +436,14 @@ class _PooledBags(torch.autograd.Function):
         some = next(g for g in grads if g is not None)
         # contiguous: index_add_ reads strided rows slowly
         grad_out = torch.cat([g if g is not None else torch.zeros_like(some) for g in grads])
-        if ctx.by_key is not None:  # summed bags: each key's gradient, the sum of its ids' bags'
-            ids_bags, starts = ctx.by_key
-            return (
-                F.embedding_bag(ids_bags, grad_out, starts, mode="sum"),
-                None,
-                None,
-                None,
-                None,
-                None,
-                None,
-                None,
-            )
+        if ctx.by_key is not None or ctx.by_order is not None:
+            # summed bags: each key's gradient, the sum of its ids' bags'
+            if ctx.by_key is not None:
+                ids_bags, starts = ctx.by_key
+            else:  # the bags the forward pooled (torch checked them): each id's, in the order given
+                order, starts = ctx.by_order
+                ids_bags = _bags_of(bags, local.numel(), order)
+            return F.embedding_bag(ids_bags, grad_out, starts, mode="sum"), *[None] * 8
         if one_hot:
             values = grad_out.split([m.numel() for m, _, _ in members])  # each id's bag is itself
         else:
@@ -473,7 +469,7 @@ class _PooledBags(torch.autograd.Function):
             [c for _, _, c in members],
             [n_rows for _, n_rows, _ in members],
         )
-        return grad, None, None, None, None, None, None, None
+        return grad, *[None] * 8
 
 
 def pool_bags(
@@ -485,6 +481,7 @@ def pool_bags(
     members: list[tuple[torch.Tensor, int, bool]],
     backed: set[int] | None = None,
     by_key: tuple[torch.Tensor, torch.Tensor] | None = None,
+    by_order: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, ...]:
     """Pool the rows of T tables at once -> T outputs of (B_t, dim).
 
@@ -495,9 +492,12 @@ def pool_bags(
     (:func:`sum_order`; ``by_key`` was sorted so already). The leaf's gradient is dense. ``backed``: if given, gets
     the index of each output a backward reached. ``by_key`` (sum only): the bag of each id with
     the ids sorted by row (N,), and each row's first entry there (U,): the backward is then one
-    ``embedding_bag`` of the output gradients, summing each row's in that order.
+    ``embedding_bag`` of the output gradients, summing each row's in that order. ``by_order`` (sum
+    only; in place of ``by_key`` where the bags are not known ahead): the ids sorted by row (N,) and
+    each row's first entry there (U,); the backward finds each id's bag among ``bags`` and sums the
+    same way.
     """
-    return _PooledBags.apply(leaf, local, bags, mode, bag_count, members, backed, by_key)
+    return _PooledBags.apply(leaf, local, bags, mode, bag_count, members, backed, by_key, by_order)
 
 
 class _LookedUp(torch.autograd.Function):

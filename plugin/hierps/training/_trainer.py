@@ -466,7 +466,15 @@ class SparseTrainer:
         if any(p.ids.numel() != n for p in plans):
             return
         bags = torch.cat([offsets_t + i * n for i in range(len(plans))])
-        pieces = pool_bags(group.weights, local, bags, lookup.mode, offsets_t.numel(), parts, group.backed)
+        # Summed bags of every table of the batch: the backward sums each key's bags in the order
+        # sorted ahead on the worker (one embedding_bag), not by a sort of its own.
+        by_order = None
+        if lookup.mode == "sum" and batch.order is not None and len(members) == len(batch.plans):
+            assert batch.starts is not None
+            by_order = (batch.order, batch.starts)
+        pieces = pool_bags(
+            group.weights, local, bags, lookup.mode, offsets_t.numel(), parts, group.backed, None, by_order
+        )
         group.pieces, group.offsets, group.mode = dict(zip(members, pieces)), offsets_t, lookup.mode
 
     def _look_up_members(self, group: RowGroup, batch: Batch) -> None:
