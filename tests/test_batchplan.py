@@ -91,6 +91,41 @@ def test_planned_training_equals_generic_training(make_store, optimizer, decay, 
     assert store_parts(planned).core.memory.evicted_rows > 0
 
 
+@pytest.mark.parametrize("optimizer", ["sgd", "adagrad", "adam"])
+@pytest.mark.parametrize("per_bag", [1, 3])
+def test_tables_sharing_offsets_through_plans_equal_generic_training(make_store, optimizer, per_bag):
+    """Tables of one width that share one offsets tensor (one id a bag, as in the demo DLRM, or
+    several) are pooled at once, and each key's gradient is summed from its ids' bags in the order
+    sorted ahead: the rows, optimizer state and counters are those of the generic path, bit for
+    bit, with rows spilling from RAM."""
+    rng = np.random.default_rng(5)
+    names = ["u", "v", "w"]
+    passes = [
+        [{t: torch.from_numpy(KEYS[(rng.zipf(1.3, size=48) - 1) % 60]) for t in names} for _ in range(3)]
+        for _ in range(4)
+    ]
+    opt = {"type": optimizer, "params": {"lr": 0.01 if optimizer == "adam" else 0.1}}
+    offsets = torch.arange(0, 48, per_bag)
+    results = []
+    for planned in (False, True):
+        store = make_store(f"s{planned}", memory_budget="4KiB", pipeline=planned)
+        torch.manual_seed(0)
+        mods = {t: hierps.EmbeddingBag(None, 8, mode="sum", store=store, name=t, optimizer=opt) for t in names}
+        for p, group in enumerate(passes):
+            store.begin_pass(group if planned else _unmatched(group))
+            for batch in group:
+                outs = [mods[t](batch[t], offsets) for t in names]
+                sum((o * (i + 1)).square().sum() for i, o in enumerate(outs)).backward()
+                store.step()
+            assert all((store._passes.batches.cursor.get(t, 0) == len(group)) == planned for t in names)
+            store.end_pass()
+        store.checkpoint()
+        results.append({t: store._core.whole_rows(t, KEYS[:60]) for t in names})
+    assert store_parts(store).trainer._pool_alike
+    for t in names:
+        np.testing.assert_array_equal(results[1][t], results[0][t], err_msg=t)
+
+
 def test_forwards_go_through_the_plans(make_store):
     store = make_store(pipeline=True)
     passes = [_batches(2, seed=p) for p in range(3)]

@@ -442,7 +442,7 @@ class _PooledBags(torch.autograd.Function):
                 ids_bags, starts = ctx.by_key
             else:  # the bags the forward pooled (torch checked them): each id's, in the order given
                 order, starts = ctx.by_order
-                ids_bags = _bags_of(bags, local.numel(), order)
+                ids_bags = order if one_hot else _bags_of(bags, local.numel(), order)
             return F.embedding_bag(ids_bags, grad_out, starts, mode="sum"), *[None] * 8
         if one_hot:
             values = grad_out.split([m.numel() for m, _, _ in members])  # each id's bag is itself
