@@ -8,6 +8,8 @@ must never use a plan for ids that are not the announced ones.
 
 from __future__ import annotations
 
+from functools import partial
+
 import numpy as np
 import pytest
 import torch
@@ -91,6 +93,22 @@ def test_planned_training_equals_generic_training(make_store, optimizer, decay, 
     assert store_parts(planned).core.memory.evicted_rows > 0
 
 
+def _train_tables(store, passes, planned: bool, forwards, keys: np.ndarray) -> dict[str, np.ndarray]:
+    """Train each pass's mini-batches through ``forwards`` ({table: batch ids -> output}), the loss
+    weighting each table's output apart; ``planned`` False announces batches no forward matches
+    (the generic path). -> each table's whole rows of ``keys`` after a checkpoint."""
+    for group in passes:
+        store.begin_pass(group if planned else _unmatched(group))
+        for batch in group:
+            outs = [forward(batch[t]) for t, forward in forwards.items()]
+            sum((o * (i + 1)).square().sum() for i, o in enumerate(outs)).backward()
+            store.step()
+        assert all((store._passes.batches.cursor.get(t, 0) == len(group)) == planned for t in forwards)
+        store.end_pass()
+    store.checkpoint()
+    return {t: store._core.whole_rows(t, keys) for t in forwards}
+
+
 @pytest.mark.parametrize("optimizer", ["sgd", "adagrad", "adam"])
 @pytest.mark.parametrize("per_bag", [1, 3])
 def test_tables_sharing_offsets_through_plans_equal_generic_training(make_store, optimizer, per_bag):
@@ -111,16 +129,8 @@ def test_tables_sharing_offsets_through_plans_equal_generic_training(make_store,
         store = make_store(f"s{planned}", memory_budget="4KiB", pipeline=planned)
         torch.manual_seed(0)
         mods = {t: hierps.EmbeddingBag(None, 8, mode="sum", store=store, name=t, optimizer=opt) for t in names}
-        for p, group in enumerate(passes):
-            store.begin_pass(group if planned else _unmatched(group))
-            for batch in group:
-                outs = [mods[t](batch[t], offsets) for t in names]
-                sum((o * (i + 1)).square().sum() for i, o in enumerate(outs)).backward()
-                store.step()
-            assert all((store._passes.batches.cursor.get(t, 0) == len(group)) == planned for t in names)
-            store.end_pass()
-        store.checkpoint()
-        results.append({t: store._core.whole_rows(t, KEYS[:60]) for t in names})
+        forwards = {t: partial(mods[t], offsets=offsets) for t in names}
+        results.append(_train_tables(store, passes, planned, forwards, KEYS[:60]))
     assert store_parts(store).trainer._pool_alike
     for t in names:
         np.testing.assert_array_equal(results[1][t], results[0][t], err_msg=t)
@@ -319,16 +329,8 @@ def test_every_kind_of_lookup_through_plans_is_the_generic_training(make_store, 
                 None, 8, store=store, name=t, optimizer={"type": optimizer, "params": {"lr": 0.05}}, **kwargs
             )
         call_rng = np.random.default_rng(3)
-        for group in passes:
-            store.begin_pass(group if planned else _unmatched(group))
-            for batch in group:
-                outs = [_MODULES[t][1](mods[t], batch[t], call_rng) for t in names]
-                sum((o * (i + 1)).square().sum() for i, o in enumerate(outs)).backward()
-                store.step()
-            assert all((store._passes.batches.cursor.get(t, 0) == len(group)) == planned for t in names)
-            store.end_pass()
-        store.checkpoint()
-        results.append({t: store._core.whole_rows(t, KEYS[:40]) for t in names})
+        forwards = {t: (lambda ids, f=_MODULES[t][1], m=mods[t], r=call_rng: f(m, ids, r)) for t in names}
+        results.append(_train_tables(store, passes, planned, forwards, KEYS[:40]))
     for t in names:
         np.testing.assert_array_equal(results[1][t], results[0][t], err_msg=t)
     assert not np.array_equal(results[1]["padding"], results[1]["sum"])  # the modules did differ
