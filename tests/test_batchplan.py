@@ -128,7 +128,9 @@ def test_tables_sharing_offsets_through_plans_equal_generic_training(make_store,
     for planned in (False, True):
         store = make_store(f"s{planned}", memory_budget="4KiB", pipeline=planned)
         torch.manual_seed(0)
-        mods = {t: hierps.EmbeddingBag(None, 8, mode="sum", store=store, name=t, optimizer=opt) for t in names}
+        mods = {
+            t: hierps.EmbeddingBag(None, 8, mode="sum", store=store, name=t, optimizer=opt) for t in names
+        }
         forwards = {t: partial(mods[t], offsets=offsets) for t in names}
         results.append(_train_tables(store, passes, planned, forwards, KEYS[:60]))
     assert store_parts(store).trainer._pool_alike
