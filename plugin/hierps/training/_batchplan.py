@@ -106,14 +106,16 @@ def add_parts_in_sum_order(
 ) -> torch.Tensor:
     """``grad`` (sum U_i, dim), parts after one another (part i: ``row_counts[i]`` rows U_i), plus
     each part's ``values[i]`` (n_i, dim) at its rows ``rows[i]`` (n_i,) within its own U_i, by one
-    ``index_add_`` -> ``grad``, changed in place. Each row's values are summed in :func:`sum_order`
-    where ``coalesced[i]``, else in their order; the coalesced parts of one length are sorted by one
-    row-wise sort, which orders each row as a sort of it alone does."""
-    firsts = np.cumsum([0, *row_counts[:-1]]).tolist()
-    shifted = [r + first if first else r for r, first in zip(rows, firsts)]
-    joined_rows = shifted[0] if len(shifted) == 1 else torch.cat(shifted)
-    joined = values[0] if len(values) == 1 else torch.cat(list(values))
-    return add_joined_in_sum_order(grad, joined_rows, joined, rows, coalesced)
+    ``index_add_`` a part into its own slice of ``grad`` (a slice stays in the cache, where the
+    rows of all parts at once would not) -> ``grad``, changed in place. Each row's values are
+    summed in :func:`sum_order` where ``coalesced[i]``, else in their order; the coalesced parts
+    of one length are sorted by one row-wise sort, which orders each row as a sort of it alone does."""
+    pieces = grad.split(list(row_counts)) if len(rows) > 1 else [grad]
+    for piece, r, v, order in zip(pieces, rows, values, _sum_orders(rows, coalesced)):
+        if order is not None:
+            r, v = r.index_select(0, order), v.index_select(0, order)
+        piece.index_add_(0, r, v)
+    return grad
 
 
 def add_joined_in_sum_order(
@@ -134,29 +136,37 @@ def add_joined_in_sum_order(
     return grad.index_add_(0, rows, values)
 
 
-def _joined_sum_order(rows: Sequence[torch.Tensor], coalesced: Sequence[bool]) -> torch.Tensor:
-    """The positions of the joined ``rows`` parts: each coalesced part's in its :func:`sum_order`,
-    the others' in their order."""
-    sizes = [r.numel() for r in rows]
-    n = sizes[0]
-    if all(coalesced) and 0 < n < _ROWWISE_BELOW and all(m == n for m in sizes):  # one sort, one shift
-        perm = torch.sort(torch.stack(list(rows)), dim=1).indices
-        return perm.add_(torch.arange(0, n * len(rows), n, device=perm.device)[:, None]).view(-1)
-    starts = np.cumsum([0, *sizes[:-1]]).tolist()
-    pieces: list[torch.Tensor | None] = [None] * len(rows)
+def _sum_orders(rows: Sequence[torch.Tensor], coalesced: Sequence[bool]) -> list[torch.Tensor | None]:
+    """Each part's positions in its :func:`sum_order` where coalesced, else None (their order)."""
+    orders: list[torch.Tensor | None] = [None] * len(rows)
+    n = rows[0].numel() if len(rows) else 0
+    if all(coalesced) and 0 < n < _ROWWISE_BELOW and all(r.numel() == n for r in rows):  # one sort
+        return list(torch.sort(torch.stack(list(rows)), dim=1).indices.unbind(0))
     alike: dict[int, list[int]] = {}
     for k, (r, c) in enumerate(zip(rows, coalesced)):
         if not c:
-            pieces[k] = torch.arange(starts[k], starts[k] + sizes[k], device=r.device)
-        elif r.numel() < _ROWWISE_BELOW:
+            continue
+        if r.numel() < _ROWWISE_BELOW:
             alike.setdefault(r.numel(), []).append(k)
         else:
-            pieces[k] = sum_order(r) + starts[k]
+            orders[k] = sum_order(r)
     for ks in alike.values():
         perm = torch.sort(torch.stack([rows[k] for k in ks]), dim=1).indices
         for j, k in enumerate(ks):
-            pieces[k] = perm[j] + starts[k]
-    return torch.cat([p for p in pieces if p is not None])
+            orders[k] = perm[j]
+    return orders
+
+
+def _joined_sum_order(rows: Sequence[torch.Tensor], coalesced: Sequence[bool]) -> torch.Tensor:
+    """The positions of the joined ``rows`` parts: each coalesced part's in its :func:`sum_order`,
+    the others' in their order."""
+    starts = np.cumsum([0, *[r.numel() for r in rows[:-1]]]).tolist()
+    return torch.cat(
+        [
+            torch.arange(start, start + r.numel(), device=r.device) if order is None else order + start
+            for r, order, start in zip(rows, _sum_orders(rows, coalesced), starts)
+        ]
+    )
 
 
 @dataclass
