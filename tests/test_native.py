@@ -589,6 +589,32 @@ def test_find_sorted_equals_numpy():
         )
 
 
+def test_index_add_rows_adds_the_floats_of_torch_index_add():
+    """Rows added into rows, the entries in order, as torch's CPU ``index_add_`` adds them, bit for
+    bit (repeats, signed zeros, infinities, a start that is not zero, widths that fill no vector);
+    a row out of range is refused before anything is added."""
+    import torch
+
+    from hierps.training._batchplan import index_add_rows
+
+    rng = np.random.default_rng(9)
+    for n, u, width in ((0, 4, 16), (1, 1, 1), (5_000, 37, 16), (20_000, 5_000, 3), (3_000, 700, 129)):
+        rows = torch.from_numpy(rng.integers(0, u, n))
+        values = torch.from_numpy(rng.standard_normal((n, width)).astype(np.float32) * 1e3)
+        values[::7] = -0.0
+        values[5::11, 0] = float("inf")
+        start = torch.from_numpy(rng.standard_normal((u, width)).astype(np.float32))
+        want = start.clone().index_add_(0, rows, values)
+        got = index_add_rows(start.clone(), rows, values)
+        assert torch.equal(got.view(torch.int32), want.view(torch.int32))
+    dst = np.zeros((4, 2), np.float32)
+    with pytest.raises(IndexError, match="row 4 of entry 1 is out of range for 4 rows"):
+        core.index_add_rows(dst, np.array([0, 4], np.int64), np.ones((2, 2), np.float32), 2)
+    assert not dst.any()
+    with pytest.raises(ValueError, match="float32 rows"):
+        core.index_add_rows(dst, np.array([0], np.int64), np.ones((2, 2), np.float32), 2)
+
+
 def test_match_rows_refuses_what_does_not_fit():
     block = np.zeros((4, 2 + 3), np.float32)
     keys, which = np.arange(4, dtype=np.int64), np.arange(4, dtype=np.int64)

@@ -47,7 +47,14 @@ from hierps.sharding._routes import (
     plan_serving,
     requests,
 )
-from hierps.training._batchplan import BatchPlan, FusedBags, PassBatches, pool_bags, same_batches
+from hierps.training._batchplan import (
+    BatchPlan,
+    FusedBags,
+    PassBatches,
+    index_add_rows,
+    pool_bags,
+    same_batches,
+)
 from hierps.training._trainer import summed_grads
 
 __all__ = ["Fetched", "PassRouter"]
@@ -413,7 +420,7 @@ class PassRouter:
                     if x.take is None:
                         grad.narrow(0, x.start, g.shape[0]).add_(g)
                     else:
-                        grad.index_add_(0, x.take, g)
+                        index_add_rows(grad, x.take, g)
             # NaN and inf survive a sum; check exactly only when the sum is not finite (overflow).
             ok = bool(torch.isfinite(grad.sum())) or bool(torch.isfinite(grad).all())
             finite = finite and ok
@@ -434,8 +441,8 @@ class PassRouter:
             self._count(grad, f.asked.recv_counts)
             got = self.transport.all_to_all_known(grad, f.asked.recv_counts, s.send_counts).to(self.device)
             if s.inverse is not None:
-                got = torch.zeros((s.uniq.numel(), got.shape[1]), device=self.device).index_add_(
-                    0, s.inverse, got
+                got = index_add_rows(
+                    torch.zeros((s.uniq.numel(), got.shape[1]), device=self.device), s.inverse, got
                 )
             if self.world_size > 1:
                 got = got * scale

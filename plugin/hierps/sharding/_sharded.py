@@ -36,6 +36,7 @@ from hierps.sharding._export import export_sharded
 from hierps.sharding._fastpath import Fetched, PassRouter
 from hierps.sharding._local import OwnerParts
 from hierps.sharding._routes import owner_of
+from hierps.training._batchplan import index_add_rows
 from hierps.training._trainer import summed_grads
 
 __all__ = ["ShardedStore", "Transport", "owner_of", "rank_dir"]
@@ -287,7 +288,7 @@ class ShardedStore:
             keys = torch.cat([k for k, _ in grads])
             grad = torch.cat([g for _, g in grads])
             keys, inverse = torch.unique(keys, return_inverse=True)
-            grad = torch.zeros((keys.numel(), dim), device=self.device).index_add_(0, inverse, grad)
+            grad = index_add_rows(torch.zeros((keys.numel(), dim), device=self.device), inverse, grad)
         else:
             keys = torch.empty(0, dtype=torch.int64, device=self.device)
             grad = torch.empty((0, dim), device=self.device)

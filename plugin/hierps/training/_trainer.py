@@ -52,6 +52,7 @@ from hierps.training._batchplan import (
     RowGroup,
     add_joined_in_sum_order,
     add_parts_in_sum_order,
+    index_add_rows,
     look_up,
     pool_bags,
     table_rows,
@@ -730,7 +731,7 @@ class SparseTrainer:
             return
         uniq, inverse = torch.unique(keys, return_inverse=True)
         summed = torch.zeros((uniq.numel(), info.dim), dtype=torch.float32, device=self._core.device)
-        summed.index_add_(0, inverse, grads)
+        index_add_rows(summed, inverse, grads)
         self._apply_steps([(table, uniq, self._passes.resident_slots(table, uniq), summed)])
 
     def count_sightings(self, table: str, slots: torch.Tensor, counts: torch.Tensor) -> None:

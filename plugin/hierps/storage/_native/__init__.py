@@ -51,6 +51,7 @@ __all__ = [
     "find_sorted",
     "group_ids",
     "hardware_crc",
+    "index_add_rows",
     "match_rows",
     "merge_runs",
     "plan_chunks",
@@ -244,6 +245,13 @@ def find_sorted(sorted_keys: np.ndarray, keys: np.ndarray) -> tuple[np.ndarray, 
     found, at = np.empty(len(keys), bool), np.empty(len(keys), np.int64)
     _core.find_sorted(np.ascontiguousarray(sorted_keys), np.ascontiguousarray(keys), found, at)
     return found, at
+
+
+def index_add_rows(dst: np.ndarray, rows: np.ndarray, src: np.ndarray) -> None:
+    """``dst[rows[i]] += src[i]`` for each entry in order: dst (U, w) float32, rows (n,) int64, src
+    (n, w) float32, all contiguous; the floats of ``torch.Tensor.index_add_(0, rows, src)`` on the
+    CPU (the compiled core only)."""
+    _core.index_add_rows(dst, rows, src, dst.shape[1])
 
 
 def unique_ids(ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

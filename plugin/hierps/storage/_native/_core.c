@@ -1408,6 +1408,49 @@ done:
     return result;
 }
 
+/* -- summing gradient rows (hierps.training._batchplan) ---------------------------------------- */
+/* index_add_rows(dst, rows, src, width): dst[rows[i]] += src[i] for i in order, rows of `width` float32:
+ * the floats of torch's index_add_ on the CPU (one add an element, the entries in order), without its
+ * dispatch per entry. dst (U * width,) and src (n * width,) float32 contiguous, rows (n,) int64 each in
+ * [0, U), all checked before dst changes (IndexError: nothing added). */
+static PyObject *py_index_add_rows(PyObject *self, PyObject *args) {
+    PyObject *o_dst, *o_rows, *o_src;
+    Py_ssize_t width;
+    if (!PyArg_ParseTuple(args, "OOOn", &o_dst, &o_rows, &o_src, &width)) return NULL;
+    Buf dst = {0}, rows = {0}, src = {0};
+    PyObject *result = NULL;
+    if (get_bytes(o_dst, &dst, 1, "dst") < 0 || get_words(o_rows, &rows, 0, "rows") < 0 ||
+        get_bytes(o_src, &src, 0, "src") < 0)
+        goto done;
+    Py_ssize_t n = NWORDS(rows);
+    if (width <= 0 || dst.view.len % (4 * width) || src.view.len != n * 4 * width) {
+        PyErr_SetString(PyExc_ValueError, "index_add_rows: expected (U, width) and (n, width) float32 rows for n rows");
+        goto done;
+    }
+    const Py_ssize_t u = dst.view.len / (4 * width);
+    const int64_t *r = WORDS(rows);
+    for (Py_ssize_t i = 0; i < n; i++)
+        if (r[i] < 0 || r[i] >= u) {
+            PyErr_Format(PyExc_IndexError, "index_add_rows: row %lld of entry %zd is out of range for %zd rows",
+                         (long long)r[i], i, u);
+            goto done;
+        }
+    float *d = dst.view.buf;
+    const float *v = src.view.buf;
+    UNLOCK_IF(8 * width * n) for (Py_ssize_t i = 0; i < n; i++) {
+        float *row = d + r[i] * width;
+        const float *add = v + i * width;
+        for (Py_ssize_t j = 0; j < width; j++) row[j] += add[j];
+    }
+    RELOCK Py_INCREF(Py_None);
+    result = Py_None;
+done:
+    release(&dst);
+    release(&rows);
+    release(&src);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"crc32c", py_crc32c, METH_VARARGS, "crc32c(data, value=0) -> int: the crc32c of data, continuing value."},
     {"check_gather", (PyCFunction)(void (*)(void))py_check_gather, METH_VARARGS | METH_KEYWORDS,
@@ -1429,6 +1472,8 @@ static PyMethodDef methods[] = {
     {"unique_ids", py_unique_ids, METH_VARARGS, "unique_ids(ids, keys, inverse, counts) -> u: see _core.pyi."},
     {"group_ids", py_group_ids, METH_VARARGS,
      "group_ids(ids, keep, at, search, local, order, where, counts) -> u: see _core.pyi."},
+    {"index_add_rows", py_index_add_rows, METH_VARARGS,
+     "index_add_rows(dst, rows, src, width): dst[rows[i]] += src[i], in order; see _core.pyi."},
     {"merge_runs", py_merge_runs, METH_VARARGS, "Merge sorted parts by key, then rank descending; see _core.pyi."},
     {"encode_chunks", py_encode_chunks, METH_VARARGS,
      "encode_chunks(rows, chunk_rows, first, seed, stride, out, content) -> int: chunks with crc32c and binding tag."},

@@ -196,3 +196,8 @@ def hardware() -> bool:
 
 def set_hardware(on: bool) -> bool:
     """Use the crc32 instruction (where the CPU has it) or the table; returns the previous setting."""
+
+def index_add_rows(dst: Buffer, rows: Buffer, src: Buffer, width: int) -> None:
+    """``dst[rows[i]] += src[i]`` for each entry ``i`` in order, rows of ``width`` float32: ``dst``
+    (U * width,) float32, ``rows`` (n,) int64 in [0, U) (``IndexError`` before anything is added),
+    ``src`` (n * width,) float32. The floats of ``torch.Tensor.index_add_(0, rows, src)`` on the CPU."""
