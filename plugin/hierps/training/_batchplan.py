@@ -105,11 +105,16 @@ def add_parts_in_sum_order(
     row_counts: Sequence[int],
 ) -> torch.Tensor:
     """``grad`` (sum U_i, dim), parts after one another (part i: ``row_counts[i]`` rows U_i), plus
-    each part's ``values[i]`` (n_i, dim) at its rows ``rows[i]`` (n_i,) within its own U_i, by one
-    ``index_add_`` a part into its own slice of ``grad`` (a slice stays in the cache, where the
-    rows of all parts at once would not) -> ``grad``, changed in place. Each row's values are
-    summed in :func:`sum_order` where ``coalesced[i]``, else in their order; the coalesced parts
-    of one length are sorted by one row-wise sort, which orders each row as a sort of it alone does."""
+    each part's ``values[i]`` (n_i, dim) at its rows ``rows[i]`` (n_i,) within its own U_i -> ``grad``,
+    changed in place. On the CPU each part is added into its own slice of ``grad`` (a slice stays in
+    the cache, where the rows of all parts at once would not); on an accelerator all parts by one
+    ``index_add_`` (one kernel). Each row's values are summed in :func:`sum_order` where
+    ``coalesced[i]``, else in their order; the coalesced parts of one length are sorted by one
+    row-wise sort, which orders each row as a sort of it alone does."""
+    if grad.device.type != "cpu" and len(rows) > 1:
+        firsts = np.cumsum([0, *row_counts[:-1]]).tolist()
+        joined_rows = torch.cat([r + first if first else r for r, first in zip(rows, firsts)])
+        return add_joined_in_sum_order(grad, joined_rows, torch.cat(list(values)), rows, coalesced)
     pieces = grad.split(list(row_counts)) if len(rows) > 1 else [grad]
     for piece, r, v, order in zip(pieces, rows, values, _sum_orders(rows, coalesced)):
         if order is not None:
@@ -139,7 +144,7 @@ def add_joined_in_sum_order(
 def index_add_rows(grad: torch.Tensor, rows: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
     """``grad.index_add_(0, rows, values)`` -> ``grad``: by the compiled core for float32 rows on the
     CPU (the same floats, one add an element with the entries in order, without torch's dispatch per
-    entry: 5-10x faster at a mini-batch's rows of dim 16), else by torch."""
+    entry: about 5x faster at a mini-batch's rows of dim 16), else by torch."""
     if (
         grad.device.type == "cpu"
         and grad.dtype == values.dtype == torch.float32
