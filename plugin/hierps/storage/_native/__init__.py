@@ -271,9 +271,12 @@ def group_ids(
     (where: the distinct ids' positions in ``keep`` (u,), their counts (u,), each id's number among
     them (n,), ``np.argsort`` of that, stable (n,)) by counting (the compiled core only)."""
     n = len(ids)
-    out = np.empty(5 * n if at is None else 4 * n, np.int64)
-    local, order, where, counts = out[:n], out[n : 2 * n], out[2 * n : 3 * n], out[3 * n : 4 * n]
-    pos = out[4 * n :] if at is None else np.ascontiguousarray(at, np.int64)
+    # local and order are kept (in a mini-batch's plan, for its pass): each its own array, so that
+    # they do not keep the scratch of where, counts and positions alive with them.
+    local, order = np.empty(n, np.int64), np.empty(n, np.int64)
+    out = np.empty(3 * n if at is None else 2 * n, np.int64)
+    where, counts = out[:n], out[n : 2 * n]
+    pos = out[2 * n :] if at is None else np.ascontiguousarray(at, np.int64)
     u = _core.group_ids(
         np.ascontiguousarray(ids, np.int64), keep, pos, at is None, local, order, where, counts
     )
