@@ -255,11 +255,12 @@ class ArrayWriter:
     def _write_chunks(self, rows: np.ndarray) -> None:
         """Whole chunks of ``rows`` (k * chunk_rows, row bytes) uint8 to the shard file."""
         if self._fd is None:
+            file = shard_file(self.path, 1 + len(self._rest))
             folder = self.path
-            for part in ["c"] + ["0"] * len(self._rest):  # parent first: each mkdir succeeds at once
+            for part in file.relative_to(self.path).parts[:-1]:  # parent first: each mkdir succeeds at once
                 folder = folder / part
                 make_dir(folder)
-            self._fd = os.open(folder / "0", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            self._fd = os.open(file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         encoded, content = _encode_chunks(
             rows, self._chunk_rows, self._chunks, self._seed, self._stride, self.crc
         )
@@ -332,7 +333,7 @@ class ArrayWriter:
         it has no chunk."""
         if self._chunks == 0:
             return None
-        file = self.path / "c" / "/".join(["0"] * (1 + len(self._rest)))
+        file = shard_file(self.path, 1 + len(self._rest))
         return Array(
             self.path,
             (self.n, *self._rest),
@@ -345,6 +346,12 @@ class ArrayWriter:
             self._identity,
             stride=self._stride,
         )
+
+
+def shard_file(path: Path, ndim: int, i: int = 0) -> Path:
+    """The shard file of an array at ``path`` of ``ndim`` dimensions holding its ``i``-th run of
+    chunks along the first (zarr's default chunk key encoding: ``c/i/0/...``)."""
+    return path / "c" / "/".join([str(i)] + ["0"] * (ndim - 1))
 
 
 def make_dir(path: Path) -> None:
@@ -509,7 +516,7 @@ def open_array(
     chunk_rows = _inner_chunk_shape(meta["codecs"])[0]
     n_files = math.ceil(shape[0] / file_rows)
     n_chunks = math.ceil(shape[0] / chunk_rows)
-    files = tuple(path / "c" / "/".join([str(i)] + ["0"] * (ndim - 1)) for i in range(n_files))
+    files = tuple(shard_file(path, ndim, i) for i in range(n_files))
     missing = [f for f in files if not f.is_file()]
     if missing:
         raise CorruptStoreError(
