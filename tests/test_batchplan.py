@@ -608,3 +608,61 @@ def test_union_positions_equal_numpy_with_or_without_the_compiled_core():
         assert g.keys() == w.keys() == b.keys()
         for t in b:
             assert g[t].tolist() == w[t].tolist() and got[0][t][g[t]].tolist() == b[t].tolist()
+
+
+def _storages(obj, seen=None):
+    """Every tensor storage reachable from a plan or batch (its fields, lists and dicts): ptr -> bytes."""
+    seen = {} if seen is None else seen
+    if isinstance(obj, torch.Tensor):
+        seen[obj.untyped_storage().data_ptr()] = obj.untyped_storage().nbytes()
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            _storages(v, seen)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            _storages(v, seen)
+    elif hasattr(obj, "__dict__"):
+        _storages(vars(obj), seen)
+    return seen
+
+
+@pytest.mark.parametrize("all_bags", [True, False])
+def test_a_plan_keeps_its_arrays_once_joined_and_gives_each_tables_own(all_bags):
+    """Each table's ids' numbers, order, key starts and bags come out of the joined arrays as numpy
+    computes them table by table; until asked for, the plans keep only the joined arrays (32 bytes
+    an id, where each table's own beside them took 56)."""
+    from hierps.training._batchplan import bag_ids, sum_order, translate, union_positions
+
+    rng = np.random.default_rng(5)
+    batch, offsets = {}, {}
+    for t, n in (("a", 900), ("b", 1_300), ("c", 40)):
+        ids = (rng.zipf(1.3, n) % 700).astype(np.int64) * 3
+        offsets[t] = np.unique(np.concatenate([[0], rng.integers(1, n, n // 4)])).astype(np.int64)
+        batch[t] = bag_ids(ids, offsets[t]) if all_bags or t != "b" else ids
+    keep, positions = union_positions([batch])
+    base = {"a": 0, "b": len(keep["a"]), "c": len(keep["a"]) + len(keep["b"])}
+    (planned,) = translate([batch], keep, base, torch.device("cpu"), positions, coalesced={"c"})
+    assert (planned.bags is not None) == all_bags
+    n = sum(len(v) for v in batch.values())
+    u = sum(p.keys.numel() for p in planned.plans.values())
+    b = sum(len(o) for o in offsets.values())
+    held = sum(_storages(planned).values())
+    assert held <= 32 * n + 28 * u + 16 * b + 4096, (held, n, u, b)
+    for t, plan in planned.plans.items():
+        ids = np.asarray(batch[t])
+        keys, local = np.unique(ids, return_inverse=True)
+        order = np.argsort(local, kind="stable")
+        if t == "c":  # summed in torch's coalesce order
+            order = sum_order(torch.from_numpy(ids)).numpy()
+        counts = np.bincount(local)
+        assert plan.keys.tolist() == keys.tolist() and plan.local.tolist() == local.tolist()
+        assert plan.order.tolist() == order.tolist()
+        assert plan.starts.tolist() == (np.cumsum(counts) - counts).tolist()
+        assert plan.slots.tolist() == (base[t] + np.searchsorted(keep[t], keys)).tolist()
+        if all_bags or t != "b":
+            bag_of = np.repeat(np.arange(len(offsets[t])), np.diff(offsets[t], append=len(ids)))
+            assert (
+                plan.offsets.tolist() == offsets[t].tolist() and plan.bags.tolist() == bag_of[order].tolist()
+            )
+        else:
+            assert plan.offsets is None and plan.bags is None

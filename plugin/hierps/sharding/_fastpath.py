@@ -328,7 +328,7 @@ class PassRouter:
             leaf.requires_grad_(True)
             ends = np.cumsum([p.ids.numel() for p in plans]).tolist()
             bags = torch.cat([offsets] + [offsets + e for e in ends[:-1]])
-            parts = [(p.local, p.keys.numel(), p.coalesced) for p in plans]
+            parts = [(p.ids.numel(), p.keys.numel(), p.coalesced) for p in plans]
             pooled = pool_bags(leaf, fetched.asked.batch.local, bags, mode, offsets.numel(), parts)
             fused = fetched.fused = FusedBags(
                 leaf, {}, dict(zip(fetched.asked.batch.plans, pooled)), offsets, mode

@@ -24,6 +24,7 @@ which updates them all with one optimizer call. A sum-pooled table's gradient is
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -193,21 +194,60 @@ def _joined_sum_order(rows: Sequence[torch.Tensor], coalesced: Sequence[bool]) -
     )
 
 
+@dataclass(frozen=True)
+class _Piece:
+    """A table's part of an array joined over its mini-batch's tables: ``size`` entries from
+    ``start``, each less ``shift`` (the joined array holds them shifted past the tables before)."""
+
+    array: torch.Tensor
+    start: int
+    size: int
+    shift: int
+
+    def get(self) -> torch.Tensor:
+        part = self.array.narrow(0, self.start, self.size)
+        return part - self.shift if self.shift else part
+
+
 @dataclass
 class BatchPlan:
-    """One table's ids of one mini-batch, translated (all tensors on the training device)."""
+    """One table's ids of one mini-batch, translated (all tensors on the training device).
+
+    ``local``, ``order``, ``starts`` and ``bags`` are held once, joined over the mini-batch's tables
+    (:class:`Batch`): a table's own are made from them when first asked for (the paths that run
+    the tables one by one), so the plans of a pass keep only the joined arrays alive.
+    """
 
     ids: torch.Tensor  # (n,) int64 the ids as announced (a private copy)
     keys: torch.Tensor  # (U,) int64 sorted distinct ids
-    local: torch.Tensor  # (n,) int64 position of each id in keys
     counts: torch.Tensor  # (U,) float32 occurrences of each key
     slots: torch.Tensor  # (U,) int64 device-tier slots of the keys' rows
-    order: torch.Tensor  # (n,) int64 positions of the ids sorted by key, in sum_order
-    starts: torch.Tensor  # (U,) int64 each key's first entry in order
-    # Announced bags (hierps.Bags), else None: their offsets (B,) and the bag of each id in ``order``.
+    # Announced bags (hierps.Bags), else None: their offsets (B,).
     offsets: torch.Tensor | None = None
-    bags: torch.Tensor | None = None
     coalesced: bool = False  # the table sums a key's gradients in torch's coalesce order (sum_order)
+    # where local / order / starts (and bags, if announced) come from
+    pieces: dict[str, _Piece] = field(default_factory=dict, repr=False)
+
+    @functools.cached_property
+    def local(self) -> torch.Tensor:
+        """(n,) int64 position of each id in keys."""
+        return self.pieces["local"].get()
+
+    @functools.cached_property
+    def order(self) -> torch.Tensor:
+        """(n,) int64 positions of the ids sorted by key, in sum_order."""
+        return self.pieces["order"].get()
+
+    @functools.cached_property
+    def starts(self) -> torch.Tensor:
+        """(U,) int64 each key's first entry in order."""
+        return self.pieces["starts"].get()
+
+    @functools.cached_property
+    def bags(self) -> torch.Tensor | None:
+        """(n,) int64 the bag of each id in ``order``, where bags were announced, else None."""
+        piece = self.pieces.get("bags")
+        return None if piece is None else piece.get()
 
 
 @dataclass
@@ -478,8 +518,9 @@ class _PooledBags(torch.autograd.Function):
                 order, starts = ctx.by_order
                 ids_bags = order if one_hot else _bags_of(bags, local.numel(), order)
             return F.embedding_bag(ids_bags, grad_out, starts, mode="sum"), *[None] * 8
+        sizes = [n for n, _, _ in members]
         if one_hot:
-            values = grad_out.split([m.numel() for m, _, _ in members])  # each id's bag is itself
+            values = grad_out.split(sizes)  # each id's bag is itself
         else:
             spread = torch.ops.aten._embedding_bag_backward(
                 grad_out,
@@ -495,10 +536,11 @@ class _PooledBags(torch.autograd.Function):
                 None,
                 -1,
             )
-            values = spread._values().split([m.numel() for m, _, _ in members])  # one row per id, in order
+            values = spread._values().split(sizes)  # one row per id, in order
+        firsts = np.cumsum([0, *[n_rows for _, n_rows, _ in members[:-1]]]).tolist()
         grad = add_parts_in_sum_order(
             torch.zeros(shape, dtype=some.dtype, device=some.device),
-            [m for m, _, _ in members],
+            [rows - first if first else rows for rows, first in zip(local.split(sizes), firsts)],
             values,
             [c for _, _, c in members],
             [n_rows for _, n_rows, _ in members],
@@ -512,7 +554,7 @@ def pool_bags(
     bags: torch.Tensor,
     mode: str,
     bag_count: int | list[int],
-    members: list[tuple[torch.Tensor, int, bool]],
+    members: list[tuple[int, int, bool]],
     backed: set[int] | None = None,
     by_key: tuple[torch.Tensor, torch.Tensor] | None = None,
     by_order: tuple[torch.Tensor, torch.Tensor] | None = None,
@@ -521,8 +563,9 @@ def pool_bags(
 
     leaf: (U, dim) the tables' rows one table after the other; local: (N,) each id's row of
     leaf; bags: (sum B_t,) bag starts in local, table after table; bag_count: B (every table's)
-    or each B_t; mode ``"sum"`` or ``"mean"``; members: per table, its ids' rows within its own
-    slice (n_t,), its row count U_t and whether it sums in torch's coalesce order
+    or each B_t; mode ``"sum"`` or ``"mean"``; members: per table, its id count n_t (its ids are
+    the next n_t of ``local``), its row count U_t (the next U_t rows of ``leaf``) and whether it
+    sums in torch's coalesce order
     (:func:`sum_order`; ``by_key`` was sorted so already). The leaf's gradient is dense. ``backed``: if given, gets
     the index of each output a backward reached. ``by_key`` (sum only): the bag of each id with
     the ids sorted by row (N,), and each row's first entry there (U,): the backward is then one
@@ -677,10 +720,11 @@ def _grouped(
     return where, seen[where], (np.cumsum(seen > 0) - 1)[at], None
 
 
-def _bag_tensors(bags: tuple[np.ndarray, np.ndarray] | None, device: torch.device) -> dict[str, torch.Tensor]:
-    if bags is None:
-        return {}
-    return {"offsets": torch.from_numpy(bags[0]).to(device), "bags": torch.from_numpy(bags[1]).to(device)}
+def _joined(parts: Sequence[np.ndarray], dtype: type, device: torch.device) -> torch.Tensor:
+    """``parts`` joined into one array of ``dtype``, as a tensor on ``device``."""
+    return torch.from_numpy(np.concatenate(parts or [np.empty(0, dtype)]).astype(dtype, copy=False)).to(
+        device
+    )
 
 
 def translate(
@@ -704,7 +748,8 @@ def translate(
     for k, batch in enumerate(batches):
         tables = [t for t in batch if t in keep]
         ids, keys, local, counts, slots, orders, starts = [], [], [], [], [], [], []
-        bags: list[tuple[np.ndarray, np.ndarray] | None] = []
+        # the tables whose bags were announced: their offsets (B,), each id's bag in ``order`` (n,)
+        bags: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         for table in tables:
             # A private copy: later changes to the caller's ids don't leak into the plan.
             t_ids = np.array(batch[table], dtype=np.int64, copy=True)
@@ -722,61 +767,57 @@ def translate(
             else:
                 orders.append(np.argsort(t_local, kind="stable") if order is None else order)
             starts.append(np.cumsum(t_counts) - t_counts)
-            if t_offsets is None:
-                bags.append(None)
-            else:  # each id's bag, in the order of the keys: what the backward sums per key
+            if (
+                t_offsets is not None
+            ):  # each id's bag, in the order of the keys: what the backward sums per key
                 bag_of = np.repeat(
                     np.arange(len(t_offsets), dtype=np.int64), np.diff(t_offsets, append=len(t_ids))
                 )
-                bags.append((t_offsets.copy(), bag_of[orders[-1]]))
-        sizes = [len(k) for k in keys]
-        j_slots = torch.from_numpy(np.concatenate(slots or [np.empty(0, np.int64)]).astype(np.int64)).to(
-            device
-        )
-        j_counts = torch.from_numpy(np.concatenate(counts or [np.empty(0, np.float32)])).to(device)
-        firsts = np.cumsum([0, *sizes[:-1]]).astype(np.int64)
-        j_local = torch.from_numpy(
-            np.concatenate([loc + s for loc, s in zip(local, firsts)] or [np.empty(0, np.int64)])
-        ).to(device)
+                bags[len(ids) - 1] = (t_offsets.copy(), bag_of[orders[-1]])
+        sizes, lengths = [len(k) for k in keys], [len(i) for i in ids]
+        firsts = np.cumsum([0, *sizes[:-1]]).astype(np.int64).tolist()  # each table's first key
+        n_before = np.cumsum([0, *lengths[:-1]]).astype(np.int64).tolist()  # and first id
+        j_slots = _joined([s.astype(np.int64, copy=False) for s in slots], np.int64, device)
+        j_counts = _joined(counts, np.float32, device)
+        j_local = _joined([loc + s for loc, s in zip(local, firsts)], np.int64, device)
+        j_order = _joined([o + n0 for o, n0 in zip(orders, n_before)], np.int64, device)
+        j_starts = _joined([st + n0 for st, n0 in zip(starts, n_before)], np.int64, device)
+        # The announced bags joined: each table's bag numbers past the bags of the tables before it.
+        b_counts = [len(offsets) for offsets, _ in bags.values()]
+        b_before = dict(zip(bags, np.cumsum([0, *b_counts[:-1]]).tolist()))  # each one's first bag
+        at_bags = dict(zip(bags, np.cumsum([0, *[lengths[i] for i in bags][:-1]]).tolist()))  # and id
+        j_bags = _joined([bag_of + b_before[i] for i, (_, bag_of) in bags.items()], np.int64, device)
         joined = None
-        n_before = np.cumsum([0, *[len(i) for i in ids[:-1]]]).astype(np.int64)
-        j_order = torch.from_numpy(
-            np.concatenate([o + n0 for o, n0 in zip(orders, n_before)] or [np.empty(0, np.int64)]).astype(
-                np.int64
-            )
-        ).to(device)
-        j_starts = torch.from_numpy(
-            np.concatenate([st + n0 for st, n0 in zip(starts, n_before)] or [np.empty(0, np.int64)]).astype(
-                np.int64
-            )
-        ).to(device)
-        if tables and all(b is not None for b in bags):
-            b_counts = [len(b[0]) for b in bags if b is not None]
-            b_before = np.cumsum([0, *b_counts[:-1]])
+        if tables and len(bags) == len(tables):
             joined = JoinedBags(
-                offsets=torch.from_numpy(
-                    np.concatenate([b[0] + n0 for b, n0 in zip(bags, n_before) if b is not None])
-                ).to(device),
+                offsets=_joined(
+                    [offsets + n_before[i] for i, (offsets, _) in bags.items()], np.int64, device
+                ),
                 counts=b_counts,
-                ids_bags=torch.from_numpy(
-                    np.concatenate([b[1] + b0 for b, b0 in zip(bags, b_before) if b is not None])
-                ).to(device),
+                ids_bags=j_bags,
             )
-        plans = {
-            table: BatchPlan(
+        plans = {}
+        for i, (table, p_slots, p_counts) in enumerate(
+            zip(tables, j_slots.split(sizes), j_counts.split(sizes))
+        ):
+            n, u, n0, k0 = lengths[i], sizes[i], n_before[i], firsts[i]
+            pieces = {
+                "local": _Piece(j_local, n0, n, k0),
+                "order": _Piece(j_order, n0, n, n0),
+                "starts": _Piece(j_starts, k0, u, n0),
+            }
+            offsets = None
+            if i in bags:
+                pieces["bags"] = _Piece(j_bags, at_bags[i], n, b_before[i])
+                offsets = torch.from_numpy(bags[i][0]).to(device)
+            plans[table] = BatchPlan(
                 ids=torch.from_numpy(ids[i]).to(device),
                 keys=torch.from_numpy(keys[i]).to(device),
-                local=torch.from_numpy(local[i]).to(device),
                 counts=p_counts,
                 slots=p_slots,
-                order=torch.from_numpy(orders[i].astype(np.int64)).to(device),
-                starts=torch.from_numpy(starts[i].astype(np.int64)).to(device),
-                **_bag_tensors(bags[i], device),
+                offsets=offsets,
                 coalesced=table in coalesced,
+                pieces=pieces,
             )
-            for i, (table, p_slots, p_counts) in enumerate(
-                zip(tables, j_slots.split(sizes), j_counts.split(sizes))
-            )
-        }
         out.append(Batch(plans, j_slots, j_counts, j_local, j_order, j_starts, joined))
     return out

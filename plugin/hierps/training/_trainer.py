@@ -426,7 +426,7 @@ class SparseTrainer:
             local = batch.local
         else:
             local = torch.cat([p.local + group.start[t] for t, p in zip(members, plans)])
-        parts = [(p.local, p.keys.numel(), p.coalesced) for p in plans]
+        parts = [(p.ids.numel(), p.keys.numel(), p.coalesced) for p in plans]
         announced = [p.offsets for p in plans]
         joined = batch.bags
         if joined is not None and len(members) == len(batch.plans):  # joined ahead, on the worker
