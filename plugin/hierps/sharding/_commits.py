@@ -577,6 +577,9 @@ class ShardCheckpoints:
         on where the last round's ended. Memory: a buffer per source and a round's rows (at least
         :data:`_ROUND_BYTES` read ahead on each rank: fewer rounds)."""
         joined = sources[0] if len(sources) == 1 else ((k, r) for k, r, _ in merged_sources(sources, width))
+        if self.world_size == 1:  # every row is this rank's: the merge's batches, in key order already
+            yield from ((k, r) for k, r in joined if len(k))
+            return
         held = _Input(_gathered(joined, _ROUND_BYTES // (4 * width + 8)), 0, width)
         while True:
             got = _gather_ints(self.collectives, [int(not held.done), 0 if held.done else held.last])
