@@ -199,14 +199,14 @@ class _Piece:
     """A table's part of an array joined over its mini-batch's tables: ``size`` entries from
     ``start``, each less ``shift`` (the joined array holds them shifted past the tables before)."""
 
-    array: torch.Tensor
+    array: torch.Tensor  # int32 where a mini-batch's ids allow (half the bytes held), else int64
     start: int
     size: int
     shift: int
 
     def get(self) -> torch.Tensor:
         part = self.array.narrow(0, self.start, self.size)
-        return part - self.shift if self.shift else part
+        return (part - self.shift if self.shift else part).to(torch.int64)
 
 
 @dataclass
@@ -437,10 +437,11 @@ def _bags_of(offsets: torch.Tensor, n: int, order: torch.Tensor) -> torch.Tensor
     """The bag of each id at ``order`` (n,), for bags starting at ``offsets`` (B,) and covering n ids."""
     if offsets.device.type == "cpu":  # numpy's repeat is several times faster here
         starts = offsets.numpy()
-        bag_of = np.repeat(np.arange(len(starts)), np.diff(starts, append=n))
+        bag_of = np.repeat(np.arange(len(starts), dtype=order.numpy().dtype), np.diff(starts, append=n))
         return torch.from_numpy(bag_of[order.numpy()])
     sizes = torch.diff(offsets, append=offsets.new_tensor([n]))
-    return torch.repeat_interleave(torch.arange(offsets.numel(), device=offsets.device), sizes)[order]
+    bag_numbers = torch.arange(offsets.numel(), dtype=order.dtype, device=offsets.device)
+    return torch.repeat_interleave(bag_numbers, sizes)[order]
 
 
 def table_rows(
@@ -487,7 +488,7 @@ class _PooledBags(torch.autograd.Function):
         one_hot = (
             mode == "sum"
             and local.numel() == bags.numel()
-            and torch.equal(bags, torch.arange(bags.numel(), device=bags.device))
+            and torch.equal(bags, torch.arange(bags.numel(), dtype=bags.dtype, device=bags.device))
         )
         ctx.kept = (
             local,
@@ -540,7 +541,10 @@ class _PooledBags(torch.autograd.Function):
         firsts = np.cumsum([0, *[n_rows for _, n_rows, _ in members[:-1]]]).tolist()
         grad = add_parts_in_sum_order(
             torch.zeros(shape, dtype=some.dtype, device=some.device),
-            [rows - first if first else rows for rows, first in zip(local.split(sizes), firsts)],
+            [
+                (rows - first if first else rows).to(torch.int64)
+                for rows, first in zip(local.split(sizes), firsts)
+            ],
             values,
             [c for _, _, c in members],
             [n_rows for _, n_rows, _ in members],
@@ -574,6 +578,7 @@ def pool_bags(
     each row's first entry there (U,); the backward finds each id's bag among ``bags`` and sums the
     same way.
     """
+    bags = bags.to(local.dtype)  # a plan's joined ids may be int32: torch pools ids and bags of one type
     return _PooledBags.apply(leaf, local, bags, mode, bag_count, members, backed, by_key, by_order)
 
 
@@ -779,20 +784,20 @@ def translate(
         n_before = np.cumsum([0, *lengths[:-1]]).astype(np.int64).tolist()  # and first id
         j_slots = _joined([s.astype(np.int64, copy=False) for s in slots], np.int64, device)
         j_counts = _joined(counts, np.float32, device)
-        j_local = _joined([loc + s for loc, s in zip(local, firsts)], np.int64, device)
-        j_order = _joined([o + n0 for o, n0 in zip(orders, n_before)], np.int64, device)
-        j_starts = _joined([st + n0 for st, n0 in zip(starts, n_before)], np.int64, device)
+        # Positions within the mini-batch: int32 where they fit (the plans of two passes are held).
+        index = np.int32 if sum(lengths) < 2**31 else np.int64
+        j_local = _joined([loc + s for loc, s in zip(local, firsts)], index, device)
+        j_order = _joined([o + n0 for o, n0 in zip(orders, n_before)], index, device)
+        j_starts = _joined([st + n0 for st, n0 in zip(starts, n_before)], index, device)
         # The announced bags joined: each table's bag numbers past the bags of the tables before it.
         b_counts = [len(offsets) for offsets, _ in bags.values()]
         b_before = dict(zip(bags, np.cumsum([0, *b_counts[:-1]]).tolist()))  # each one's first bag
         at_bags = dict(zip(bags, np.cumsum([0, *[lengths[i] for i in bags][:-1]]).tolist()))  # and id
-        j_bags = _joined([bag_of + b_before[i] for i, (_, bag_of) in bags.items()], np.int64, device)
+        j_bags = _joined([bag_of + b_before[i] for i, (_, bag_of) in bags.items()], index, device)
         joined = None
         if tables and len(bags) == len(tables):
             joined = JoinedBags(
-                offsets=_joined(
-                    [offsets + n_before[i] for i, (offsets, _) in bags.items()], np.int64, device
-                ),
+                offsets=_joined([offsets + n_before[i] for i, (offsets, _) in bags.items()], index, device),
                 counts=b_counts,
                 ids_bags=j_bags,
             )
