@@ -224,6 +224,9 @@ class ArrayWriter:
         self._block_point = block_point
         self._partial = np.empty((0, self._row_bytes), np.uint8)
         self._fd: int | None = None
+        # The encoded chunks' buffer, one block's, used again by each block: a buffer of fresh pages
+        # each time costs a page fault a page (in the kernel, about what copying the rows costs).
+        self._scratch: np.ndarray | None = None
         self._written = self._handed = 0  # bytes in the shard file; of those, handed to the writeback
         self._chunks = 0
         self._checksum = checksum
@@ -262,7 +265,7 @@ class ArrayWriter:
                 make_dir(folder)
             self._fd = os.open(file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         encoded, content = _encode_chunks(
-            rows, self._chunk_rows, self._chunks, self._seed, self._stride, self.crc
+            rows, self._chunk_rows, self._chunks, self._seed, self._stride, self.crc, self._out(len(rows))
         )
         if self._checksum:
             self.crc = content
@@ -281,6 +284,13 @@ class ArrayWriter:
         self._chunks += len(rows) // self._chunk_rows
         if self._block_point is not None:
             fault_point(self._block_point)
+
+    def _out(self, rows: int) -> np.ndarray:
+        """Bytes for the encoded chunks of ``rows`` rows, from the writer's buffer (grown as needed)."""
+        need = rows // self._chunk_rows * max(self._stride, self._payload + TRAILER)
+        if self._scratch is None or len(self._scratch) < need:
+            self._scratch = np.empty(need, np.uint8)
+        return self._scratch[:need]
 
     def abort(self) -> None:
         """Close the shard file without finishing the array. A writer whose write failed is aborted
@@ -304,6 +314,7 @@ class ArrayWriter:
                 index[:, 1] = self._payload + 4
                 _write_all(self._fd, _with_crc(index.view(np.uint8).reshape(1, -1)))
         finally:
+            self._scratch = None
             if self._fd is not None:
                 os.close(self._fd)
                 self._fd = None
@@ -390,7 +401,13 @@ def _byte_rows(data: np.ndarray, dtype: np.dtype) -> np.ndarray:
 
 
 def _encode_chunks(
-    rows: np.ndarray, chunk_rows: int, first: int, seed: int, stride: int = 0, content: int = 0
+    rows: np.ndarray,
+    chunk_rows: int,
+    first: int,
+    seed: int,
+    stride: int = 0,
+    content: int = 0,
+    out: np.ndarray | None = None,
 ) -> tuple[np.ndarray, int]:
     """(k * chunk_rows, b) uint8 rows (each contiguous, any step apart) of chunks ``first``.. ->
     ((k, s) uint8 with ``s = max(stride, p + 8)``, ``p = chunk_rows * b``: each chunk's rows followed by
@@ -401,7 +418,8 @@ def _encode_chunks(
     size = chunk_rows * rows.shape[1]
     width = max(stride, size + TRAILER)
     if _native.enabled():
-        out = np.empty((len(rows) // chunk_rows, width), np.uint8)
+        shape = (len(rows) // chunk_rows, width)
+        out = np.empty(shape, np.uint8) if out is None else out.reshape(shape)
         return out, _native.encode_chunks(rows, chunk_rows, first, seed, width, out, content)
     payloads = np.ascontiguousarray(rows).reshape(-1, size)
     out = np.zeros((len(payloads), width), dtype=np.uint8)

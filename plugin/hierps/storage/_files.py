@@ -21,6 +21,7 @@ from hierps._faults import fault_point
 from hierps.errors import CorruptStoreError, StoreFullError
 
 __all__ = [
+    "BackgroundThread",
     "Remover",
     "Skeletons",
     "disk_full_as_error",
@@ -60,7 +61,7 @@ def fsync_tree(path: Path) -> None:
         fsync_dir(Path(dirpath))
 
 
-class _Thread:
+class BackgroundThread:
     """The one background thread of a file-system helper, started at its first task; a forked child
     (whose parent's threads are gone) starts its own."""
 
@@ -103,7 +104,7 @@ class Remover:
         self._count = 0
         self._lock = threading.Lock()
         self._pending: list[Future[None]] = []
-        self._thread = _Thread("hierps-remove")
+        self._thread = BackgroundThread("hierps-remove")
 
     def remove(self, path: Path) -> None:
         """Delete the directory ``path`` (nothing if it is gone), in the background when it can."""
@@ -174,7 +175,7 @@ class Skeletons:
         # Trees given back, oldest first, each with the emptying of its files (True: emptied).
         self._recycled: deque[tuple[Path, Future[bool]]] = deque()
         self._returned = 0  # trees given back so far (their names in spare)
-        self._thread = _Thread("hierps-skeletons")
+        self._thread = BackgroundThread("hierps-skeletons")
         self.placed = 0  # trees placed so far
         self.reused = 0  # of them, trees given back
 

@@ -115,6 +115,7 @@ class SegmentWriter:
             identity=array_identity(store_id, name, "filter"),
         )
         self._block_rows = self.chunk_rows * FILTER_BLOCK_CHUNKS
+        self._rows_buffer = np.empty((0, width + KEY_COLUMNS), np.float32)  # used again by each append
         self._block: list[np.ndarray] = []  # keys of the filter block being filled
         self._block_len = 0
         self._fences: list[np.ndarray] = []
@@ -130,7 +131,9 @@ class SegmentWriter:
             len(keys) > 1 and np.any(keys[1:] <= keys[:-1])
         ):
             raise ValueError(f"segment {self.name}: keys must be appended in strictly increasing order")
-        block = np.empty((len(keys), self.width + KEY_COLUMNS), np.float32)
+        if len(self._rows_buffer) < len(keys):  # fresh pages once, not at every append
+            self._rows_buffer = np.empty((len(keys), self.width + KEY_COLUMNS), np.float32)
+        block = self._rows_buffer[: len(keys)]  # the rows writer copies what it keeps
         block[:, :KEY_COLUMNS] = (
             np.ascontiguousarray(keys, np.int64).view(np.float32).reshape(-1, KEY_COLUMNS)
         )
@@ -173,6 +176,7 @@ class SegmentWriter:
 
     def close(self) -> tuple[int, int]:
         """Finish the segment's arrays; returns its row count and :func:`fences_check`."""
+        self._rows_buffer = self._rows_buffer[:0].copy()
         self._rows.close()
         fault_point("ssd.segment_rows_written")
         if self._block_len or self.n == 0:

@@ -36,6 +36,7 @@ import time
 import weakref
 from collections import OrderedDict, deque
 from collections.abc import Iterable, Iterator, Mapping
+from concurrent.futures import Future, wait
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
@@ -49,7 +50,15 @@ from hierps.errors import StoreFullError
 from hierps.rows import _ids
 from hierps.storage import _native
 from hierps.storage._arrays import Array, encoded_rows_bytes
-from hierps.storage._files import OpenFiles, Remover, Skeletons, disk_full_as_error, fsync_dir, fsync_tree
+from hierps.storage._files import (
+    BackgroundThread,
+    OpenFiles,
+    Remover,
+    Skeletons,
+    disk_full_as_error,
+    fsync_dir,
+    fsync_tree,
+)
 from hierps.storage._manifest import SegmentRef
 from hierps.storage._merge import merged, run_rows, runs
 from hierps.storage._reads import read_arrays
@@ -123,6 +132,32 @@ def _mark_newest(
     end = start + len(hit)
     newer = start + np.flatnonzero(hit & ~(found[start:end] & (holder[start:end] > seg)))
     found[newer], holder[newer] = True, seg
+
+
+# The thread that encodes and writes a bulk load's runs while the next is read and merged.
+_APPENDS = BackgroundThread("hierps-segment-append")
+
+
+def _append_all(writer: SegmentWriter, parts: Iterable[tuple[np.ndarray, np.ndarray]], beside: bool) -> None:
+    """Every run of ``parts`` appended to ``writer``, in order; with ``beside``, each on
+    :data:`_APPENDS` while the next run is made (one append under way at a time). The writer is left
+    to nothing else until its appends are done, also when ``parts`` raises."""
+    if not beside:
+        for keys, rows in parts:
+            writer.append(keys, rows)
+        return
+    pending: Future[None] | None = None
+    try:
+        for keys, rows in parts:
+            if pending is not None:
+                pending.result()
+            pending = _APPENDS.submit(writer.append, keys, rows)
+    except BaseException:
+        if pending is not None:
+            wait([pending])  # the append under way ends before the caller aborts the writer
+        raise
+    if pending is not None:
+        pending.result()
 
 
 class SsdTier:
@@ -416,7 +451,7 @@ class SsdTier:
 
         t0 = time.perf_counter()
         try:
-            seg = self._write_segment(table, within(), n)
+            seg = self._write_segment(table, within(), n, beside=True)
             self._set_live(table, seg.seg, seg.n)
         finally:
             self.write_seconds += time.perf_counter() - t0
@@ -466,9 +501,12 @@ class SsdTier:
         seg_id: int | None = None,
         *,
         keep_index: bool = False,
+        beside: bool = False,
     ) -> Segment:
         """Write runs of (sorted keys, rows) as a new segment of ``table``; registered (in the live set,
-        with no live rows yet) unless ``seg_id`` was allocated by the caller, who registers it."""
+        with no live rows yet) unless ``seg_id`` was allocated by the caller, who registers it. With
+        ``beside``, each run is encoded and written on a thread of its own while ``parts`` makes the
+        next (a bulk load that reads and merges what it writes)."""
         register = seg_id is None
         seg_id = self._new_id() if seg_id is None else seg_id
         name = segment_name(table, seg_id)
@@ -489,8 +527,7 @@ class SsdTier:
                     store_id=self.store_id,
                     keep_index=keep_index,
                 )
-                for keys, rows in parts:
-                    writer.append(keys, rows)
+                _append_all(writer, parts, beside)
                 n, check = writer.close()
             fault_point("ssd.segment_written")
             seg = self._segment(table, seg_id, n, check)
