@@ -70,6 +70,7 @@ from hierps.storage._export_format import (
 )
 from hierps.storage._export_tables import TableWriter
 from hierps.storage._files import (
+    append_all,
     disk_full_as_error,
     fsync_dir,
     fsync_tree,
@@ -526,13 +527,18 @@ def _deleted(parts: Sequence[ExportPart], table: str) -> np.ndarray:
 
 
 def _write_rows(writer: TableWriter, parts: Sequence[ExportPart], sources: list[Rows]) -> None:
-    """Write the rows of ``sources[r]`` (part r's, by key), merged by key, as they come."""
-    for keys, rows, src in merged_sources(sources, writer.dim):
-        twice = np.flatnonzero(keys[1:] == keys[:-1])
-        if len(twice):
-            holders = sorted(parts[int(r)].path.name for r in src[twice[0] : twice[0] + 2])
-            raise StoreFormatError(
-                f"table {writer.name!r}: key {int(keys[twice[0]])} is stored in both {holders[0]} and "
-                f"{holders[1]}; rank stores of one model hold disjoint keys. Export them one by one."
-            )
-        writer.append(keys, rows)
+    """Write the rows of ``sources[r]`` (part r's, by key), merged by key, as they come: each batch
+    encoded and written beside the reads and the merge of the next."""
+
+    def batches() -> Rows:
+        for keys, rows, src in merged_sources(sources, writer.dim):
+            twice = np.flatnonzero(keys[1:] == keys[:-1])
+            if len(twice):
+                holders = sorted(parts[int(r)].path.name for r in src[twice[0] : twice[0] + 2])
+                raise StoreFormatError(
+                    f"table {writer.name!r}: key {int(keys[twice[0]])} is stored in both {holders[0]} and "
+                    f"{holders[1]}; rank stores of one model hold disjoint keys. Export them one by one."
+                )
+            yield keys, rows
+
+    append_all(writer.append, batches())

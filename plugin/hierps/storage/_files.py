@@ -10,18 +10,21 @@ import threading
 import uuid
 import zlib
 from collections import OrderedDict, deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as futures_wait
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from hierps._faults import fault_point
 from hierps.errors import CorruptStoreError, StoreFullError
 
 __all__ = [
     "BackgroundThread",
+    "append_all",
     "Remover",
     "Skeletons",
     "disk_full_as_error",
@@ -79,6 +82,37 @@ class BackgroundThread:
         pool, self._pool = self._pool, None
         if pool is not None and pool[0] == os.getpid():
             pool[1].shutdown(wait=True)
+
+
+# The thread that encodes and writes a bulk write's runs while the next is read and merged.
+_APPENDS = BackgroundThread("hierps-append")
+
+
+def append_all(
+    append: Callable[[np.ndarray, np.ndarray], None],
+    runs: Iterable[tuple[np.ndarray, np.ndarray]],
+    beside: bool = True,
+) -> None:
+    """``append(keys, rows)`` of every run of ``runs``, in order; ``beside``: each on a thread of its
+    own while the next run is made (one append under way at a time: a writer that reads, merges and
+    writes as much as it reads uses both). The writer is left to nothing else until its appends are
+    done, also when ``runs`` raises. The runs' arrays must not change once made (each a new one)."""
+    if not beside:
+        for keys, rows in runs:
+            append(keys, rows)
+        return
+    pending: Future[None] | None = None
+    try:
+        for keys, rows in runs:
+            if pending is not None:
+                pending.result()
+            pending = _APPENDS.submit(append, keys, rows)
+    except BaseException:
+        if pending is not None:
+            futures_wait([pending])  # the append under way ends before the caller aborts the writer
+        raise
+    if pending is not None:
+        pending.result()
 
 
 def _delete_others(folder: Path, mine: str) -> None:

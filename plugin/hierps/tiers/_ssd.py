@@ -36,7 +36,6 @@ import time
 import weakref
 from collections import OrderedDict, deque
 from collections.abc import Iterable, Iterator, Mapping
-from concurrent.futures import Future, wait
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
@@ -51,10 +50,10 @@ from hierps.rows import _ids
 from hierps.storage import _native
 from hierps.storage._arrays import Array, encoded_rows_bytes
 from hierps.storage._files import (
-    BackgroundThread,
     OpenFiles,
     Remover,
     Skeletons,
+    append_all,
     disk_full_as_error,
     fsync_dir,
     fsync_tree,
@@ -132,32 +131,6 @@ def _mark_newest(
     end = start + len(hit)
     newer = start + np.flatnonzero(hit & ~(found[start:end] & (holder[start:end] > seg)))
     found[newer], holder[newer] = True, seg
-
-
-# The thread that encodes and writes a bulk load's runs while the next is read and merged.
-_APPENDS = BackgroundThread("hierps-segment-append")
-
-
-def _append_all(writer: SegmentWriter, parts: Iterable[tuple[np.ndarray, np.ndarray]], beside: bool) -> None:
-    """Every run of ``parts`` appended to ``writer``, in order; with ``beside``, each on
-    :data:`_APPENDS` while the next run is made (one append under way at a time). The writer is left
-    to nothing else until its appends are done, also when ``parts`` raises."""
-    if not beside:
-        for keys, rows in parts:
-            writer.append(keys, rows)
-        return
-    pending: Future[None] | None = None
-    try:
-        for keys, rows in parts:
-            if pending is not None:
-                pending.result()
-            pending = _APPENDS.submit(writer.append, keys, rows)
-    except BaseException:
-        if pending is not None:
-            wait([pending])  # the append under way ends before the caller aborts the writer
-        raise
-    if pending is not None:
-        pending.result()
 
 
 class SsdTier:
@@ -527,7 +500,7 @@ class SsdTier:
                     store_id=self.store_id,
                     keep_index=keep_index,
                 )
-                _append_all(writer, parts, beside)
+                append_all(writer.append, parts, beside)
                 n, check = writer.close()
             fault_point("ssd.segment_written")
             seg = self._segment(table, seg_id, n, check)
