@@ -269,3 +269,71 @@ def test_a_kill_in_the_middle_of_an_ingest_leaves_the_last_checkpoint(tmp_path, 
     # What the killed ingest left is gone once reopened.
     assert len(list((path / "segments" / "t").iterdir())) == 3 <= len(segments)
     shutil.rmtree(path)
+
+
+def test_runs_made_beside_come_in_order_raise_their_error_and_stop_when_closed():
+    """A scan made on a thread of its own (each part of a reshard) gives its items in order, raises
+    what it raises, and closed early stops making items and closes its source."""
+    import threading
+    import time
+
+    from hierps.storage._files import made_beside
+
+    assert list(made_beside(iter(range(50)))) == list(range(50))
+
+    def failing():
+        yield from range(3)
+        raise OSError("the third read failed")
+
+    got = []
+    with pytest.raises(OSError, match="the third read failed"):
+        for item in made_beside(failing()):
+            got.append(item)
+    assert got == [0, 1, 2]
+
+    made, closed = [], threading.Event()
+
+    def endless():
+        try:
+            for i in range(10**6):
+                made.append(i)
+                yield i
+        finally:
+            closed.set()
+
+    source = endless()  # held here too: only an explicit close() ends it
+    beside = made_beside(source)
+    assert [next(beside), next(beside)] == [0, 1]
+    beside.close()
+    assert closed.is_set()  # the thread closed its source before close() returned
+    count = len(made)
+    time.sleep(0.1)
+    assert len(made) == count <= 4  # at most the items in hand, in the queue and under way
+
+
+def test_runs_appended_beside_keep_their_order_and_end_before_an_error_comes_out():
+    """A bulk write's appends (each on a thread of their own while the next run is made) come in the
+    order of the runs; when making a run fails, the append under way has ended by the time the
+    error reaches the writer's owner (who then aborts the writer)."""
+    import time
+
+    from hierps.storage._files import append_all
+
+    done: list[int] = []
+
+    def append(keys, rows):
+        time.sleep(0.02)
+        done.append(int(keys[0]))
+
+    append_all(append, ((np.array([i]), np.zeros((1, 2))) for i in range(6)))
+    assert done == list(range(6))
+
+    def runs():
+        for i in range(3):
+            yield np.array([i]), np.zeros((1, 2))
+        raise ValueError("a run out of order")
+
+    done.clear()
+    with pytest.raises(ValueError, match="a run out of order"):
+        append_all(append, runs())
+    assert done == [0, 1, 2]  # the last append ended before the error came out

@@ -61,7 +61,7 @@ from hierps.storage._commit_log import (
     store_uid,
     write_record,
 )
-from hierps.storage._files import read_json_checked
+from hierps.storage._files import made_beside, read_json_checked
 from hierps.storage._manifest import Manifest
 from hierps.storage._merge import _Input, merged_sources
 from hierps.tiers._reader import CheckpointReader
@@ -531,7 +531,8 @@ class ShardCheckpoints:
             self.parts.rows.reset(name)
             # The parts read stay on disk while this rank rewrites its store: no part is retired
             # before every rank has checkpointed (and so has read them).
-            sources = [r.iter_rows(name) for r in readers if name in r.meta.tables]
+            # Each part scanned on a thread of its own, beside the others and the merge.
+            sources = [made_beside(r.iter_rows(name)) for r in readers if name in r.meta.tables]
             # Each new owner's rows come in key order: written straight to its SSD tier as one
             # segment, once (about a world's share of the rows: for a full disk's message).
             rows = sum(m.tables[name].rows for m in manifests if name in m.tables)

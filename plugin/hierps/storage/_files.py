@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import queue
 import shutil
 import threading
 import uuid
@@ -13,9 +14,9 @@ from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as futures_wait
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -28,6 +29,7 @@ __all__ = [
     "Remover",
     "Skeletons",
     "disk_full_as_error",
+    "made_beside",
     "fsync_dir",
     "fsync_tree",
     "read_json_checked",
@@ -113,6 +115,54 @@ def append_all(
         raise
     if pending is not None:
         pending.result()
+
+
+T = TypeVar("T")
+
+
+def made_beside(items: Iterator[T]) -> Iterator[T]:
+    """``items``, each made on a thread of their own one ahead of the one taken (a scan of one part
+    beside the scans of others and the merge that takes them). What ``items`` raises is raised here;
+    closed early, the thread stops after the item it is making and closes ``items`` itself."""
+    ready: queue.Queue[tuple[bool, Any]] = queue.Queue(maxsize=1)
+    stop = threading.Event()
+
+    def make() -> None:
+        try:
+            for item in items:
+                while not stop.is_set():
+                    try:
+                        ready.put((True, item), timeout=0.05)
+                        break
+                    except queue.Full:
+                        continue
+                if stop.is_set():
+                    break
+            else:
+                ready.put((False, None))
+        except BaseException as e:  # handed to the taker, raised there
+            ready.put((False, e))
+        finally:
+            close = getattr(items, "close", None)
+            if close is not None:
+                close()
+
+    thread = threading.Thread(target=make, name="hierps-made-beside", daemon=True)
+    thread.start()
+    try:
+        while True:
+            more, item = ready.get()
+            if not more:
+                if item is not None:
+                    raise item
+                return
+            yield item
+    finally:
+        stop.set()
+        while thread.is_alive():  # let a put under way through, then wait for the thread's end
+            with suppress(queue.Empty):
+                ready.get(timeout=0.05)
+        thread.join()
 
 
 def _delete_others(folder: Path, mine: str) -> None:
