@@ -194,17 +194,24 @@ def test_skeletons_that_cannot_be_made_leave_the_directories_to_the_writer(tmp_p
     trees.close()
 
 
-def test_segments_written_into_directories_made_ahead_read_back_exactly(tmp_path):
+def test_segments_written_into_directories_made_ahead_read_back_exactly(tmp_path, monkeypatch):
+    from hierps.storage import _arrays
+
     tier = SsdTier(tmp_path / "ssd", store_id="s")
     tier.add_table(T, WIDTH)
+    tier.write(T, np.arange(3, dtype=np.int64), np.zeros((3, WIDTH), np.float32))  # the table's directory
+    made: list[Path] = []
+    real = _arrays.make_dir
+    monkeypatch.setattr(_arrays, "make_dir", lambda path: (made.append(path), real(path)))
     rng = np.random.default_rng(0)
-    written = {}
+    written = {k: np.zeros(WIDTH, np.float32) for k in range(3)}
     for i in range(6):
         keys = np.arange(i * 50, i * 50 + 80, dtype=np.int64)  # overlapping: newer rows supersede
         rows = rng.standard_normal((len(keys), WIDTH)).astype(np.float32)
         tier.write(T, keys, rows)
         written.update(zip(keys.tolist(), rows))
     assert tier._skeletons.placed >= 6  # every segment written (merges too) into a tree made ahead
+    assert made == []  # its writers made no directory (nor tried: each would fail)
     keys = np.array(sorted(written), dtype=np.int64)
     found, rows = tier.read_many({T: keys})[T]
     assert found.all()
@@ -238,4 +245,26 @@ def test_a_written_segment_reads_through_the_array_its_writer_describes(tmp_path
         seg._rows = described
         found, got = tier.read(T, keys)
         assert found.all() and np.array_equal(got.view(np.uint32), rows.view(np.uint32))
+    tier.close()
+
+
+def test_a_tree_placed_without_an_arrays_folder_still_takes_the_segment(tmp_path, monkeypatch):
+    """A segment writer told its directories are there makes the one that is missing (a tree given
+    back by a writer that wrote no rows has no rows/c/0), and the segment reads back exactly."""
+    tier = SsdTier(tmp_path / "ssd", store_id="s")
+    tier.add_table(T, WIDTH)
+    first = np.arange(3, dtype=np.int64)
+    tier.write(T, first, np.zeros((3, WIDTH), np.float32))
+
+    def place(path: Path) -> bool:  # a tree with the filter's and fences' folders, no rows/
+        for rel in ("fences/c", "filter/c"):
+            (path / rel).mkdir(parents=True)
+        return True
+
+    monkeypatch.setattr(tier._skeletons, "place", place)
+    keys = np.arange(10, 3010, 3, dtype=np.int64)
+    rows = np.random.default_rng(1).standard_normal((len(keys), WIDTH)).astype(np.float32)
+    tier.write(T, keys, rows)
+    found, got = tier.read(T, keys)
+    assert found.all() and np.array_equal(got.view(np.uint32), rows.view(np.uint32))
     tier.close()

@@ -209,8 +209,12 @@ class ArrayWriter:
         checksum: bool = False,
         *,
         identity: str,
+        dirs_made: bool = False,
     ) -> None:
         self.path = Path(zstore.root) / name
+        # Its directories are there already (a tree placed for the writer): no mkdir, each of which
+        # would fail, and a stat to check what is there.
+        self._dirs_made = dirs_made
         self._dtype = np.dtype(dtype).newbyteorder("<")
         self._rest = [int(d) for d in row_shape]
         self._row_bytes = self._dtype.itemsize * math.prod(self._rest)
@@ -233,7 +237,8 @@ class ArrayWriter:
         self.n = 0
         self.crc = 0
         """With ``checksum``: crc32c of the bytes of every row appended so far (little endian, no padding)."""
-        make_dir(self.path)
+        if not dirs_made:
+            make_dir(self.path)
 
     def append(self, data: np.ndarray) -> None:
         """Rows (k, *row_shape) after those appended so far (each row's values contiguous, the rows
@@ -260,10 +265,10 @@ class ArrayWriter:
         if self._fd is None:
             file = shard_file(self.path, 1 + len(self._rest))
             folder = self.path
-            for part in file.relative_to(self.path).parts[:-1]:  # parent first: each mkdir succeeds at once
-                folder = folder / part
+            for part in [] if self._dirs_made else file.relative_to(self.path).parts[:-1]:
+                folder = folder / part  # parent first: each mkdir succeeds at once
                 make_dir(folder)
-            self._fd = os.open(file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            self._fd = _create(file, self._dirs_made)
         encoded, content = _encode_chunks(
             rows, self._chunk_rows, self._chunks, self._seed, self._stride, self.crc, self._out(len(rows))
         )
@@ -333,7 +338,7 @@ class ArrayWriter:
             "node_type": "array",
             "storage_transformers": [],
         }
-        fd = os.open(self.path / "zarr.json", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        fd = _create(self.path / "zarr.json", self._dirs_made)
         try:
             _write_all(fd, np.frombuffer(json.dumps(meta).encode("utf-8"), np.uint8))
         finally:
@@ -363,6 +368,19 @@ def shard_file(path: Path, ndim: int, i: int = 0) -> Path:
     """The shard file of an array at ``path`` of ``ndim`` dimensions holding its ``i``-th run of
     chunks along the first (zarr's default chunk key encoding: ``c/i/0/...``)."""
     return path / "c" / "/".join([str(i)] + ["0"] * (ndim - 1))
+
+
+def _create(file: Path, dirs_made: bool) -> int:
+    """``file`` opened to be written anew. Where its directories were said to be made (a tree placed
+    for the writer), one that is missing after all (a tree given back by a writer that wrote less)
+    is made then."""
+    try:
+        return os.open(file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    except FileNotFoundError:
+        if not dirs_made:
+            raise
+    make_dir(file.parent)
+    return os.open(file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
 
 
 def make_dir(path: Path) -> None:

@@ -86,15 +86,18 @@ class SegmentWriter:
         *,
         store_id: str,
         keep_index: bool = False,
+        dirs_made: bool = False,
     ) -> None:
         self.name, self.width = name, width
+        self._dirs_made = dirs_made  # its directories (SEGMENT_DIRS) are there already
         # With keep_index, the filter's words as written, for :meth:`index` (a small segment's: a
         # large one is written in bounded memory).
         self._kept: list[np.ndarray] | None = [] if keep_index else None
         self._index: tuple[np.ndarray, np.ndarray, int, Array | None] | None = None
         self._store_id = store_id
         self.chunk_rows = chunk_rows_for(width)
-        make_dir(root / name)
+        if not dirs_made:
+            make_dir(root / name)
         self._zstore = zstore
         self._rows = ArrayWriter(
             zstore,
@@ -105,6 +108,7 @@ class SegmentWriter:
             block_point,
             align=_PAGE,
             identity=array_identity(store_id, name, "rows"),
+            dirs_made=dirs_made,
         )
         self._filter = ArrayWriter(
             zstore,
@@ -113,6 +117,7 @@ class SegmentWriter:
             "uint64",
             _PAGE // 8,
             identity=array_identity(store_id, name, "filter"),
+            dirs_made=dirs_made,
         )
         self._block_rows = self.chunk_rows * FILTER_BLOCK_CHUNKS
         self._rows_buffer = np.empty((0, width + KEY_COLUMNS), np.float32)  # used again by each append
@@ -190,6 +195,7 @@ class SegmentWriter:
             "int64",
             max(1, len(fences)),
             identity=array_identity(self._store_id, self.name, "fences"),
+            dirs_made=self._dirs_made,
         )
         out.append(fences)
         out.close()

@@ -490,7 +490,7 @@ class SsdTier:
         self._writing.add((table, seg_id))
         try:
             with disk_full_as_error(self.root / name, f"segment {seg_id} of table {table!r}", needed):
-                self._skeletons.place(self.root / name)  # else the writer makes its directories
+                placed = self._skeletons.place(self.root / name)  # else the writer makes its directories
                 writer = SegmentWriter(
                     self._zstore,
                     self.root,
@@ -499,6 +499,7 @@ class SsdTier:
                     block_point="ssd.segment_rows_block",
                     store_id=self.store_id,
                     keep_index=keep_index,
+                    dirs_made=placed,
                 )
                 append_all(writer.append, parts, beside)
                 n, check = writer.close()
