@@ -25,13 +25,13 @@ from hierps.errors import CorruptStoreError, StoreFullError
 
 __all__ = [
     "BackgroundThread",
-    "append_all",
     "Remover",
     "Skeletons",
+    "append_all",
     "disk_full_as_error",
-    "made_beside",
     "fsync_dir",
     "fsync_tree",
+    "made_beside",
     "read_json_checked",
     "remove_stale_temp_dirs",
     "temp_dir_for",

@@ -262,7 +262,9 @@ class Batch:
     plans: dict[str, BatchPlan]
     slots: torch.Tensor  # (sum U,) int64
     counts: torch.Tensor  # (sum U,) float32
-    local: torch.Tensor  # (sum n,) int64
+    # Positions within the mini-batch (``local``, ``order``, ``starts`` and the bags' arrays) are
+    # int32 where its ids fit, else int64: the plans of about two passes are held at once.
+    local: torch.Tensor  # (sum n,)
     # Joined over the tables too, for one backward of all of them: each table's ``order`` shifted
     # past the ids of the tables before it (sum n,), and its ``starts`` likewise (sum U,).
     order: torch.Tensor | None = None
@@ -772,9 +774,8 @@ def translate(
             else:
                 orders.append(np.argsort(t_local, kind="stable") if order is None else order)
             starts.append(np.cumsum(t_counts) - t_counts)
-            if (
-                t_offsets is not None
-            ):  # each id's bag, in the order of the keys: what the backward sums per key
+            if t_offsets is not None:
+                # each id's bag, in the order of the keys: what the backward sums per key
                 bag_of = np.repeat(
                     np.arange(len(t_offsets), dtype=np.int64), np.diff(t_offsets, append=len(t_ids))
                 )
