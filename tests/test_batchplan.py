@@ -582,7 +582,7 @@ def test_grouping_of_ids_by_counting_equals_numpy(n):
         got = _grouped(ids, keep, known)
         for g, w in zip(got, (*want[:3], order)):
             assert g is not None and g.dtype == np.int64 and g.tolist() == w.tolist()
-        # what a plan keeps (each id's number, the order) holds no scratch of the grouping alive
+        # what a caller may keep (each id's number, the order) holds no scratch of the grouping alive
         _, _, local, by_key = got
         for kept in (local, by_key):
             assert kept is not None and (kept.base if kept.base is not None else kept).nbytes == kept.nbytes

@@ -271,8 +271,9 @@ def group_ids(
     (where: the distinct ids' positions in ``keep`` (u,), their counts (u,), each id's number among
     them (n,), ``np.argsort`` of that, stable (n,)) by counting (the compiled core only)."""
     n = len(ids)
-    # local and order are kept (in a mini-batch's plan, for its pass): each its own array, so that
-    # they do not keep the scratch of where, counts and positions alive with them.
+    # local and order are handed back to be kept or joined: each its own array, so that one kept
+    # does not keep the scratch of where, counts and positions alive with it. (translate joins them
+    # over a mini-batch's tables, in int32 where they fit, and keeps only the joined arrays.)
     local, order = np.empty(n, np.int64), np.empty(n, np.int64)
     out = np.empty(3 * n if at is None else 2 * n, np.int64)
     where, counts = out[:n], out[n : 2 * n]
