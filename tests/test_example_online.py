@@ -15,11 +15,12 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import pytest
-from test_resume import launcher
+from test_resume import launcher, outcome
 
 import hierps.serving
 
@@ -71,9 +72,19 @@ def served(directory: Path) -> dict[str, np.ndarray]:
 
 
 def finish(cmd: list[str]) -> str:
-    run = subprocess.run(cmd, env=env(), capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
-    return run.stdout
+    return started(cmd)()
+
+
+def started(cmd: list[str]) -> Callable[[], str]:
+    """Start ``cmd``; what it returns waits for its end, checks that it succeeded and gives its output."""
+    proc = subprocess.Popen(cmd, env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    def output() -> str:
+        out, err = outcome(proc)
+        assert proc.returncode == 0, out[-2000:] + err[-3000:]
+        return out
+
+    return output
 
 
 def kill_tree(proc: subprocess.Popen) -> None:
@@ -101,7 +112,7 @@ def test_a_killed_online_trainer_resumes_at_the_stream_position_bit_exactly(tmp_
     subprocess.run([*produce, "--interval=0"], check=True, env=env(), timeout=120)
     total = FILES * ROWS // (BATCH * world)
     whole = tmp_path / "whole"
-    assert finish(trainer(logs, whole, world)).count("published") == FILES
+    whole_output = started(trainer(logs, whole, world))  # beside the killed runs
     killed = tmp_path / "killed"
     for kill in kills:
         proc = subprocess.Popen(
@@ -117,6 +128,7 @@ def test_a_killed_online_trainer_resumes_at_the_stream_position_bit_exactly(tmp_
         kill_tree(proc)
         assert kill <= max(steps(killed, world)) < total
     finish(trainer(logs, killed, world))
+    assert whole_output().count("published") == FILES
     for rank in range(world):  # every step once more after the checkpoint, with equal losses
         assert steps(killed, world, rank) == steps(whole, world, rank)
         assert sorted(steps(whole, world, rank)) == list(range(1, total + 1))

@@ -14,6 +14,7 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -117,18 +118,36 @@ def launcher(world: int) -> list[str]:
     return [torchrun, f"--nproc_per_node={world}", "--master_addr=127.0.0.1", f"--master_port={free_port()}"]
 
 
-def launch(root: Path, world: int, save_at: str, kill_at: int, name: str) -> None:
+def outcome(proc: subprocess.Popen[str], timeout: float = 300) -> tuple[str, str]:
+    """Wait for ``proc``'s end: its output and errors (killed past ``timeout`` seconds)."""
+    try:
+        return proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.communicate()
+        raise
+
+
+def started(root: Path, world: int, save_at: str, kill_at: int, name: str) -> Callable[[], None]:
+    """Start the worker's run; what it returns waits for the run's end and checks how it ended."""
     env = {**os.environ, "PYTHONPATH": str(WORKER.parent), "OMP_NUM_THREADS": "1"}
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(k, None)
-    cmd = [*launcher(world), str(WORKER)]
-    proc = subprocess.run(
-        [*cmd, str(root), save_at, str(kill_at), name], env=env, capture_output=True, text=True, timeout=300
-    )
-    if kill_at:
-        assert proc.returncode != 0, "the run was to be killed"
-    else:
-        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    cmd = [*launcher(world), str(WORKER), str(root), save_at, str(kill_at), name]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    def ended() -> None:
+        out, err = outcome(proc)
+        if kill_at:
+            assert proc.returncode != 0, "the run was to be killed"
+        else:
+            assert proc.returncode == 0, out[-3000:] + err[-3000:]
+
+    return ended
+
+
+def launch(root: Path, world: int, save_at: str, kill_at: int, name: str) -> None:
+    started(root, world, save_at, kill_at, name)()
 
 
 def results(root: Path, name: str, rank: int) -> dict:
@@ -148,11 +167,12 @@ def test_a_deepspeed_run_killed_again_and_again_resumes_at_the_next_batch_bit_ex
     resumes its own share of the data (DeepSpeed's sampler) with the sharded store. Every step any
     run trained is the uninterrupted run's step (same examples, bit-equal loss), and so are the
     final rows and dense parameters."""
-    launch(tmp_path / "full", world, SAVES, 0, "whole")
+    whole_ended = started(tmp_path / "full", world, SAVES, 0, "whole")  # beside the killed runs
     root = tmp_path / "killed"
     for i, kill in enumerate(kills):
         launch(root, world, SAVES, kill, f"run{i}")
     launch(root, world, SAVES, 0, "last")
+    whole_ended()
     saved = [int(s) for s in SAVES.split(",")]
     for rank in range(world):
         whole = results(tmp_path / "full", "whole", rank)
