@@ -138,3 +138,32 @@ def _reread(root: Path, transport: ThreadTransport, rows: dict[str, tuple[np.nda
         return [c["tag"] for c in store.list_checkpoints()][0] == "two"
     finally:
         store.close()
+
+
+def test_a_part_that_fails_to_read_fails_the_reshard_with_every_scan_ended(
+    written: tuple[Path, dict[str, tuple[np.ndarray, np.ndarray]]],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Each old part is scanned on a thread of its own; when one part's scan fails, the reshard fails
+    with its error and every other part's scan has ended (none reads on after the error)."""
+    import threading
+
+    from hierps.tiers._reader import CheckpointReader
+
+    source, _ = written
+    root = tmp_path / "s"
+    shutil.copytree(source, root)
+    real = CheckpointReader.iter_rows
+
+    def rows_of(self: CheckpointReader, table: str):  # type: ignore[no-untyped-def]
+        for keys, rows in real(self, table):  # in pieces of 100 rows; part 1 fails after its fifth
+            for at in range(0, len(keys), 100):
+                if at == 500 and self.path.name.endswith("1"):
+                    raise OSError(f"{self.path}: a read failed")
+                yield keys[at : at + 100], rows[at : at + 100]
+
+    monkeypatch.setattr(CheckpointReader, "iter_rows", rows_of)
+    with pytest.raises(OSError, match="a read failed"):
+        run_ranks(1, lambda t: hierps.ShardedStore(root, t, **SETTINGS).close())
+    assert not [t for t in threading.enumerate() if t.name == "hierps-made-beside"]

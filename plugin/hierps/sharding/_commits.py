@@ -61,7 +61,7 @@ from hierps.storage._commit_log import (
     store_uid,
     write_record,
 )
-from hierps.storage._files import made_beside, read_json_checked
+from hierps.storage._files import all_closed, made_beside, read_json_checked
 from hierps.storage._manifest import Manifest
 from hierps.storage._merge import _Input, merged_sources
 from hierps.tiers._reader import CheckpointReader
@@ -536,9 +536,10 @@ class ShardCheckpoints:
             # Each new owner's rows come in key order: written straight to its SSD tier as one
             # segment, once (about a world's share of the rows: for a full disk's message).
             rows = sum(m.tables[name].rows for m in manifests if name in m.tables)
-            self.parts.rows.ingest_sorted(
-                name, self._owned_in_order(sources, info.width), -(-rows // self.world_size)
-            )
+            with all_closed(sources):
+                self.parts.rows.ingest_sorted(
+                    name, self._owned_in_order(sources, info.width), -(-rows // self.world_size)
+                )
             mine.step = info.step
             pending = [r.pending(name) for r in readers if name in r.meta.tables]
             arrays = {

@@ -27,6 +27,7 @@ __all__ = [
     "BackgroundThread",
     "Remover",
     "Skeletons",
+    "all_closed",
     "append_all",
     "disk_full_as_error",
     "fsync_dir",
@@ -163,6 +164,19 @@ def made_beside(items: Iterator[T]) -> Iterator[T]:
             with suppress(queue.Empty):
                 ready.get(timeout=0.05)
         thread.join()
+
+
+@contextmanager
+def all_closed(items: Iterable[Iterator[Any]]) -> Iterator[None]:
+    """Close each of ``items`` that closes (a generator; a scan :func:`made_beside`, whose thread has
+    ended then) when the block ends, however it ends: no scan goes on after an error."""
+    try:
+        yield
+    finally:
+        for item in items:
+            close = getattr(item, "close", None)
+            if close is not None:
+                close()
 
 
 def _delete_others(folder: Path, mine: str) -> None:
