@@ -114,21 +114,24 @@ def test_a_killed_online_trainer_resumes_at_the_stream_position_bit_exactly(tmp_
     whole = tmp_path / "whole"
     whole_output = started(trainer(logs, whole, world))  # beside the killed runs
     killed = tmp_path / "killed"
-    for kill in kills:
-        proc = subprocess.Popen(
-            trainer(logs, killed, world), env=env(), stdout=subprocess.DEVNULL, start_new_session=True
-        )
-        deadline = time.monotonic() + 240
-        while (
-            time.monotonic() < deadline
-            and max(steps(killed, world), default=0) < kill
-            and proc.poll() is None
-        ):
-            time.sleep(0.02)
-        kill_tree(proc)
-        assert kill <= max(steps(killed, world)) < total
-    finish(trainer(logs, killed, world))
-    assert whole_output().count("published") == FILES
+    try:
+        for kill in kills:
+            proc = subprocess.Popen(
+                trainer(logs, killed, world), env=env(), stdout=subprocess.DEVNULL, start_new_session=True
+            )
+            deadline = time.monotonic() + 240
+            while (
+                time.monotonic() < deadline
+                and max(steps(killed, world), default=0) < kill
+                and proc.poll() is None
+            ):
+                time.sleep(0.02)
+            kill_tree(proc)
+            assert kill <= max(steps(killed, world)) < total
+        finish(trainer(logs, killed, world))
+    finally:  # (no run outlives the test)
+        published = whole_output().count("published")
+    assert published == FILES
     for rank in range(world):  # every step once more after the checkpoint, with equal losses
         assert steps(killed, world, rank) == steps(whole, world, rank)
         assert sorted(steps(whole, world, rank)) == list(range(1, total + 1))

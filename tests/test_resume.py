@@ -169,10 +169,12 @@ def test_a_deepspeed_run_killed_again_and_again_resumes_at_the_next_batch_bit_ex
     final rows and dense parameters."""
     whole_ended = started(tmp_path / "full", world, SAVES, 0, "whole")  # beside the killed runs
     root = tmp_path / "killed"
-    for i, kill in enumerate(kills):
-        launch(root, world, SAVES, kill, f"run{i}")
-    launch(root, world, SAVES, 0, "last")
-    whole_ended()
+    try:
+        for i, kill in enumerate(kills):
+            launch(root, world, SAVES, kill, f"run{i}")
+        launch(root, world, SAVES, 0, "last")
+    finally:  # (no run outlives the test)
+        whole_ended()
     saved = [int(s) for s in SAVES.split(",")]
     for rank in range(world):
         whole = results(tmp_path / "full", "whole", rank)
