@@ -541,12 +541,10 @@ class _PooledBags(torch.autograd.Function):
             )
             values = spread._values().split(sizes)  # one row per id, in order
         firsts = np.cumsum([0, *[n_rows for _, n_rows, _ in members[:-1]]]).tolist()
+        rows_of = local.to(torch.int64).split(sizes)  # (the sums take int64 rows: one cast for all)
         grad = add_parts_in_sum_order(
             torch.zeros(shape, dtype=some.dtype, device=some.device),
-            [
-                (rows - first if first else rows).to(torch.int64)
-                for rows, first in zip(local.split(sizes), firsts)
-            ],
+            [rows - first if first else rows for rows, first in zip(rows_of, firsts)],
             values,
             [c for _, _, c in members],
             [n_rows for _, n_rows, _ in members],
