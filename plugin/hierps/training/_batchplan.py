@@ -783,13 +783,14 @@ def translate(
         n_before = np.cumsum([0, *lengths[:-1]]).astype(np.int64).tolist()  # and first id
         j_slots = _joined([s.astype(np.int64, copy=False) for s in slots], np.int64, device)
         j_counts = _joined(counts, np.float32, device)
-        # Positions within the mini-batch: int32 where they fit (the plans of two passes are held).
-        index = np.int32 if sum(lengths) < 2**31 else np.int64
+        b_counts = [len(offsets) for offsets, _ in bags.values()]
+        # Positions within the mini-batch (ids' and bags' numbers): int32 where they fit (the plans
+        # of two passes are held).
+        index = np.int32 if max(sum(lengths), sum(b_counts)) < 2**31 else np.int64
         j_local = _joined([loc + s for loc, s in zip(local, firsts)], index, device)
         j_order = _joined([o + n0 for o, n0 in zip(orders, n_before)], index, device)
         j_starts = _joined([st + n0 for st, n0 in zip(starts, n_before)], index, device)
         # The announced bags joined: each table's bag numbers past the bags of the tables before it.
-        b_counts = [len(offsets) for offsets, _ in bags.values()]
         b_before = dict(zip(bags, np.cumsum([0, *b_counts[:-1]]).tolist()))  # each one's first bag
         at_bags = dict(zip(bags, np.cumsum([0, *[lengths[i] for i in bags][:-1]]).tolist()))  # and id
         j_bags = _joined([bag_of + b_before[i] for i, (_, bag_of) in bags.items()], index, device)
