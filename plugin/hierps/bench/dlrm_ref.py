@@ -538,6 +538,7 @@ def _write_profile(profiler: cProfile.Profile, path: str, steps: int) -> dict[st
     """Write the profile's top functions to ``path``; return the parts of ``_PARTS`` it saw:
     ``{label: {"ms_per_step", "calls_per_step", "ms_per_call"}}`` (cumulative times)."""
     text = io.StringIO()
+    profiler.dump_stats(Path(path).with_suffix(".prof"))  # for pstats / snakeviz
     stats = pstats.Stats(profiler, stream=text)
     breakdown: dict[str, dict[str, float]] = {}
     table: dict[Any, Any] = stats.stats  # type: ignore[attr-defined]

@@ -148,6 +148,7 @@ def _worker(spec: dict[str, Any]) -> dict[str, Any]:
         stats.sort_stats("tottime").print_stats(35)
         stats.sort_stats("cumulative").print_stats(35)
         Path(spec["profile"]).write_text(text.getvalue(), encoding="utf-8")
+        profiler.dump_stats(Path(spec["profile"]).with_suffix(".prof"))  # for pstats / snakeviz
     record["peak_rss_bytes"] = peak_rss_bytes()
     record["process_seconds"] = time.perf_counter() - t0
     record["torch_threads"] = torch.get_num_threads()
@@ -323,7 +324,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a(
         "--profile",
         metavar="DIR",
-        help="also write a cProfile summary of the measured epoch of one extra run per variant into DIR",
+        help="also write a cProfile summary (NAME.txt) and its stats (NAME.prof) of the measured epoch of one extra run per variant into DIR",
     )
     a(
         "--scale",
