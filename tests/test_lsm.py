@@ -374,6 +374,58 @@ def test_protected_segments_survive_compaction(tmp_path):
     model.check()
 
 
+def _write_backs(tier: SsdTier, oracle: dict[int, np.ndarray], rng: np.random.Generator, n: int) -> None:
+    """One write-back as a pass leaves it: ``n`` random keys of a small key space (overwrites), then
+    the compaction that follows each pass."""
+    keys = np.unique(rng.integers(0, 5000, n)).astype(np.int64)
+    rows = rng.standard_normal((len(keys), 6), dtype=np.float32)
+    tier.write(T, keys, rows)
+    oracle.update(zip(keys.tolist(), rows))
+    tier.compact(T)
+
+
+def _reads_back(tier: SsdTier, oracle: dict[int, np.ndarray]) -> None:
+    keys = np.array(sorted(oracle), np.int64)
+    found, rows = tier.read(T, keys)
+    assert found.all()
+    np.testing.assert_array_equal(_bits(rows), _bits(np.stack([oracle[k] for k in keys.tolist()])))
+
+
+def test_a_small_tables_write_backs_are_merged_once_there_are_more_than_a_few(tmp_path):
+    # A small table written back pass after pass (a few hundred rows each): with max_segments of 16,
+    # its segments would pile up to 16 and every lookup ask each of them. Small runs are merged
+    # among themselves once there are more than _SMALL_RUNS of them.
+    tier = SsdTier(tmp_path, max_segments=16, store_id="test")
+    tier.add_table(T, 6)
+    rng = np.random.default_rng(5)
+    oracle: dict[int, np.ndarray] = {}
+    most = 0
+    for _ in range(30):
+        _write_backs(tier, oracle, rng, 300)
+        most = max(most, len(tier.segments(T)))
+        assert len(tier.segments(T)) <= _ssd._SMALL_RUNS
+    assert most == _ssd._SMALL_RUNS  # they gather up to the limit, then merge
+    _reads_back(tier, oracle)
+
+
+def test_the_small_run_merge_leaves_large_runs_alone(tmp_path, monkeypatch):
+    # Runs over _SMALL_RUN_BYTES are merged by max_segments' size-tiered rule only: small write-backs
+    # after a large one merge among themselves and never rewrite it.
+    monkeypatch.setattr(_ssd, "_SMALL_RUN_BYTES", 600 * 4 * (6 + 2))  # 600 rows of width 6 and the key
+    tier = SsdTier(tmp_path, max_segments=16, store_id="test")
+    tier.add_table(T, 6)
+    rng = np.random.default_rng(6)
+    oracle: dict[int, np.ndarray] = {}
+    _write_backs(tier, oracle, rng, 4000)  # about 2,800 distinct keys: large
+    (large,) = [s for _, s in tier.segments(T)]
+    for _ in range(20):
+        _write_backs(tier, oracle, rng, 100)
+        segs = [s for _, s in tier.segments(T)]
+        assert large in segs and len(segs) <= 1 + _ssd._SMALL_RUNS + 1, segs  # the large run, small ones
+    assert tier.rows_written < 2800 + 20 * 100 + 20 * 600  # the large run was written once
+    _reads_back(tier, oracle)
+
+
 def test_a_whole_checkpoint_snapshot_reads_back_after_later_work(tmp_path):
     rng = np.random.default_rng(31)
     model = Model(tmp_path, 64, rng, max_segments=3)

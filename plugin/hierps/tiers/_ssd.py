@@ -19,7 +19,9 @@ use) and a count of its live rows (those that are the newest of their key).
 - Compaction merges segments in bounded memory (:func:`hierps.storage._merge.merged`), keeping
   the newest row of each key that no newer segment outside the merge holds: its output holds only
   live rows, and takes the next id. Segments at most half live, or too many runs, are merged; so
-  the live set's segment rows stay within twice the live rows, and its run count bounded. A run of
+  the live set's segment rows stay within twice the live rows, and its run count bounded. Small
+  runs (a small table's write-backs) are merged among themselves once there are more than a few,
+  so that a lookup does not ask as many segments as ``max_segments`` allows for tiny ones. A run of
   large segments with disjoint key ranges (a bulk load) counts once and is never merged for being
   many segments: a lookup rules out all but one of them by their key ranges.
 - A segment leaving the live set is deleted at once unless a kept checkpoint names it
@@ -100,6 +102,10 @@ _SPARE = ".spare"  # segment directories made ahead (storage._files.Skeletons)
 # look-up of which segment holds a key (a write-back's, a merge's; no rows read) searches them there
 # instead of reading the segments' chunks. A fixed allowance, whatever the table's size.
 _HELD_KEYS_BYTES = 16 << 20
+# Runs of at most this many bytes of stored rows count as small for compaction, which merges the
+# small runs of a table together once it has more than _SMALL_RUNS of them, whatever max_segments.
+_SMALL_RUN_BYTES = 2 << 20
+_SMALL_RUNS = 4
 # Retired segments of at most this many bytes of rows give their trees to new segments (Skeletons).
 _RECYCLE_BYTES = 32 << 20
 
@@ -597,7 +603,8 @@ class SsdTier:
         chosen = [s for s in segs if s in forced or live[s] < min_live_fraction * segs[s].n]
         # The units counted and merged: runs (one segment each but for bulk loads), less the segments
         # chosen already.
-        units = self.runs(table) if len(segs) - len(chosen) + 1 > max_segments else [[s] for s in segs]
+        as_runs = len(segs) - len(chosen) + 1 > max_segments
+        units = self.runs(table) if as_runs else [[s] for s in segs]
         rest = [u for u in ([s for s in run if s not in chosen] for run in units) if u]
         if len(rest) + 1 > max_segments:
             # Too many runs even after merging the stale segments: merge the smallest too.
@@ -613,6 +620,20 @@ class SsdTier:
                 if len(pick) < 2:
                     pick = []
             chosen += [s for u in pick for s in u]
+        # Small runs (a small table's write-backs, each a few thousand rows) are merged among
+        # themselves once there are more than a few: a lookup pays a fixed cost per segment it asks
+        # (~0.2 ms of CPU), as much as merging tens of KiB costs once, and with max_segments of them
+        # a small table's every lookup asks all of them, pass after pass.
+        # (Runs, not segments: a bulk load's run is merged whole or not at all.)
+        picked, row_bytes = set(chosen), 4 * (self.widths[table] + KEY_COLUMNS)
+        if len(segs) - len(picked) > _SMALL_RUNS:
+            small = [
+                run
+                for run in (units if as_runs else self.runs(table))
+                if picked.isdisjoint(run) and sum(segs[s].n for s in run) * row_bytes <= _SMALL_RUN_BYTES
+            ]
+            if len(small) > _SMALL_RUNS:
+                chosen += [s for run in small for s in run]
         return sorted(chosen)
 
     def _merge(self, table: str, chosen: list[int], drop: np.ndarray | None = None) -> int:
