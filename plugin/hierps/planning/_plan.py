@@ -23,6 +23,7 @@ from hierps.planning._machine import Machine
 from hierps.planning._simulate import PassCounts, replay
 from hierps.planning._sizes import RowBytes, row_bytes
 from hierps.planning._traffic import BatchTraffic, PowerLaw, SampledTraffic, Traffic
+from hierps.tiers._ssd import small_runs_held
 
 __all__ = ["PassPlan", "Plan", "TablePlan", "TableInput", "format_plan", "plan"]
 
@@ -32,6 +33,9 @@ _PAGE = 4096
 # A segment set holds at most twice the live rows before compaction merges it, and a merge writes
 # its output (at most the live rows) before its inputs go: the disk's peak is three times the live rows.
 _STEADY, _PEAK = 2.0, 3.0
+# Checkpoints a store keeps by default (Store's keep_checkpoints): each may name segments that
+# compaction merged away since.
+_KEPT_CHECKPOINTS = 3
 
 
 @dataclass(frozen=True)
@@ -110,7 +114,9 @@ class Plan:
     ssd_live_bytes: float
     ssd_steady_bytes: float
     ssd_peak_bytes: float
-    """Disk with compaction headroom: steady state (twice the live rows), peak during a merge (three times)."""
+    """Disk with compaction headroom: steady state (twice the live rows), peak during a merge (three
+    times); with checkpoints, both plus the small runs that the kept checkpoints may still name after
+    compaction merged them (per table at most 3 x 10 MiB, and 3 x its steady bytes)."""
     index_ram_bytes: float
     checkpoint_bytes_per_pass: float
     checkpoint_seconds: float
@@ -229,6 +235,12 @@ def plan(
     ssd_per_key = {t.name: sizes[t.name].ssd for t in tplans}
     passes = [_pass_plan(i, c, fraction, sizes, ssd_per_key, machine) for i, c in enumerate(counts)]
     live = sum(t.ssd_bytes for t in tplans)
+    # Checkpoints kept name the small runs merged away since (the steady state's own rows aside).
+    held = (
+        sum(small_runs_held(_STEADY * t.ssd_bytes, _KEPT_CHECKPOINTS) for t in tplans)
+        if checkpoint_every
+        else 0.0
+    )
     index = sum(t.index_bytes for t in tplans)
     ckpt = sum(p.checkpoint_bytes for p in passes) / max(len(passes), 1)
     warnings = _warnings(counts, passes, mem, dev, pipeline, tables, world_size)
@@ -243,8 +255,8 @@ def plan(
         device_bytes=device_bytes,
         ram_bytes=ram_bytes,
         ssd_live_bytes=live,
-        ssd_steady_bytes=_STEADY * live,
-        ssd_peak_bytes=_PEAK * live,
+        ssd_steady_bytes=_STEADY * live + held,
+        ssd_peak_bytes=_PEAK * live + held,
         index_ram_bytes=index,
         checkpoint_bytes_per_pass=ckpt,
         checkpoint_seconds=sum(p.checkpoint_seconds for p in passes) / max(len(passes), 1),

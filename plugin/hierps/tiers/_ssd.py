@@ -72,7 +72,7 @@ from hierps.storage._segment import (
     split_block,
 )
 
-__all__ = ["SsdTier"]
+__all__ = ["SsdTier", "small_runs_held"]
 
 
 @dataclass
@@ -112,6 +112,14 @@ _RECYCLE_BYTES = 32 << 20
 
 # The range a segment whose keys are not known yet is taken to span (asked, it loads its fences).
 _NO_KEY_LOW, _NO_KEY_HIGH = np.iinfo(np.int64).min, np.iinfo(np.int64).max
+
+
+def small_runs_held(stored_bytes: float, kept_checkpoints: int) -> float:
+    """At most how many bytes of a table's small runs that compaction merged away its kept
+    checkpoints may still name (checkpoints name segments, they copy nothing), for a table of
+    ``stored_bytes`` on SSD: each checkpoint, the small runs it named, up to more than
+    ``_SMALL_RUNS`` of them and never more than the table holds."""
+    return kept_checkpoints * min(stored_bytes, (_SMALL_RUNS + 1) * _SMALL_RUN_BYTES)
 
 
 def _ranges(segments: list[Segment]) -> tuple[np.ndarray, np.ndarray, bool]:
