@@ -117,8 +117,9 @@ _NO_KEY_LOW, _NO_KEY_HIGH = np.iinfo(np.int64).min, np.iinfo(np.int64).max
 def small_runs_held(stored_bytes: float, kept_checkpoints: int) -> float:
     """At most how many bytes of a table's small runs that compaction merged away its kept
     checkpoints may still name (checkpoints name segments, they copy nothing), for a table of
-    ``stored_bytes`` on SSD: each checkpoint, the small runs it named, up to more than
-    ``_SMALL_RUNS`` of them and never more than the table holds."""
+    ``stored_bytes`` on SSD: each kept checkpoint, the small runs of one merge (``_SMALL_RUNS + 1``
+    of them where compaction runs after every write-back, as it does after every pass), and never
+    more than the table holds."""
     return kept_checkpoints * min(stored_bytes, (_SMALL_RUNS + 1) * _SMALL_RUN_BYTES)
 
 
