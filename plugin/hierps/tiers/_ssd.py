@@ -635,12 +635,14 @@ class SsdTier:
         # a small table's every lookup asks all of them, pass after pass.
         # (Runs, not segments: a bulk load's run is merged whole or not at all.)
         picked, row_bytes = set(chosen), 4 * (self.widths[table] + KEY_COLUMNS)
-        if len(segs) - len(picked) > _SMALL_RUNS:
-            small = [
-                run
-                for run in (units if as_runs else self.runs(table))
-                if picked.isdisjoint(run) and sum(segs[s].n for s in run) * row_bytes <= _SMALL_RUN_BYTES
-            ]
+
+        def is_small(run: list[int]) -> bool:
+            return picked.isdisjoint(run) and sum(segs[s].n for s in run) * row_bytes <= _SMALL_RUN_BYTES
+
+        # A small run is made of small segments: counting those first spares a table with few of them
+        # the runs' key ranges (read from disk for a segment this process did not write).
+        if sum(is_small([s]) for s in segs) > _SMALL_RUNS:
+            small = [run for run in (units if as_runs else self.runs(table)) if is_small(run)]
             if len(small) > _SMALL_RUNS:
                 chosen += [s for run in small for s in run]
         return sorted(chosen)
