@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from hierps.config import EVICTION_POLICIES, TableSpec, parse_size
+from hierps.config import DEFAULT_KEEP_CHECKPOINTS, EVICTION_POLICIES, TableSpec, parse_size
 from hierps.errors import ConfigError
 from hierps.planning._machine import Machine
 from hierps.planning._simulate import PassCounts, replay
@@ -33,9 +33,6 @@ _PAGE = 4096
 # A segment set holds at most twice the live rows before compaction merges it, and a merge writes
 # its output (at most the live rows) before its inputs go: the disk's peak is three times the live rows.
 _STEADY, _PEAK = 2.0, 3.0
-# Checkpoints a store keeps by default (Store's keep_checkpoints): each may name segments that
-# compaction merged away since.
-_KEPT_CHECKPOINTS = 3
 
 
 @dataclass(frozen=True)
@@ -235,9 +232,10 @@ def plan(
     ssd_per_key = {t.name: sizes[t.name].ssd for t in tplans}
     passes = [_pass_plan(i, c, fraction, sizes, ssd_per_key, machine) for i, c in enumerate(counts)]
     live = sum(t.ssd_bytes for t in tplans)
-    # Checkpoints kept name the small runs merged away since (the steady state's own rows aside).
+    # The checkpoints a new store keeps name the small runs merged away since (the steady state's own
+    # rows aside).
     held = (
-        sum(small_runs_held(_STEADY * t.ssd_bytes, _KEPT_CHECKPOINTS) for t in tplans)
+        sum(small_runs_held(_STEADY * t.ssd_bytes, DEFAULT_KEEP_CHECKPOINTS) for t in tplans)
         if checkpoint_every
         else 0.0
     )

@@ -22,7 +22,7 @@ from hierps.config import TableSpec
 from hierps.rows import row_layout
 from hierps.storage import SegmentWriter
 from hierps.storage._filter import filter_bits
-from hierps.storage._segment import KEY_COLUMNS, TRAILER, chunk_rows_for
+from hierps.storage._segment import TRAILER, chunk_rows_for, stored_row_bytes
 from hierps.tiers import ram_row_bytes
 from hierps.tiers._device import ROW_OVERHEAD
 
@@ -73,8 +73,8 @@ def row_bytes(dim: int, spec: TableSpec) -> RowBytes:
         ssd_fixed=fixed,
         index=8 / chunk + filter_bits(chunk) / 8,
         ssd_traffic=4 * words,
-        ssd_written=4 * (words + KEY_COLUMNS),
-        chunk_pages=-(-(chunk * 4 * (words + KEY_COLUMNS) + TRAILER) // 4096),
+        ssd_written=stored_row_bytes(words),
+        chunk_pages=-(-(chunk * stored_row_bytes(words) + TRAILER) // 4096),
     )
 
 

@@ -40,6 +40,7 @@ __all__ = [
     "SegmentWriter",
     "chunk_rows_for",
     "segment_name",
+    "stored_row_bytes",
 ]
 
 KEY_COLUMNS = 2  # float32 columns holding a row's int64 key
@@ -63,9 +64,14 @@ def array_identity(store_id: str, name: str, array: str) -> str:
     return f"{store_id}:segments/{name}/{array}"
 
 
+def stored_row_bytes(width: int) -> int:
+    """Bytes a row of ``width`` floats takes in a segment's rows: its floats and its key's columns."""
+    return 4 * (width + KEY_COLUMNS)
+
+
 def chunk_rows_for(width: int) -> int:
     """Rows per inner chunk of a segment of rows of ``width`` floats (plus the key columns)."""
-    return max(_MIN_CHUNK_ROWS, (_PAGE - TRAILER) // (4 * (width + KEY_COLUMNS)))
+    return max(_MIN_CHUNK_ROWS, (_PAGE - TRAILER) // stored_row_bytes(width))
 
 
 # -- writing ----------------------------------------------------------------------------------------

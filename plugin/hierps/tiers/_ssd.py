@@ -64,12 +64,12 @@ from hierps.storage._manifest import SegmentRef
 from hierps.storage._merge import merged, run_rows, runs
 from hierps.storage._reads import read_arrays
 from hierps.storage._segment import (
-    KEY_COLUMNS,
     SEGMENT_DIRS,
     Segment,
     SegmentWriter,
     segment_name,
     split_block,
+    stored_row_bytes,
 )
 
 __all__ = ["SsdTier", "small_runs_held"]
@@ -500,7 +500,7 @@ class SsdTier:
         name = segment_name(table, seg_id)
         width = self.widths[table]
         fault_point("ssd.segment_begin")
-        needed = encoded_rows_bytes(expected, 4 * (width + KEY_COLUMNS), 64)
+        needed = encoded_rows_bytes(expected, stored_row_bytes(width), 64)
         writer: SegmentWriter | None = None
         self._writing.add((table, seg_id))
         try:
@@ -541,7 +541,7 @@ class SsdTier:
         self._writing.discard((seg.table, seg.seg))
         self._unsynced.append((seg.table, seg.seg))
         self.rows_written += seg.n
-        self.bytes_written += seg.n * 4 * (seg.width + KEY_COLUMNS)
+        self.bytes_written += seg.n * stored_row_bytes(seg.width)
 
     def delete(self, table: str, keys: np.ndarray) -> int:
         """Remove ``keys`` from the tier: every segment holding any row of them is rewritten without
@@ -634,7 +634,7 @@ class SsdTier:
         # (~0.2 ms of CPU), as much as merging tens of KiB costs once, and with max_segments of them
         # a small table's every lookup asks all of them, pass after pass.
         # (Runs, not segments: a bulk load's run is merged whole or not at all.)
-        picked, row_bytes = set(chosen), 4 * (self.widths[table] + KEY_COLUMNS)
+        picked, row_bytes = set(chosen), stored_row_bytes(self.widths[table])
 
         def is_small(run: list[int]) -> bool:
             return picked.isdisjoint(run) and sum(segs[s].n for s in run) * row_bytes <= _SMALL_RUN_BYTES
@@ -791,7 +791,7 @@ class SsdTier:
         Nothing reads it any more: reads of the live set hold the tier's lock, as a retirement does,
         and a merge retires its inputs once it has read them; kept checkpoints' segments, which other
         readers open, are never retired (they leave through :meth:`collect_garbage`)."""
-        rows_bytes = self._segs[table][seg].n * 4 * (self.widths[table] + KEY_COLUMNS)
+        rows_bytes = self._segs[table][seg].n * stored_row_bytes(self.widths[table])
         self._drop(table, seg)
         if (table, seg) not in self.protected:
             path = self.root / segment_name(table, seg)
