@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -20,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from test_resume import launcher, outcome
+from procs import kill_tree, launcher, outcome
 
 import hierps.serving
 
@@ -29,7 +28,7 @@ FILES, ROWS, BATCH = 6, 2048, 512  # six passes of one file (60 s of event time)
 
 
 def env() -> dict[str, str]:
-    out = {**os.environ, "OMP_NUM_THREADS": "1"}
+    out = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1"}
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         out.pop(k, None)
     return out
@@ -85,20 +84,6 @@ def started(cmd: list[str]) -> Callable[[], str]:
         return out
 
     return output
-
-
-def kill_tree(proc: subprocess.Popen) -> None:
-    """SIGKILL the trainer and every process under it (torchrun's ranks run in sessions of their own)."""
-    import psutil
-
-    family = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
-    for p in family:
-        try:
-            p.send_signal(signal.SIGKILL)
-        except psutil.NoSuchProcess:
-            pass
-    proc.wait(timeout=30)
-    psutil.wait_procs(family[1:], timeout=30)
 
 
 @pytest.mark.distributed

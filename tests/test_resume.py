@@ -13,13 +13,13 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from procs import launcher, outcome
 from torch import nn
 from torchdata.stateful_dataloader import StatefulDataLoader
 
@@ -27,7 +27,6 @@ import hierps
 from hierps._position import DataPositionWarning, decode_state, encode_state
 from hierps.errors import ConfigError
 from hierps.integrations.loader import PassLoader
-from hierps.integrations.rendezvous import free_port
 
 VOCAB, DIM, BAG, BATCH = 300, 4, 3, 8
 EPOCH = 10  # batches per epoch
@@ -110,27 +109,9 @@ def test_with_worker_processes_the_resumed_run_is_the_uninterrupted_one(tmp_path
 WORKER = Path(__file__).with_name("resume_worker.py")
 
 
-def launcher(world: int) -> list[str]:
-    """What runs a script at ``world`` ranks on this machine: this Python, or torchrun over loopback."""
-    if world == 1:
-        return [sys.executable]
-    torchrun = str(Path(sys.executable).parent / "torchrun")
-    return [torchrun, f"--nproc_per_node={world}", "--master_addr=127.0.0.1", f"--master_port={free_port()}"]
-
-
-def outcome(proc: subprocess.Popen[str], timeout: float = 300) -> tuple[str, str]:
-    """Wait for ``proc``'s end: its output and errors (killed past ``timeout`` seconds)."""
-    try:
-        return proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.communicate()
-        raise
-
-
 def started(root: Path, world: int, save_at: str, kill_at: int, name: str) -> Callable[[], None]:
     """Start the worker's run; what it returns waits for the run's end and checks how it ended."""
-    env = {**os.environ, "PYTHONPATH": str(WORKER.parent), "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "PYTHONPATH": str(WORKER.parent), "OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1"}
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(k, None)
     cmd = [*launcher(world), str(WORKER), str(root), save_at, str(kill_at), name]
