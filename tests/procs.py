@@ -59,3 +59,12 @@ def outcome(proc: subprocess.Popen[str], timeout: float = 300) -> tuple[str, str
             f"{proc.args} ran past {time.monotonic() - start:.0f} s and was killed; "
             f"its output:\n{out[-3000:]}\nits errors:\n{err[-12000:]}"
         ) from None
+
+
+def finished(cmd: list[str], env: dict[str, str], timeout: float) -> subprocess.CompletedProcess[str]:
+    """Run ``cmd`` to its end (as :func:`outcome` waits for it) and give its exit status and output."""
+    proc = subprocess.Popen(
+        cmd, env={**env, "PYTHONFAULTHANDLER": "1"}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    out, err = outcome(proc, timeout)
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)

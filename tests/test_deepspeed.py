@@ -19,6 +19,7 @@ import pytest
 import torch
 from deepspeed.runtime.engine import DeepSpeedEngine
 from oracle import TORCH_OPTIMIZERS, TinyModel, zipf_batches
+from procs import finished
 from torch import nn
 
 import hierps
@@ -381,7 +382,7 @@ def run_ranks(launcher: list[str], tmp_path: Path, *args: str) -> None:
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(k, None)
     cmd = [*launcher, __file__, str(tmp_path / "store"), str(tmp_path), *args]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
+    proc = finished(cmd, env, timeout=180)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
 
 

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from procs import finished
 
 from hierps.integrations.rendezvous import free_port
 
@@ -41,7 +42,7 @@ def torchrun(n: int, *args: str) -> None:
         WORKER,
         *args,
     ]
-    proc = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=240)
+    proc = finished(cmd, _env(), timeout=240)
     assert proc.returncode == 0, proc.stderr[-4000:]
 
 
@@ -101,7 +102,7 @@ def test_two_ranks_horovodrun_equal_one_rank(one_rank, tmp_path):
         "--transport",
         "horovod",
     ]
-    proc = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=240)
+    proc = finished(cmd, _env(), timeout=240)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     ref = _load(one_rank, "result-0.npz")
     for rank in (0, 1):
