@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import gc
 import json
+import os
 import re
 import shutil
 import threading
@@ -19,7 +20,7 @@ import zarr.codecs
 from zarr.storage import LocalStore
 
 from hierps.errors import CorruptStoreError
-from hierps.storage import _arrays, _reads
+from hierps.storage import _arrays, _native, _reads
 from hierps.storage._arrays import create_array, open_array
 from hierps.storage._reads import read_array
 from hierps.tiers._ssd import SsdTier
@@ -123,6 +124,69 @@ def test_far_apart_rows_read_in_parallel_pieces(tmp_path, monkeypatch):
     arr = open_array(zstore, tmp_path, "r", "float32", 2, identity="r")
     pos = _positions(1000, 400, 3)
     np.testing.assert_array_equal(read_array(arr, tmp_path, "r", pos), ROWS[pos])
+
+
+def _evict_from_page_cache(path: Path, start: int = 0) -> bool:
+    """Drop ``path``'s pages from ``start`` on from the page cache; False where they stay (tmpfs)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, start, 0, os.POSIX_FADV_DONTNEED)
+        try:
+            os.preadv(fd, [bytearray(4096)], os.fstat(fd).st_size - 4096, os.RWF_NOWAIT)
+        except BlockingIOError:
+            return True
+        return False
+    finally:
+        os.close(fd)
+
+
+@pytest.mark.skipif(not _native.enabled(), reason="the page-cache reads are the compiled core's")
+def test_what_the_page_cache_holds_is_read_by_the_caller_the_rest_by_the_read_threads(tmp_path, monkeypatch):
+    """A lookup's chunks in the page cache are read, checked and gathered by the calling thread (no
+    task handed to the read threads); after the file's pages leave the cache its runs go to the
+    threads, and with half of them cached the runs before the first one missing are the caller's.
+    The rows are exact every time, and a damaged chunk is refused on both paths."""
+    monkeypatch.setattr(_reads, "_GAP_BYTES", 0)
+    monkeypatch.setattr(_reads, "_PIECE_BYTES", 1)  # a run per chunk
+    rows = np.random.default_rng(3).standard_normal((20000, 37), dtype=np.float32)
+    zstore = LocalStore(str(tmp_path))
+    create_array(zstore, "r", rows, 27, identity="r")
+    arr = open_array(zstore, tmp_path, "r", "float32", 2, identity="r")
+    handed: list[tuple[int, int]] = []
+    run = _reads._Reader._run
+    monkeypatch.setattr(
+        _reads._Reader,
+        "_run",
+        lambda self, read, first, stop: (handed.append((first, stop)), run(self, read, first, stop)),
+    )
+
+    def lookup(pos: np.ndarray) -> np.ndarray:  # two requests: not the lone request read inline
+        first, second = _reads.read_arrays([(arr, pos[: len(pos) // 2]), (arr, pos[len(pos) // 2 :])])
+        return np.concatenate([first, second])
+
+    pos = np.arange(0, 20000, 97)  # rows of different chunks: a run each
+    np.testing.assert_array_equal(lookup(pos), rows[pos])
+    assert handed == []
+    if not _evict_from_page_cache(_shard(tmp_path / "r")):
+        pytest.skip("this file system keeps the file's pages in memory (tmpfs)")
+    np.testing.assert_array_equal(lookup(pos), rows[pos])
+    assert sum(stop - first for first, stop in handed) == len(pos)  # a run per row, every one
+    handed.clear()
+    shard = _shard(tmp_path / "r")
+    lookup(pos[: len(pos) // 2])  # the first half's chunks in the cache again
+    _evict_from_page_cache(shard, start=shard.stat().st_size // 2)
+    handed.clear()
+    np.testing.assert_array_equal(lookup(pos), rows[pos])
+    assert handed and min(first for first, _ in handed) > 0  # the runs before were the caller's
+    data = bytearray(shard.read_bytes())
+    data[(27 * 148 + 4 + _arrays.TAG_BYTES) * 2 + 10] ^= 1  # inside inner chunk 2: cached after the write
+    shard.write_bytes(bytes(data))
+    with pytest.raises(CorruptStoreError, match=re.escape(str(shard)) + ".*crc32c"):
+        lookup(np.array([0, 2 * 27 + 1, 3 * 27]))
+    _evict_from_page_cache(shard)
+    with pytest.raises(CorruptStoreError, match=re.escape(str(shard)) + ".*crc32c"):
+        lookup(np.array([0, 2 * 27 + 1, 3 * 27]))
 
 
 @pytest.fixture

@@ -17,6 +17,7 @@ the compiled path is tested against.
 
 from __future__ import annotations
 
+import errno
 import os
 import threading
 from collections import deque
@@ -44,6 +45,10 @@ _PIECE_BYTES = 512 << 10
 # Threads issuing reads: an SSD serves many outstanding random reads at once.
 _THREADS = 16
 _PARALLEL_RUNS = 4  # fewer runs are read by the calling thread
+# A request of at most this many bytes is first read by the calling thread from what the page cache
+# holds (RWF_NOWAIT; compiled core): a read from memory costs less than handing it to a read thread
+# (tens of microseconds and a wake-up each), and only the runs not all in memory go to the threads.
+_CACHED_BYTES = 4 << 20
 # A read task's bytes at most (unless one run is longer).
 _TASK_BYTES = 4 << 20
 # A read thread keeps a buffer of up to this many bytes for the next run it reads (a run is at most
@@ -76,11 +81,13 @@ def read_arrays(
     """Rows of many arrays at once: for each ``(arr, positions)``, all of ``arr`` (n, ...) when
     ``positions`` is None, else its rows at ``positions`` (k,) int64 -> (k, ...), in request order.
 
-    Only the chunks holding wanted rows are read, nearby ones in one read. The reads of every
-    request are handed to the read threads at once, in request order (so reads of different arrays
-    overlap on the device), and each result is checked (crc32c and binding tag of its chunks) and
-    gathered by the read threads as its reads come in (compiled core), or as it is taken from the
-    iterator (numpy), while the reads of later requests go on. An error surfaces at the
+    Only the chunks holding wanted rows are read, nearby ones in one read. A request of up to
+    ``_CACHED_BYTES`` is first read by the calling thread as far as the page cache holds it whole
+    (compiled core). The reads of every request (the rest of them) are handed to the read threads
+    at once, in request order (so reads of different arrays overlap on the device), and each result
+    is checked (crc32c and binding tag of its chunks) and gathered by the read threads as its reads
+    come in (compiled core), or as it is taken from the iterator (numpy), while the reads of later
+    requests go on. An error surfaces at the
     request it concerns: ``CorruptStoreError`` names a damaged, short or vanished file. Positions
     outside an array are refused before any read. Sorted positions (as every caller asks) need no sort.
     Files are opened through ``open_files`` when given (and stay open), else opened and closed here.
@@ -203,8 +210,8 @@ class _Plan:
         else:
             self.buf = np.empty(int(self.run_dest[-1]), dtype=np.uint8)
 
-    def tasks(self, threads: int = _THREADS) -> list[tuple[int, int]]:
-        """The runs cut into tasks ``(first, stop)`` for ``threads`` of the read threads.
+    def tasks(self, threads: int = _THREADS, start: int = 0) -> list[tuple[int, int]]:
+        """The runs from ``start`` on cut into tasks ``(first, stop)`` for ``threads`` of the read threads.
 
         Compiled: a share of the bytes each, at most ``_TASK_BYTES`` unless a run is longer. Each task
         reads its runs in turn without the GIL, so ``threads`` tasks keep as many reads in flight; more
@@ -213,30 +220,43 @@ class _Plan:
         (as before the compiled core).
         """
         if not self.fused:
-            per_task = max(1, self.n_runs // (4 * _THREADS))
-            return [(first, min(first + per_task, self.n_runs)) for first in range(0, self.n_runs, per_task)]
-        total = int(self.run_dest[-1])
-        target = max(1, min(_TASK_BYTES, -(-total // threads)))
-        group = (self.run_dest[1:] - 1) // target
-        cuts = (np.flatnonzero(group[1:] != group[:-1]) + 1).tolist()
-        return list(zip([0, *cuts], [*cuts, self.n_runs]))
+            per_task = max(1, (self.n_runs - start) // (4 * _THREADS))
+            return [
+                (first, min(first + per_task, self.n_runs)) for first in range(start, self.n_runs, per_task)
+            ]
+        dest = self.run_dest[start:] - self.run_dest[start]
+        target = max(1, min(_TASK_BYTES, -(-int(dest[-1]) // threads)))
+        group = (dest[1:] - 1) // target
+        cuts = (np.flatnonzero(group[1:] != group[:-1]) + 1 + start).tolist()
+        return list(zip([start, *cuts], [*cuts, self.n_runs]))
 
-    def read_fused(self, fds: np.ndarray, first: int, stop: int) -> None:
+    def read_cached(self, fds: np.ndarray) -> int:
+        """The compiled path, on the calling thread: read (and check and gather) the runs from the
+        first on while the page cache holds them whole; returns the first run not read (``n_runs``
+        when all were)."""
+        return self.read_fused(fds, 0, self.n_runs, cached=True)
+
+    def read_fused(self, fds: np.ndarray, first: int, stop: int, cached: bool = False) -> int:
         """The compiled path, on a read thread: read runs ``first:stop`` one by one into this thread's
         scratch buffer, each checked and its rows copied to ``out`` right after its read, while its
-        bytes are in the cache; one call without the GIL."""
+        bytes are in the cache; one call without the GIL. With ``cached``, see :meth:`read_cached`."""
         arr = self.arr
         scratch = _scratch(int(np.diff(self.run_dest[first : stop + 1]).max()))
         failed, got, *found = _native.read_check_gather(
             fds, self.run_start, self.run_dest, self.run_chunk, self.run_row, first, stop, scratch, self.at,
-            self.chunks, self.pos, arr.payload_bytes, arr.seed, arr.chunk_rows, arr.row_bytes, self.out,
+            self.chunks, self.pos, arr.payload_bytes, arr.seed, arr.chunk_rows, arr.row_bytes, self.out, cached,
         )  # fmt: skip
+        if cached and failed >= 0 and got == -errno.EAGAIN:  # not all in memory: the runs before it are read
+            if failed > first:
+                self.checks[first] = (found[0], found[1], found[2], found[3])
+            return failed
         if failed >= 0:
             if got < 0:
                 raise _unreadable(arr, OSError(-got, os.strerror(-got)))
             length = int(self.run_dest[failed + 1] - self.run_dest[failed])
             raise _short_read(arr.files[int(self.run_file[failed])], int(self.run_start[failed]), got, length)
         self.checks[first] = (found[0], found[1], found[2], found[3])
+        return stop
 
     def read(self, fds: list[int], first: int, stop: int) -> None:
         """The numpy path: read runs ``first:stop`` into the request's buffer."""
@@ -366,10 +386,14 @@ def _outside(arr: Array, lo: int, hi: int) -> CorruptStoreError:
 
 class _Reader:
     """Runs handed over request by request, read by the read threads in that order (or, for a lone
-    request of few runs, at once by the calling thread); ``wait`` blocks until a request's are in."""
+    request of few runs, at once by the calling thread; for a small one, by the calling thread as far
+    as the page cache holds it); ``wait`` blocks until a request's are in."""
 
     def __init__(self, open_files: OpenFiles | None) -> None:
         self._files = open_files
+        # Requests up to this size are first read from the page cache, until one finds its first run
+        # missing there (the reads of a cold store: the rest go straight to the threads).
+        self._cached_bytes = _CACHED_BYTES
         self._fds: dict[Path, int] = {}
         self._tasks: list[Future[None]] = []
         self._waited = 0
@@ -385,24 +409,31 @@ class _Reader:
         else:
             files, which = np.unique(plan.run_file, return_inverse=True)
             fds = np.array([self._open(arr, arr.files[f]) for f in files.tolist()], np.int64)[which]
-        read: Callable[[int, int], None] = (
+        read: Callable[[int, int], object] = (
             partial(plan.read_fused, fds) if plan.fused else partial(plan.read, fds.tolist())
         )
         if inline and plan.n_runs < _PARALLEL_RUNS:
             if plan.n_runs:
                 read(0, plan.n_runs)
             return len(self._tasks)
+        done = 0
+        if plan.fused and plan.n_runs and plan.run_dest[-1] <= self._cached_bytes:
+            done = plan.read_cached(fds)
+            if done == plan.n_runs:
+                return len(self._tasks)
+            if done == 0:
+                self._cached_bytes = 0
         # Spread over the threads that the tasks already handed over leave idle (one at least): with
         # many small requests in flight (a lookup over many segments) each is one task, not _THREADS,
         # and as many reads stay in flight.
-        tasks = plan.tasks(max(1, _THREADS - self._busy))
+        tasks = plan.tasks(max(1, _THREADS - self._busy), start=done)
         with self._busy_lock:
             self._busy += len(tasks)
         pool = _executor()
         self._tasks.extend(pool.submit(self._run, read, first, stop) for first, stop in tasks)
         return len(self._tasks)
 
-    def _run(self, read: Callable[[int, int], None], first: int, stop: int) -> None:
+    def _run(self, read: Callable[[int, int], object], first: int, stop: int) -> None:
         """A task on a read thread: runs ``first:stop`` read, counted done however it ends."""
         try:
             read(first, stop)

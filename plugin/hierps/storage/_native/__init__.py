@@ -164,11 +164,12 @@ def read_check_gather(
     chunk_rows: int,
     row_bytes: int,
     out: Buffer,
+    cached: bool = False,
 ) -> tuple[int, int, int, int, int, int]:
     """:func:`._core.read_check_gather` (the compiled core only)."""
     return _core.read_check_gather(
         fds, run_start, run_dest, run_chunk, run_row, first, stop, scratch, at, chunks, pos, payload, seed,
-        chunk_rows, row_bytes, out,
+        chunk_rows, row_bytes, out, cached,
     )  # fmt: skip
 
 

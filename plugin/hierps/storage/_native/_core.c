@@ -15,6 +15,7 @@
 #include <errno.h>
 #include <stdint.h>
 #include <string.h>
+#include <sys/uio.h>
 #include <unistd.h>
 
 #if (defined(__x86_64__) || defined(__i386__)) && defined(__GNUC__)
@@ -556,13 +557,43 @@ done:
 /* Runs first..stop-1, one after the other: pread run i (bytes run_dest[i + 1] - run_dest[i] at
  * run_start[i] of fds[i]) into `scratch` (retrying short reads and EINTR), then at once, while its bytes
  * are in the cache, check_gather its chunks (run_chunk[i]..run_chunk[i + 1]) and rows
- * (run_row[i]..run_row[i + 1]) into `out`. */
+ * (run_row[i]..run_row[i + 1]) into `out`.
+ * With `cached`, only what the page cache holds: each run is read with RWF_NOWAIT, and the first run
+ * not wholly there (or a kernel or file system without it) stops the call, as failed with -EAGAIN, for
+ * a blocking read to take it up. Such a call keeps the GIL when its bytes are few (it cannot wait on
+ * the device, and taking the GIL back would cost more). */
+#ifndef RWF_NOWAIT
+#define RWF_NOWAIT 0x00000008
+#endif
+static int nowait_works = 1; /* cleared the first time the kernel or file system refuses RWF_NOWAIT */
+
+static ssize_t read_run(int fd, unsigned char *b, size_t len, off_t at, int cached) {
+#ifdef __linux__
+    if (cached) {
+        struct iovec iov = {b, len};
+        ssize_t r = preadv2(fd, &iov, 1, at, RWF_NOWAIT);
+        if (r < 0 && (errno == EOPNOTSUPP || errno == EINVAL || errno == ENOSYS)) {
+            nowait_works = 0;
+            errno = EAGAIN;
+        }
+        return r;
+    }
+#else
+    if (cached) {
+        errno = EAGAIN;
+        return -1;
+    }
+#endif
+    return pread(fd, b, len, at);
+}
 static PyObject *py_read_check_gather(PyObject *self, PyObject *args) {
     PyObject *o_fds, *o_start, *o_dest, *o_chunk, *o_row, *o_scratch, *o_at, *o_chunks, *o_pos, *o_out;
     Py_ssize_t first, stop, payload, chunk_rows, row_bytes;
     unsigned long seed;
-    if (!PyArg_ParseTuple(args, "OOOOOnnOOOOnknnO", &o_fds, &o_start, &o_dest, &o_chunk, &o_row, &first, &stop,
-                          &o_scratch, &o_at, &o_chunks, &o_pos, &payload, &seed, &chunk_rows, &row_bytes, &o_out))
+    int cached = 0;
+    if (!PyArg_ParseTuple(args, "OOOOOnnOOOOnknnO|p", &o_fds, &o_start, &o_dest, &o_chunk, &o_row, &first, &stop,
+                          &o_scratch, &o_at, &o_chunks, &o_pos, &payload, &seed, &chunk_rows, &row_bytes, &o_out,
+                          &cached))
         return NULL;
     Buf fds = {0}, start = {0}, dest = {0}, chunk = {0}, row = {0}, scratch = {0}, at = {0}, chunks = {0},
         pos = {0}, out = {0};
@@ -596,12 +627,21 @@ static PyObject *py_read_check_gather(PyObject *self, PyObject *args) {
     Gather g = {b, 0, WORDS(at), WORDS(chunks), WORDS(pos), NULL, 0, 0, 0, 0, payload, chunk_rows, row_bytes,
                 (uint32_t)seed, NULL, -1, 0, -1, 0, NULL, 0};
     const int64_t *all_at = WORDS(at), *all_chunks = WORDS(chunks), *all_pos = WORDS(pos);
-    Py_BEGIN_ALLOW_THREADS for (Py_ssize_t i = first; i < stop; i++) {
+    if (cached && !nowait_works) {
+        failed = first;
+        got = -EAGAIN;
+    }
+    PyThreadState *save = failed < 0 && (!cached || ds[stop] - ds[first] >= BIG_WORK) ? PyEval_SaveThread() : NULL;
+    for (Py_ssize_t i = first; i < stop && failed < 0; i++) {
         int64_t len = ds[i + 1] - ds[i];
         got = 0;
         while (got < len) {
-            ssize_t r = pread((int)fd[i], b + got, (size_t)(len - got), (off_t)(st[i] + got));
+            ssize_t r = read_run((int)fd[i], b + got, (size_t)(len - got), (off_t)(st[i] + got), cached);
             if (r < 0 && errno == EINTR) continue;
+            if (cached && r < len - got) { /* not all in the page cache: a blocking read takes it up */
+                got = -EAGAIN;
+                break;
+            }
             if (r <= 0) {
                 if (r < 0) got = -(int64_t)errno;
                 break;
@@ -624,7 +664,8 @@ static PyObject *py_read_check_gather(PyObject *self, PyObject *args) {
         run_gather(&g);
         if (g.error) break;
     }
-    Py_END_ALLOW_THREADS if (g.error) {
+    if (save) PyEval_RestoreThread(save);
+    if (g.error) {
         PyErr_Format(PyExc_ValueError, "read_check_gather: %s (index %zd)", g.error, g.error_at);
         goto done;
     }

@@ -83,6 +83,7 @@ def read_check_gather(
     chunk_rows: int,
     row_bytes: int,
     out: Buffer,
+    cached: bool = False,
 ) -> tuple[int, int, int, int, int, int]:
     """Runs ``first:stop`` of a request, all in one call without the GIL: ``pread`` run ``i``
     (``run_dest[i + 1] - run_dest[i]`` bytes at ``run_start[i]`` of descriptor ``fds[i]``; (r,) and
@@ -94,6 +95,10 @@ def read_check_gather(
     Returns (the first run that failed or -1, the bytes it got before its file ended or ``-errno``,
     then :func:`check_gather`'s four numbers, chunk indices counted in ``chunks``), or, when a run
     failed, no check (-1, 0, -1, 0).
+
+    With ``cached``, only what the page cache holds (``RWF_NOWAIT``): the first run not wholly there
+    stops the call as failed with ``-EAGAIN`` (also where the kernel or file system cannot say), the
+    runs before it read and checked. Such a call keeps the GIL when its runs come to less than 256 KiB.
     """
 
 def encode_chunks(
