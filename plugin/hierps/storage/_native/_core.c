@@ -565,17 +565,13 @@ done:
 #ifndef RWF_NOWAIT
 #define RWF_NOWAIT 0x00000008
 #endif
-static int nowait_works = 1; /* cleared the first time the kernel or file system refuses RWF_NOWAIT */
 
 static ssize_t read_run(int fd, unsigned char *b, size_t len, off_t at, int cached) {
 #ifdef __linux__
-    if (cached) {
+    if (cached) { /* a file system without it (tmpfs: EOPNOTSUPP) or an older kernel answers as "not there" */
         struct iovec iov = {b, len};
         ssize_t r = preadv2(fd, &iov, 1, at, RWF_NOWAIT);
-        if (r < 0 && (errno == EOPNOTSUPP || errno == EINVAL || errno == ENOSYS)) {
-            nowait_works = 0;
-            errno = EAGAIN;
-        }
+        if (r < 0 && errno != EINTR) errno = EAGAIN;
         return r;
     }
 #else
@@ -627,12 +623,8 @@ static PyObject *py_read_check_gather(PyObject *self, PyObject *args) {
     Gather g = {b, 0, WORDS(at), WORDS(chunks), WORDS(pos), NULL, 0, 0, 0, 0, payload, chunk_rows, row_bytes,
                 (uint32_t)seed, NULL, -1, 0, -1, 0, NULL, 0};
     const int64_t *all_at = WORDS(at), *all_chunks = WORDS(chunks), *all_pos = WORDS(pos);
-    if (cached && !nowait_works) {
-        failed = first;
-        got = -EAGAIN;
-    }
-    PyThreadState *save = failed < 0 && (!cached || ds[stop] - ds[first] >= BIG_WORK) ? PyEval_SaveThread() : NULL;
-    for (Py_ssize_t i = first; i < stop && failed < 0; i++) {
+    PyThreadState *save = !cached || ds[stop] - ds[first] >= BIG_WORK ? PyEval_SaveThread() : NULL;
+    for (Py_ssize_t i = first; i < stop; i++) {
         int64_t len = ds[i + 1] - ds[i];
         got = 0;
         while (got < len) {
