@@ -20,6 +20,7 @@ import zarr
 import zarr.codecs
 from zarr.storage import LocalStore
 
+from hierps.bench.machine import drop_from_page_cache
 from hierps.errors import CorruptStoreError
 from hierps.storage import _arrays, _native, _reads
 from hierps.storage._arrays import create_array, open_array
@@ -127,16 +128,13 @@ def test_far_apart_rows_read_in_parallel_pieces(tmp_path, monkeypatch):
     np.testing.assert_array_equal(read_array(arr, tmp_path, "r", pos), ROWS[pos])
 
 
-def _evict_from_page_cache(path: Path, start: int = 0) -> bool:
-    """Drop ``path``'s pages from ``start`` on from the page cache; False where they stay (tmpfs)."""
+def _in_page_cache(path: Path) -> bool:
+    """Whether the page cache holds ``path``'s last page (tmpfs: always)."""
     fd = os.open(path, os.O_RDONLY)
     try:
-        os.fsync(fd)
-        os.posix_fadvise(fd, start, 0, os.POSIX_FADV_DONTNEED)
-        try:
-            os.preadv(fd, [bytearray(4096)], os.fstat(fd).st_size - 4096, os.RWF_NOWAIT)
-        except BlockingIOError:
-            return True
+        os.preadv(fd, [bytearray(4096)], os.fstat(fd).st_size - 4096, os.RWF_NOWAIT)
+        return True
+    except BlockingIOError:
         return False
     finally:
         os.close(fd)
@@ -177,14 +175,15 @@ def test_what_the_page_cache_holds_is_read_by_the_caller_the_rest_by_the_read_th
             handed.clear()
     np.testing.assert_array_equal(lookup(pos), rows[pos])
     assert handed == []  # (a file system refusing it earlier in the process does not turn it off)
-    if not _evict_from_page_cache(_shard(tmp_path / "r")):
+    drop_from_page_cache(_shard(tmp_path / "r"))
+    if _in_page_cache(_shard(tmp_path / "r")):
         pytest.skip("this file system keeps the file's pages in memory (tmpfs)")
     np.testing.assert_array_equal(lookup(pos), rows[pos])
     assert sum(stop - first for first, stop in handed) == len(pos)  # a run per row, every one
     handed.clear()
     shard = _shard(tmp_path / "r")
     lookup(pos[: len(pos) // 2])  # the first half's chunks in the cache again
-    _evict_from_page_cache(shard, start=shard.stat().st_size // 2)
+    drop_from_page_cache(shard, start=shard.stat().st_size // 2)
     handed.clear()
     np.testing.assert_array_equal(lookup(pos), rows[pos])
     assert handed and min(first for first, _ in handed) > 0  # the runs before were the caller's
@@ -193,7 +192,7 @@ def test_what_the_page_cache_holds_is_read_by_the_caller_the_rest_by_the_read_th
     shard.write_bytes(bytes(data))
     with pytest.raises(CorruptStoreError, match=re.escape(str(shard)) + ".*crc32c"):
         lookup(np.array([0, 2 * 27 + 1, 3 * 27]))
-    _evict_from_page_cache(shard)
+    drop_from_page_cache(shard)
     with pytest.raises(CorruptStoreError, match=re.escape(str(shard)) + ".*crc32c"):
         lookup(np.array([0, 2 * 27 + 1, 3 * 27]))
 

@@ -43,14 +43,15 @@ def io_read_bytes() -> int:
     return 0
 
 
-def drop_from_page_cache(root: Path) -> int:
-    """fsync and drop every file under ``root`` (or ``root`` itself) from the page cache; returns files."""
+def drop_from_page_cache(root: Path, start: int = 0) -> int:
+    """fsync and drop every file under ``root`` (or ``root`` itself, from byte ``start`` on) from the
+    page cache; returns files."""
     paths = [root] if root.is_file() else [p for p in root.rglob("*") if p.is_file()]
     for path in paths:
         fd = os.open(path, os.O_RDONLY)
         try:
             os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            os.posix_fadvise(fd, start, 0, os.POSIX_FADV_DONTNEED)
         finally:
             os.close(fd)
     return len(paths)

@@ -230,16 +230,12 @@ class _Plan:
         cuts = (np.flatnonzero(group[1:] != group[:-1]) + 1 + start).tolist()
         return list(zip([start, *cuts], [*cuts, self.n_runs]))
 
-    def read_cached(self, fds: np.ndarray) -> int:
-        """The compiled path, on the calling thread: read (and check and gather) the runs from the
-        first on while the page cache holds them whole; returns the first run not read (``n_runs``
-        when all were)."""
-        return self.read_fused(fds, 0, self.n_runs, cached=True)
-
     def read_fused(self, fds: np.ndarray, first: int, stop: int, cached: bool = False) -> int:
         """The compiled path, on a read thread: read runs ``first:stop`` one by one into this thread's
         scratch buffer, each checked and its rows copied to ``out`` right after its read, while its
-        bytes are in the cache; one call without the GIL. With ``cached``, see :meth:`read_cached`."""
+        bytes are in the cache; one call without the GIL. Returns ``stop``. With ``cached`` (on the
+        calling thread), only while the page cache holds the runs whole: returns the first run not
+        read (the runs before it checked and gathered)."""
         arr = self.arr
         scratch = _scratch(int(np.diff(self.run_dest[first : stop + 1]).max()))
         failed, got, *found = _native.read_check_gather(
@@ -418,7 +414,7 @@ class _Reader:
             return len(self._tasks)
         done = 0
         if plan.fused and plan.n_runs and plan.run_dest[-1] <= self._cached_bytes:
-            done = plan.read_cached(fds)
+            done = plan.read_fused(fds, 0, plan.n_runs, cached=True)
             if done == plan.n_runs:
                 return len(self._tasks)
             if done == 0:

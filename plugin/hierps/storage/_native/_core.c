@@ -568,11 +568,9 @@ done:
 
 static ssize_t read_run(int fd, unsigned char *b, size_t len, off_t at, int cached) {
 #ifdef __linux__
-    if (cached) { /* a file system without it (tmpfs: EOPNOTSUPP) or an older kernel answers as "not there" */
+    if (cached) { /* any short answer (tmpfs: EOPNOTSUPP; an older kernel: EINVAL) means "not there" */
         struct iovec iov = {b, len};
-        ssize_t r = preadv2(fd, &iov, 1, at, RWF_NOWAIT);
-        if (r < 0 && errno != EINTR) errno = EAGAIN;
-        return r;
+        return preadv2(fd, &iov, 1, at, RWF_NOWAIT);
     }
 #else
     if (cached) {
