@@ -5,6 +5,7 @@ disk stay as they were. New segments find their directories made ahead, or a ret
 
 from __future__ import annotations
 
+import json
 import os
 from collections import deque
 from pathlib import Path
@@ -141,7 +142,7 @@ def test_skeletons_are_made_ahead_and_renamed_into_place(tmp_path):
     assert trees.place(tmp_path / "t" / "8")  # a closed one starts again
 
 
-def test_trees_given_back_are_placed_first_in_their_order_with_their_files_emptied(tmp_path):
+def test_trees_given_back_are_placed_first_in_their_order_with_their_files_cut(tmp_path):
     spare = tmp_path / ".spare"
     trees = Skeletons(spare, ("x/c/0", "y/c"), keep=4, hold=2)
     for i in range(3):
@@ -158,9 +159,10 @@ def test_trees_given_back_are_placed_first_in_their_order_with_their_files_empti
         new = tmp_path / "t" / f"new{i}"
         assert trees.place(new)
         assert (new / "x" / "c" / "0" / "0").stat().st_ino == inodes[i]  # the oldest first, files and all
-        assert (new / "x" / "c" / "0" / "0").read_bytes() == b"" and (
+        # Cut to their first byte (never to 0 bytes: see Skeletons), for their writers to write over.
+        assert (new / "x" / "c" / "0" / "0").read_bytes() == b"r" and (
             new / "y" / "zarr.json"
-        ).read_bytes() == b""
+        ).read_bytes() == b"{"
     assert trees.placed == 2 and trees.reused == 2 and trees._asked == 0  # nothing made ahead yet
     assert trees.place(tmp_path / "t" / "new2") and trees.reused == 2  # none held: one made ahead
     assert (tmp_path / "t" / "new2" / "y" / "c").is_dir() and list((tmp_path / "t" / "new2").rglob("0")) != []
@@ -171,7 +173,7 @@ def test_trees_given_back_are_placed_first_in_their_order_with_their_files_empti
 
 def test_a_file_with_a_hard_link_elsewhere_keeps_its_bytes_there(tmp_path):
     """A backup made of hard links (``cp -al``) of a segment that is later retired keeps its bytes:
-    that file is unlinked from the tree given back, not truncated; the others are emptied."""
+    that file is unlinked from the tree given back, not cut; the others are cut."""
     trees = Skeletons(tmp_path / ".spare", ("x/c",), keep=2)
     tree = tmp_path / "t" / "old"
     (tree / "x" / "c").mkdir(parents=True)
@@ -183,7 +185,7 @@ def test_a_file_with_a_hard_link_elsewhere_keeps_its_bytes_there(tmp_path):
     assert trees.place(tmp_path / "t" / "new")
     assert (tmp_path / "backup" / "0").read_bytes() == b"rows"
     assert not (tmp_path / "t" / "new" / "x" / "c" / "0").exists()  # its writer makes it again
-    assert (tmp_path / "t" / "new" / "x" / "zarr.json").read_bytes() == b""
+    assert (tmp_path / "t" / "new" / "x" / "zarr.json").read_bytes() == b"{"
     trees.close()
 
 
@@ -268,3 +270,44 @@ def test_a_tree_placed_without_an_arrays_folder_still_takes_the_segment(tmp_path
     found, got = tier.read(T, keys)
     assert found.all() and np.array_equal(got.view(np.uint32), rows.view(np.uint32))
     tier.close()
+
+
+def test_a_small_segment_written_over_a_larger_ones_tree_keeps_no_byte_of_it(tmp_path):
+    """A retired segment's files are cut to their first byte and written over by the next segment,
+    not truncated to 0 bytes: a segment far smaller than the one before it in the tree ends each
+    file at its own length (nothing of the old segment left past it), and reads back exactly, from
+    its writer's description and after a reopen."""
+    tier = SsdTier(tmp_path, store_id="test")
+    tier.add_table(T, WIDTH)
+    tier.collect_garbage(set())  # nothing protected: a retired tree is given back
+    rng = np.random.default_rng(5)
+    big = np.arange(0, 40_000, 2, dtype=np.int64)
+    tier.write(T, big, rng.standard_normal((len(big), WIDTH)).astype(np.float32))
+    (old,) = [s for _, s in tier.segments(T)]
+    old_tree = tmp_path / T / f"{old:08d}"
+    old_sizes = {p.relative_to(old_tree): p.stat().st_size for p in old_tree.rglob("*") if p.is_file()}
+    tier.delete(T, big)  # rewrites the segment without them: the old tree is given back
+    tier.wait_removals()
+    assert tier._skeletons._recycled
+    keys = np.array([3, 7, 11], np.int64)
+    rows = rng.standard_normal((len(keys), WIDTH)).astype(np.float32)
+    tier.write(T, keys, rows)
+    assert tier._skeletons.reused >= 1
+    (seg,) = [s for _, s in tier.segments(T)]
+    tree = tmp_path / T / f"{seg:08d}"
+    sizes = {p.relative_to(tree): p.stat().st_size for p in tree.rglob("*") if p.is_file()}
+    shard = Path("rows/c/0/0")
+    assert sizes[shard] < old_sizes[shard] // 10  # its own length, not the old one's
+    meta = json.loads((tree / "rows" / "zarr.json").read_text())  # whole JSON: no old tail after it
+    assert meta["shape"] == [len(keys), WIDTH + 2]
+    found, got = tier.read(T, keys)
+    assert found.all() and np.array_equal(got.view(np.uint32), rows.view(np.uint32))
+    recorded = tier.live_set(T)
+    tier.close()
+    fresh = SsdTier(tmp_path, store_id="test")
+    fresh.add_table(T, WIDTH)
+    fresh.load_segments(T, WIDTH, recorded)
+    found, got = fresh.read(T, keys)
+    assert found.all() and np.array_equal(got.view(np.uint32), rows.view(np.uint32))
+    assert not fresh.contains(T, big).any()
+    fresh.close()

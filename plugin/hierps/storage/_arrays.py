@@ -318,6 +318,9 @@ class ArrayWriter:
                 index[:, 0] = np.arange(self._chunks, dtype=np.uint64) * np.uint64(self._stride)
                 index[:, 1] = self._payload + 4
                 _write_all(self._fd, _with_crc(index.view(np.uint8).reshape(1, -1)))
+            elif self._dirs_made:  # no chunk: a file left in the tree (its first byte) is emptied
+                with contextlib.suppress(FileNotFoundError):
+                    os.truncate(shard_file(self.path, 1 + len(self._rest)), 0)
         finally:
             self._scratch = None
             if self._fd is not None:
@@ -372,15 +375,18 @@ def shard_file(path: Path, ndim: int, i: int = 0) -> Path:
 
 def _create(file: Path, dirs_made: bool) -> int:
     """``file`` opened to be written anew. Where its directories were said to be made (a tree placed
-    for the writer), one that is missing after all (a tree given back by a writer that wrote less)
-    is made then."""
+    for the writer: :class:`hierps.storage._files.Skeletons`), a file there is written over from its
+    start, not truncated: the tree's files were cut to their first byte (never to 0 bytes: see
+    there), and every file an array writes is longer. A directory missing after all (a tree given
+    back by a writer that wrote less) is made then."""
+    flags = os.O_WRONLY | os.O_CREAT | (0 if dirs_made else os.O_TRUNC)
     try:
-        return os.open(file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        return os.open(file, flags, 0o644)
     except FileNotFoundError:
         if not dirs_made:
             raise
     make_dir(file.parent)
-    return os.open(file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    return os.open(file, flags, 0o644)
 
 
 def make_dir(path: Path) -> None:

@@ -179,7 +179,7 @@ class SsdTier:
         # Retired segments leave their table's directory at once and are deleted in the background.
         self._removed = Remover(self.root / _TRASH)
         # A new segment's 8 directories are made ahead in the background and renamed into place, or
-        # a retired segment's tree is (its 6 files emptied).
+        # a retired segment's tree is (its 6 files cut to their first byte).
         self._skeletons = Skeletons(self.root / _SPARE, SEGMENT_DIRS)
         self.bytes_read = 0
         self.bytes_written = 0
@@ -786,7 +786,7 @@ class SsdTier:
 
     def _retire(self, table: str, seg: int) -> None:
         """Take a segment out of the live set, deleting it unless a kept checkpoint names it: its tree
-        goes back to the trees new segments are written into (files emptied), or is deleted.
+        goes back to the trees new segments are written into (files cut to their first byte), or is deleted.
 
         Nothing reads it any more: reads of the live set hold the tier's lock, as a retirement does,
         and a merge retires its inputs once it has read them; kept checkpoints' segments, which other
@@ -837,7 +837,7 @@ class SsdTier:
         """Bytes of the files under the tier's directory now. The pipeline's worker may merge and
         collect segments meanwhile: a file or directory removed during the walk counts as gone."""
         self._removed.wait()  # retired segments still being deleted are gone
-        self._skeletons.wait()  # and those given back to the trees made ahead are emptied
+        self._skeletons.wait()  # and those given back to the trees made ahead are cut
         total = 0
         for folder, _, files in os.walk(self.root):  # a folder removed meanwhile is skipped
             for name in files:
@@ -849,7 +849,7 @@ class SsdTier:
 
     def wait_removals(self) -> None:
         """Block until the retired segments handed to the background threads so far are deleted, or
-        emptied to be written into again."""
+        cut to be written into again."""
         self._removed.wait()
         self._skeletons.wait()
 
