@@ -57,6 +57,14 @@ def keys_of(*values: int) -> np.ndarray:
     return np.array(values, np.int64)
 
 
+@pytest.fixture(autouse=True)
+def _evict_to_seven_eighths(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The RAM tier's tests below count rows against an eviction down to 7/8 of the budget (a
+    fraction that frees a few rows of a ten-row budget); the fraction the tier runs with is tested
+    on its own (:func:`test_eviction_frees_down_to_the_tiers_fraction_of_the_budget`)."""
+    monkeypatch.setattr("hierps.tiers._memory._EVICT_TO", 0.875)
+
+
 def memory(policy: str = "lru") -> tuple[MemoryTier, RecordingSink]:
     sink = RecordingSink()
     tier = MemoryTier(BUDGET, sink, policy)
@@ -133,6 +141,27 @@ def test_lru_evicts_the_rows_of_the_oldest_pass():
     assert sink.keys() == {0, 1, 2}
     for key in (0, 1, 2):
         np.testing.assert_array_equal(sink.taken["t"][key], rows_of(keys_of(key))[0])
+
+
+def test_eviction_frees_down_to_the_tiers_fraction_of_the_budget(monkeypatch):
+    """One row over a full budget evicts down to the tier's own fraction of it (at most that many
+    bytes stay), in one batch: the least recently used rows, every dirty one handed to the sink."""
+    from hierps.tiers import _memory
+
+    monkeypatch.undo()  # the fraction the tier runs with, not the fixture's
+    budget = 100 * ROW_BYTES
+    sink = RecordingSink()
+    tier = MemoryTier(budget, sink, "lru")
+    tier.add_table("t", WIDTH)
+    keys = np.arange(100, dtype=np.int64)
+    tier.put("t", keys, rows_of(keys))
+    tier.tick = 1
+    tier.get("t", keys[50:])  # the first half is the least recently used
+    tier.put("t", keys_of(100), rows_of(keys_of(100)))
+    kept = int(_memory._EVICT_TO * budget) // ROW_BYTES
+    assert tier.bytes_used <= _memory._EVICT_TO * budget + ROW_BYTES
+    assert len(cached(tier)) >= kept and 100 in cached(tier)
+    assert tier.evicted_rows == 101 - len(cached(tier)) and sink.keys() == set(range(tier.evicted_rows))
 
 
 def test_lfu_evicts_the_least_touched_rows():
