@@ -1,7 +1,7 @@
 """The store's passes replayed on keys alone: which tier each pass's rows come from.
 
 The RAM tier is the store's own :class:`hierps.tiers.MemoryTier` (its LRU/LFU scores, its batch
-eviction down to 7/8 of the budget, its overflow to the sink), holding one-word rows but charging
+eviction down to a fraction of the budget, its overflow to the sink), holding one-word rows but charging
 each the bytes a real row costs, so its policy decides exactly as it would. Around it the replay
 does what :class:`hierps.Store` does per pass:
 
