@@ -164,6 +164,43 @@ def test_eviction_frees_down_to_the_tiers_fraction_of_the_budget(monkeypatch):
     assert tier.evicted_rows == 101 - len(cached(tier)) and sink.keys() == set(range(tier.evicted_rows))
 
 
+def test_a_table_with_few_dirty_rows_to_evict_keeps_them_where_the_others_can_give_the_bytes(monkeypatch):
+    """An eviction that would send a table's few dirty rows to the sink (a segment of their own) takes
+    the next lowest-scored rows of the other tables instead, as many bytes; where the others cannot
+    give them, the table's rows go after all."""
+    from hierps.tiers import _memory
+
+    monkeypatch.setattr(_memory, "_FEW_DIRTY_BYTES", 3 * ROW_BYTES)
+    sink = RecordingSink()
+    tier = MemoryTier(20 * ROW_BYTES, sink, "lru")
+    tier.add_table("small", WIDTH)
+    tier.add_table("big", WIDTH)
+    tier.put("small", keys_of(1, 2), rows_of(keys_of(1, 2)))  # the least recently used rows
+    tier.tick = 1
+    big = np.arange(100, 118, dtype=np.int64)
+    tier.put("big", big, rows_of(big))  # 20 rows: the budget
+    tier.tick = 2
+    # One row over: evict it and 1/8 of the budget (3.5 rows): 4 rows, which LRU alone would take as
+    # small's 2 and big's oldest 2.
+    tier.put("big", keys_of(200), rows_of(keys_of(200)))
+    assert cached(tier, "small") == {1, 2} and sink.keys("small") == set()
+    assert sink.keys("big") == {100, 101, 102, 103} and tier.evicted_rows == 4
+    assert tier.bytes_used <= 0.875 * tier.budget + ROW_BYTES
+
+    # The other table cannot give the bytes: the rows go, as few as they are.
+    sink = RecordingSink()
+    tier = MemoryTier(4 * ROW_BYTES, sink, "lru")
+    tier.add_table("small", WIDTH)
+    tier.add_table("big", WIDTH)
+    tier.put("small", keys_of(1, 2, 3), rows_of(keys_of(1, 2, 3)))
+    tier.tick = 1
+    tier.put("big", keys_of(100), rows_of(keys_of(100)))
+    tier.tick = 2
+    tier.put("big", keys_of(200), rows_of(keys_of(200)))  # 1 row over + 0.5 row: 2 rows, big holds 1
+    assert sink.keys("small") == {1, 2} and cached(tier, "small") == {3}
+    assert cached(tier, "big") == {100, 200}
+
+
 def test_lfu_evicts_the_least_touched_rows():
     tier, sink = memory("lfu")
     _fill_and_touch(tier)

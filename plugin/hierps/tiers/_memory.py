@@ -3,8 +3,10 @@
 Each table has a slab (an anonymous ``mmap`` viewed as a ``(capacity, width)`` float32 array)
 and a vectorised key index (sorted keys -> slot). The byte budget is shared by all tables;
 when it is exceeded, the least recently (``lru``: by pass) or least frequently (``lfu``) used
-rows of all tables are evicted in one batch, dirty ones handed to the tier's *sink* in one sorted
-batch per table. Rows that do not fit even in an empty cache go straight through to it.
+rows of all tables are evicted in one batch, down to half the budget, dirty ones handed to the
+tier's *sink* in one sorted batch per table; a table that would hand it only a few rows keeps them
+where the other tables can give their bytes instead (each batch is a segment on SSD, whose fixed
+costs a few rows do not pay for). Rows that do not fit even in an empty cache go straight through.
 
 The tier knows nothing below it: the store gives it the sink (:class:`RowSink`, the SSD tier) when
 it builds the hierarchy, just as it reads the tiers one after the other itself
@@ -45,6 +47,11 @@ def ram_row_bytes(words: int) -> int:
 # fewer (the demo DLRM's and the wide model's long runs at a 25% budget: the pipeline worker's CPU
 # 15-25% lower, the wide model's examples/s 1.2-1.4x), for 8% more bytes read from the SSD tier.
 _EVICT_TO = 0.5
+# An eviction that would hand the sink fewer dirty bytes of a table than this takes the other
+# tables' next rows instead where it can (see MemoryTier._evict): a segment's fixed costs are worth
+# about this many bytes of rows. Tried this many times (a table spared may bring in another's few).
+_FEW_DIRTY_BYTES = 128 << 10
+_SPARE_ROUNDS = 3
 # Within deferred_writes, rows held (as the tier charges them) beyond which they go down at once:
 # large write-backs gain nothing from fewer segments, and the copies held stay bounded.
 _HELD_BYTES = 16 << 20
@@ -265,17 +272,47 @@ class MemoryTier:
         slab.insert(keys, slots)
 
     def _evict(self, nbytes: int) -> None:
-        """Evict at least ``nbytes`` of the lowest-scored rows across tables, in one batch."""
+        """Evict at least ``nbytes`` of the lowest-scored rows across tables, in one batch.
+
+        A table that would hand the sink fewer than ``_FEW_DIRTY_BYTES`` of dirty rows keeps its
+        rows when the other tables can give those bytes instead (their next lowest-scored rows): its
+        few rows would cost the sink a segment of their own (its files, its lookups, its merges).
+        Only which rows go changes, never how many bytes: a table is spared only where the tables
+        not spared hold the bytes to free."""
         tables = [t for t, s in self._slabs.items() if len(s)]
         if not tables:
             return
         sizes = [len(self._slabs[t]) for t in tables]
         scores = np.concatenate([self._slabs[t].score[self._slabs[t].slots] for t in tables])
         costs = np.concatenate([np.full(n, self.row_bytes(t)) for t, n in zip(tables, sizes)])
+        ends = np.cumsum(sizes).tolist()
+        spans = [(end - n, end) for end, n in zip(ends, sizes)]
+        dirty = np.concatenate([self._slabs[t].dirty[self._slabs[t].slots] for t in tables])
         victims = lowest_scored(scores, costs, nbytes)
-        ends = np.cumsum(sizes)
-        for t, end, n in zip(tables, ends.tolist(), sizes):
-            positions = np.flatnonzero(victims[end - n : end])
+        held = [int(costs[a]) * n for (a, _), n in zip(spans, sizes)]  # each table's bytes here
+        room, spared = sum(held), set()  # what the tables not spared hold
+        for _ in range(_SPARE_ROUNDS):
+            # The tables about to send a few dirty rows, the fewest first, spared while the others
+            # still hold the bytes to free.
+            few = sorted(
+                (int(np.count_nonzero(victims[a:b] & dirty[a:b])) * int(costs[a]), i)
+                for i, (a, b) in enumerate(spans)
+                if i not in spared
+            )
+            more = False
+            for bytes_out, i in few:
+                if 0 < bytes_out < _FEW_DIRTY_BYTES and room - held[i] >= nbytes:
+                    spared.add(i)
+                    room -= held[i]
+                    more = True
+            if not more:
+                break
+            kept = scores.copy()
+            for i in spared:  # scored above every row: no selection the others can fill takes them
+                kept[spans[i][0] : spans[i][1]] = int(scores.max()) + 1
+            victims = lowest_scored(kept, costs, nbytes)
+        for t, (a, b) in zip(tables, spans):
+            positions = np.flatnonzero(victims[a:b])
             if len(positions):
                 self._drop(t, positions, write_dirty=True)
 
