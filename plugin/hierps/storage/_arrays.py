@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -124,16 +125,18 @@ class Array:
             return np.asarray(chunks, np.int64) * self.stride
         return self.offsets[chunks]
 
-    @property
+    # Asked for at every read of the array: computed once (a frozen dataclass's cached_property
+    # sets the instance's __dict__).
+    @functools.cached_property
     def row_bytes(self) -> int:
         return self.dtype.itemsize * math.prod(self.shape[1:])
 
-    @property
+    @functools.cached_property
     def payload_bytes(self) -> int:
         """Bytes of the rows of one chunk (the last chunk padded)."""
         return self.chunk_rows * self.row_bytes
 
-    @property
+    @functools.cached_property
     def chunk_bytes(self) -> int:
         """Bytes hierps reads of one chunk: its rows (padded), the crc32c and the binding tag."""
         return self.payload_bytes + TRAILER

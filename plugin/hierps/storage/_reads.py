@@ -125,6 +125,14 @@ def read_arrays(
         reader.close()
 
 
+# A plan's arrays before it is placed (read-only: shared by every plan).
+_NO_INT64: np.ndarray = np.empty(0, np.int64)
+_ONE_ZERO: np.ndarray = np.zeros(1, np.int64)
+_NO_BYTES: np.ndarray = np.empty(0, np.uint8)
+for _shared in (_NO_INT64, _ONE_ZERO, _NO_BYTES):
+    _shared.flags.writeable = False
+
+
 @dataclass(eq=False)
 class _Plan:
     """The chunks one request needs and, once placed, the reads that fetch them and where each chunk
@@ -138,19 +146,20 @@ class _Plan:
     ordered: bool = True  # rows come in chunk order (``slot`` nondecreasing)
     # Where chunk i lies in the request's buffer (c,); run j: (r,) its file (an index into
     # arr.files), its offset there; (r + 1,) its offset in the buffer, its first chunk.
-    at: np.ndarray = field(default_factory=lambda: np.empty(0, np.int64))
-    run_file: np.ndarray = field(default_factory=lambda: np.empty(0, np.int64))
-    run_start: np.ndarray = field(default_factory=lambda: np.empty(0, np.int64))
-    run_dest: np.ndarray = field(default_factory=lambda: np.zeros(1, np.int64))
-    run_chunk: np.ndarray = field(default_factory=lambda: np.zeros(1, np.int64))
+    # (Until placed: shared read-only arrays of no run, made once: a plan is made per request.)
+    at: np.ndarray = field(default_factory=lambda: _NO_INT64)
+    run_file: np.ndarray = field(default_factory=lambda: _NO_INT64)
+    run_start: np.ndarray = field(default_factory=lambda: _NO_INT64)
+    run_dest: np.ndarray = field(default_factory=lambda: _ONE_ZERO)
+    run_chunk: np.ndarray = field(default_factory=lambda: _ONE_ZERO)
     # The numpy path: the whole request's buffer, checked and gathered by :meth:`decode`.
-    buf: np.ndarray = field(default_factory=lambda: np.empty(0, np.uint8))
+    buf: np.ndarray = field(default_factory=lambda: _NO_BYTES)
     # The compiled path (rows in chunk order): each read task checks its runs' chunks and copies their
     # rows (``run_row[i]:run_row[i + 1]`` for run i) into ``out``, keeping what it found in ``checks``
     # (by its first run: the first chunk whose crc32c fails, their count, the same for binding tags).
     fused: bool = False
-    out: np.ndarray = field(default_factory=lambda: np.empty(0, np.uint8))
-    run_row: np.ndarray = field(default_factory=lambda: np.zeros(1, np.int64))
+    out: np.ndarray = field(default_factory=lambda: _NO_BYTES)
+    run_row: np.ndarray = field(default_factory=lambda: _ONE_ZERO)
     checks: dict[int, tuple[int, int, int, int]] = field(default_factory=dict)  # first run -> check_gather's
 
     @property
@@ -193,8 +202,11 @@ class _Plan:
         read fused (each run's rows follow those of the run before); others are gathered by
         :meth:`decode`, from the request's buffer."""
         arr, c = self.arr, len(self.chunks)
-        at, run_chunk, run_dest, run_row = (np.empty(n, np.int64) for n in (c, c + 1, c + 1, c + 1))
-        run_file, run_start = np.empty(c, np.int64), np.empty(c, np.int64)
+        whole = np.empty(6 * c + 3, np.int64)  # one allocation, cut in six
+        at, run_file, run_start = whole[:c], whole[c : 2 * c], whole[2 * c : 3 * c]
+        run_chunk, run_dest, run_row = (
+            whole[3 * c + k * (c + 1) : 3 * c + (k + 1) * (c + 1)] for k in range(3)
+        )
         ordered = self.ordered
         r = _native.plan_runs(
             np.ascontiguousarray(start, np.int64), np.ascontiguousarray(file_of, np.int64), arr.chunk_bytes,
@@ -237,7 +249,10 @@ class _Plan:
         calling thread), only while the page cache holds the runs whole: returns the first run not
         read (the runs before it checked and gathered)."""
         arr = self.arr
-        scratch = _scratch(int(np.diff(self.run_dest[first : stop + 1]).max()))
+        total = int(self.run_dest[stop] - self.run_dest[first])  # the longest run is no longer
+        scratch = _scratch(
+            total if total <= _SCRATCH_BYTES else int(np.diff(self.run_dest[first : stop + 1]).max())
+        )
         failed, got, *found = _native.read_check_gather(
             fds, self.run_start, self.run_dest, self.run_chunk, self.run_row, first, stop, scratch, self.at,
             self.chunks, self.pos, arr.payload_bytes, arr.seed, arr.chunk_rows, arr.row_bytes, self.out, cached,
