@@ -202,10 +202,10 @@ class _Plan:
         read fused (each run's rows follow those of the run before); others are gathered by
         :meth:`decode`, from the request's buffer."""
         arr, c = self.arr, len(self.chunks)
-        whole = np.empty(6 * c + 3, np.int64)  # one allocation, cut in six
-        at, run_file, run_start = whole[:c], whole[c : 2 * c], whole[2 * c : 3 * c]
-        run_chunk, run_dest, run_row = (
-            whole[3 * c + k * (c + 1) : 3 * c + (k + 1) * (c + 1)] for k in range(3)
+        # One allocation cut in six: (c,) each for the chunks and the runs' files and offsets, (c + 1,)
+        # each for the runs' first chunks, offsets in the buffer and first rows.
+        at, run_file, run_start, run_chunk, run_dest, run_row = np.split(
+            np.empty(6 * c + 3, np.int64), np.cumsum([c, c, c, c + 1, c + 1])
         )
         ordered = self.ordered
         r = _native.plan_runs(

@@ -283,33 +283,35 @@ class MemoryTier:
         if not tables:
             return
         sizes = [len(self._slabs[t]) for t in tables]
+        row_bytes = [self.row_bytes(t) for t in tables]
         scores = np.concatenate([self._slabs[t].score[self._slabs[t].slots] for t in tables])
-        costs = np.concatenate([np.full(n, self.row_bytes(t)) for t, n in zip(tables, sizes)])
+        costs = np.concatenate([np.full(n, rb) for n, rb in zip(sizes, row_bytes)])
         ends = np.cumsum(sizes).tolist()
         spans = [(end - n, end) for end, n in zip(ends, sizes)]
         dirty = np.concatenate([self._slabs[t].dirty[self._slabs[t].slots] for t in tables])
         victims = lowest_scored(scores, costs, nbytes)
-        held = [int(costs[a]) * n for (a, _), n in zip(spans, sizes)]  # each table's bytes here
+        held = [n * rb for n, rb in zip(sizes, row_bytes)]  # each table's bytes here
         room, spared = sum(held), set()  # what the tables not spared hold
+        top = int(scores.max()) + 1  # a spared table's rows score this: above every row
         for _ in range(_SPARE_ROUNDS):
             # The tables about to send a few dirty rows, the fewest first, spared while the others
             # still hold the bytes to free.
-            few = sorted(
-                (int(np.count_nonzero(victims[a:b] & dirty[a:b])) * int(costs[a]), i)
-                for i, (a, b) in enumerate(spans)
-                if i not in spared
-            )
+            few = []
+            for i, (a, b) in enumerate(spans):
+                out = int(np.count_nonzero(victims[a:b] & dirty[a:b])) * row_bytes[i]
+                if i not in spared and 0 < out < _FEW_DIRTY_BYTES:
+                    few.append((out, i))
             more = False
-            for bytes_out, i in few:
-                if 0 < bytes_out < _FEW_DIRTY_BYTES and room - held[i] >= nbytes:
+            for _, i in sorted(few):
+                if room - held[i] >= nbytes:
                     spared.add(i)
                     room -= held[i]
                     more = True
             if not more:
                 break
             kept = scores.copy()
-            for i in spared:  # scored above every row: no selection the others can fill takes them
-                kept[spans[i][0] : spans[i][1]] = int(scores.max()) + 1
+            for i in spared:
+                kept[spans[i][0] : spans[i][1]] = top
             victims = lowest_scored(kept, costs, nbytes)
         for t, (a, b) in zip(tables, spans):
             positions = np.flatnonzero(victims[a:b])
