@@ -668,3 +668,49 @@ def test_a_plan_keeps_its_arrays_once_joined_and_gives_each_tables_own(all_bags)
             )
         else:
             assert plan.offsets is None and plan.bags is None
+
+
+def test_a_mini_batch_translates_alike_whatever_its_tables_order_and_whether_positions_are_known():
+    """The tables of a mini-batch are grouped joined: in the pass's order or not, with the positions
+    of union_positions or searched, each table's plan is the same; an id its table's keys lack is
+    refused, even where the next table's first key equals it."""
+    from hierps.training._batchplan import bag_ids, translate, union_positions
+
+    rng = np.random.default_rng(11)
+    batches = []
+    for _ in range(3):
+        batch = {}
+        for t, n in (("a", 500), ("b", 20), ("c", 800)):
+            ids = (rng.zipf(1.2, n) % 300).astype(np.int64)
+            batch[t] = bag_ids(ids, np.arange(0, n, 4, dtype=np.int64)) if t != "b" else ids
+        batches.append(batch)
+    keep, positions = union_positions(batches)
+    base = {"a": 1000, "b": 0, "c": 5000}
+    cpu = torch.device("cpu")
+    want = translate(batches, keep, base, cpu, positions, coalesced={"c"})
+    backwards = [{t: b[t] for t in ("c", "b", "a")} for b in batches]
+    for got in (
+        translate(batches, keep, base, cpu, None, coalesced={"c"}),
+        translate(backwards, keep, base, cpu, positions, coalesced={"c"}),
+    ):
+        for g, w in zip(got, want):
+            assert g.bags is None and w.bags is None  # "b" came without bags
+            for t, plan in w.plans.items():
+                other = g.plans[t]
+                for field in ("ids", "keys", "counts", "slots", "local", "order", "starts"):
+                    assert torch.equal(getattr(other, field), getattr(plan, field)), (t, field)
+                assert (plan.bags is None) == (t == "b") and (t == "b" or torch.equal(other.bags, plan.bags))
+    # key 7 lies past table "a"'s keys here, and "b"'s first key is 7
+    lonely = {"a": np.array([1, 2], np.int64), "b": np.array([7], np.int64)}
+    with pytest.raises((ValueError, IndexError)):
+        translate(
+            [{"a": np.array([7], np.int64), "b": np.array([7], np.int64)}], lonely, {"a": 0, "b": 2}, cpu
+        )
+    # and a table with no keys at all, after one whose last key is the id
+    with pytest.raises((ValueError, IndexError)):
+        translate(
+            [{"a": np.array([2], np.int64), "b": np.array([2], np.int64)}],
+            {**lonely, "b": lonely["b"][:0]},
+            {"a": 0, "b": 2},
+            cpu,
+        )

@@ -725,6 +725,9 @@ def _grouped(
     return where, seen[where], (np.cumsum(seen > 0) - 1)[at], None
 
 
+_NO_IDS = np.empty(0, np.int64)
+
+
 def _joined(parts: Sequence[np.ndarray], dtype: type, device: torch.device) -> torch.Tensor:
     """``parts`` joined into one array of ``dtype``, as a tensor on ``device``."""
     return torch.from_numpy(np.concatenate(parts or [np.empty(0, dtype)]).astype(dtype, copy=False)).to(
@@ -748,81 +751,176 @@ def translate(
     in ``keep`` if known (:func:`union_positions`), else searched; coalesced: the tables whose
     gradients are summed in torch's coalesce order (:func:`sum_order`), the others' in the order
     of their ids.
+
+    A mini-batch's ids are grouped in one call for all its tables, joined, against the keys of its
+    tables placed one table after the other (:class:`_JoinedKeys`): the distinct ids come out table
+    after table, so the numbers, counts, order and starts it gives are each table's own shifted
+    past the tables before it, the arrays the plans keep joined.
     """
+    pass_keys = _JoinedKeys(keep)
     out: list[Batch] = []
     for k, batch in enumerate(batches):
         tables = [t for t in batch if t in keep]
-        ids, keys, local, counts, slots, orders, starts = [], [], [], [], [], [], []
-        # the tables whose bags were announced: their offsets (B,), each id's bag in ``order`` (n,)
-        bags: dict[int, tuple[np.ndarray, np.ndarray]] = {}
-        for table in tables:
-            # A private copy: later changes to the caller's ids don't leak into the plan.
-            t_ids = np.array(batch[table], dtype=np.int64, copy=True)
-            t_offsets = getattr(batch[table], "offsets", None)
-            # Dedup through the positions in the pass's sorted keys: counting, no sort.
-            known = positions[k].get(table) if positions is not None else None
-            where, t_counts, t_local, order = _grouped(t_ids, keep[table], known)
-            ids.append(t_ids)
-            keys.append(keep[table][where])
-            local.append(t_local)
-            counts.append(t_counts.astype(np.float32))
-            slots.append(base[table] + where)
-            if table in coalesced:  # torch sorts the ids themselves: sort them as it does
-                orders.append(sum_order(torch.from_numpy(t_ids)).numpy())
-            else:
-                orders.append(np.argsort(t_local, kind="stable") if order is None else order)
-            starts.append(np.cumsum(t_counts) - t_counts)
-            if t_offsets is not None:
-                # each id's bag, in the order of the keys: what the backward sums per key
-                bag_of = np.repeat(
-                    np.arange(len(t_offsets), dtype=np.int64), np.diff(t_offsets, append=len(t_ids))
-                )
-                bags[len(ids) - 1] = (t_offsets.copy(), bag_of[orders[-1]])
-        sizes, lengths = [len(k) for k in keys], [len(i) for i in ids]
-        firsts = np.cumsum([0, *sizes[:-1]]).astype(np.int64).tolist()  # each table's first key
-        n_before = np.cumsum([0, *lengths[:-1]]).astype(np.int64).tolist()  # and first id
-        j_slots = _joined([s.astype(np.int64, copy=False) for s in slots], np.int64, device)
-        j_counts = _joined(counts, np.float32, device)
-        b_counts = [len(offsets) for offsets, _ in bags.values()]
-        # Positions within the mini-batch (ids' and bags' numbers): int32 where they fit (the plans
-        # of two passes are held).
-        index = np.int32 if max(sum(lengths), sum(b_counts)) < 2**31 else np.int64
-        j_local = _joined([loc + s for loc, s in zip(local, firsts)], index, device)
-        j_order = _joined([o + n0 for o, n0 in zip(orders, n_before)], index, device)
-        j_starts = _joined([st + n0 for st, n0 in zip(starts, n_before)], index, device)
-        # The announced bags joined: each table's bag numbers past the bags of the tables before it.
-        b_before = dict(zip(bags, np.cumsum([0, *b_counts[:-1]]).tolist()))  # each one's first bag
-        at_bags = dict(zip(bags, np.cumsum([0, *[lengths[i] for i in bags][:-1]]).tolist()))  # and id
-        j_bags = _joined([bag_of + b_before[i] for i, (_, bag_of) in bags.items()], index, device)
-        joined = None
-        if tables and len(bags) == len(tables):
-            joined = JoinedBags(
-                offsets=_joined([offsets + n_before[i] for i, (offsets, _) in bags.items()], index, device),
-                counts=b_counts,
-                ids_bags=j_bags,
-            )
-        plans = {}
-        for i, (table, p_slots, p_counts) in enumerate(
-            zip(tables, j_slots.split(sizes), j_counts.split(sizes))
-        ):
-            n, u, n0, k0 = lengths[i], sizes[i], n_before[i], firsts[i]
-            pieces = {
-                "local": _Piece(j_local, n0, n, k0),
-                "order": _Piece(j_order, n0, n, n0),
-                "starts": _Piece(j_starts, k0, u, n0),
-            }
-            offsets = None
-            if i in bags:
-                pieces["bags"] = _Piece(j_bags, at_bags[i], n, b_before[i])
-                offsets = torch.from_numpy(bags[i][0]).to(device)
-            plans[table] = BatchPlan(
-                ids=torch.from_numpy(ids[i]).to(device),
-                keys=torch.from_numpy(keys[i]).to(device),
-                counts=p_counts,
-                slots=p_slots,
-                offsets=offsets,
-                coalesced=table in coalesced,
-                pieces=pieces,
-            )
-        out.append(Batch(plans, j_slots, j_counts, j_local, j_order, j_starts, joined))
+        # The pass's keys joined serve every mini-batch whose tables come in their order.
+        joined = pass_keys if pass_keys.in_order(tables) else _JoinedKeys({t: keep[t] for t in tables})
+        known = positions[k] if positions is not None else {}
+        out.append(_translate_batch(batch, tables, joined, base, device, known, coalesced))
     return out
+
+
+class _JoinedKeys:
+    """The sorted keys of tables placed one table after the other: :attr:`keys` (sum K,) int64, each
+    table's first position there (``start``) and its own keys (``of``)."""
+
+    def __init__(self, keep: Mapping[str, np.ndarray]) -> None:
+        self.of = keep
+        self._keys: np.ndarray | None = None  # joined when first needed
+        sizes = [len(k) for k in keep.values()]
+        self.start = dict(zip(keep, np.cumsum([0, *sizes[:-1]]).tolist()))
+        self._rank = {t: i for i, t in enumerate(keep)}
+
+    @property
+    def keys(self) -> np.ndarray:
+        if self._keys is None:
+            parts = [np.asarray(k, np.int64) for k in self.of.values()]
+            self._keys = np.concatenate(parts) if parts else np.empty(0, np.int64)
+        return self._keys
+
+    def in_order(self, tables: Sequence[str]) -> bool:
+        """Whether ``tables`` are among these, in their order."""
+        ranks = [self._rank.get(t, -1) for t in tables]
+        return all(r >= 0 for r in ranks) and all(a < b for a, b in zip(ranks, ranks[1:]))
+
+
+def _translate_batch(
+    batch: Mapping[str, np.ndarray],
+    tables: list[str],
+    joined: _JoinedKeys,
+    base: Mapping[str, int],
+    device: torch.device,
+    known: Mapping[str, np.ndarray],
+    coalesced: Collection[str],
+) -> Batch:
+    """:func:`translate` of one mini-batch, whose ``tables`` come in ``joined``'s order."""
+    lengths = [len(batch[t]) for t in tables]
+    n_before = np.cumsum([0, *lengths[:-1]]).astype(np.int64).tolist()  # each table's first id
+    # One private copy of the ids: later changes to the caller's ids don't leak into the plans.
+    ids = np.concatenate([batch[t] for t in tables], dtype=np.int64, casting="unsafe") if tables else _NO_IDS
+    at = np.empty(len(ids), np.int64)  # each id's position among the joined keys
+    for t, n0, n in zip(tables, n_before, lengths):
+        pos = known.get(t)
+        if pos is None:  # searched; an id past its table's keys gets -1: refused as not among them
+            pos = np.searchsorted(joined.of[t], ids[n0 : n0 + n])
+            pos[pos == len(joined.of[t])] = -1 - joined.start[t]
+        np.add(pos, joined.start[t], out=at[n0 : n0 + n])
+    # Dedup through the positions in the joined keys: counting, no sort.
+    where, counts, local, order = _grouped(ids, joined.keys, at)
+    if order is None:
+        order = np.argsort(local, kind="stable")
+    ends = np.searchsorted(where, [joined.start[t] + len(joined.of[t]) for t in tables]).tolist()
+    sizes = np.diff([0, *ends]).tolist()
+    firsts = [0, *ends[:-1]]  # each table's first key
+    keys = joined.keys[where]
+    # the keys' slots (a new array: where is a view of the grouping's scratch, which it would keep)
+    slots = where + np.repeat(np.array([base[t] - joined.start[t] for t in tables], np.int64), sizes)
+    for t, n0, n in zip(tables, n_before, lengths):
+        if t in coalesced:  # torch sorts the ids themselves: sort them as it does
+            order[n0 : n0 + n] = sum_order(torch.from_numpy(ids[n0 : n0 + n])).numpy() + n0
+    # the tables whose bags were announced: their offsets (B,)
+    offsets = {
+        i: o for i, o in enumerate(getattr(batch[t], "offsets", None) for t in tables) if o is not None
+    }
+    b_counts = [len(o) for o in offsets.values()]
+    # Positions within the mini-batch (ids' and bags' numbers): int32 where they fit (the plans
+    # of two passes are held).
+    index = np.int32 if max(len(ids), sum(b_counts)) < 2**31 else np.int64
+    # Each id's bag, in the order of the keys (what the backward sums per key), past the bags of the
+    # tables before its own, joined over the tables whose bags were announced.
+    b_before = np.cumsum([0, *b_counts[:-1]]).tolist()  # each one's first bag
+    if len(offsets) == len(tables):
+        lens = np.concatenate([np.diff(o, append=n) for o, n in zip(offsets.values(), lengths)] or [_NO_IDS])
+        bag_of = np.repeat(np.arange(len(lens), dtype=np.int64), lens)[order]
+        at_bags = [n_before[i] for i in offsets]
+    else:
+        bag_of = np.concatenate(
+            [
+                np.repeat(np.arange(len(o), dtype=np.int64), np.diff(o, append=lengths[i]))[
+                    order[n_before[i] : n_before[i] + lengths[i]] - n_before[i]
+                ]
+                + b0
+                for (i, o), b0 in zip(offsets.items(), b_before)
+            ]
+            or [_NO_IDS]
+        )
+        at_bags = np.cumsum([0, *[lengths[i] for i in offsets][:-1]]).tolist()  # each one's first id
+    ids_bags = _joined([bag_of], index, device)
+    bags = None
+    if tables and len(offsets) == len(tables):
+        bags = JoinedBags(
+            offsets=_joined([o + n_before[i] for i, o in offsets.items()], index, device),
+            counts=b_counts,
+            ids_bags=ids_bags,
+        )
+    return _batch(
+        tables,
+        [ids[n0 : n0 + n] for n0, n in zip(n_before, lengths)],
+        [keys[f : f + u] for f, u in zip(firsts, sizes)],
+        firsts,
+        n_before,
+        torch.from_numpy(slots).to(device),
+        torch.from_numpy(counts.astype(np.float32)).to(device),
+        _joined([local], index, device),
+        _joined([order], index, device),
+        _joined([np.cumsum(counts) - counts], index, device),
+        coalesced,
+        device,
+        {i: (o.copy(), at, b0) for (i, o), at, b0 in zip(offsets.items(), at_bags, b_before)},
+        ids_bags,
+        bags,
+    )
+
+
+def _batch(
+    tables: list[str],
+    ids: list[np.ndarray],
+    keys: list[np.ndarray],
+    firsts: list[int],
+    n_before: list[int],
+    j_slots: torch.Tensor,
+    j_counts: torch.Tensor,
+    j_local: torch.Tensor,
+    j_order: torch.Tensor,
+    j_starts: torch.Tensor,
+    coalesced: Collection[str],
+    device: torch.device,
+    bags: Mapping[int, tuple[np.ndarray, int, int]],
+    ids_bags: torch.Tensor | None,
+    joined: JoinedBags | None,
+) -> Batch:
+    """The :class:`Batch` of a mini-batch's ``tables`` from its joined arrays. ``bags``: per table
+    whose bags were announced (by its number in ``tables``), a copy of its offsets, its first id in
+    ``ids_bags`` (each id's bag, joined over those tables) and its first bag; ``joined``: the bags
+    joined when every table's were announced."""
+    sizes, plans = [len(k) for k in keys], {}
+    for i, (table, p_slots, p_counts) in enumerate(zip(tables, j_slots.split(sizes), j_counts.split(sizes))):
+        n, u, n0, k0 = len(ids[i]), sizes[i], n_before[i], firsts[i]
+        pieces = {
+            "local": _Piece(j_local, n0, n, k0),
+            "order": _Piece(j_order, n0, n, n0),
+            "starts": _Piece(j_starts, k0, u, n0),
+        }
+        offsets = None
+        if i in bags and ids_bags is not None:
+            t_offsets, at, b0 = bags[i]
+            pieces["bags"] = _Piece(ids_bags, at, n, b0)
+            offsets = torch.from_numpy(t_offsets).to(device)
+        plans[table] = BatchPlan(
+            ids=torch.from_numpy(ids[i]).to(device),
+            keys=torch.from_numpy(keys[i]).to(device),
+            counts=p_counts,
+            slots=p_slots,
+            offsets=offsets,
+            coalesced=table in coalesced,
+            pieces=pieces,
+        )
+    return Batch(plans, j_slots, j_counts, j_local, j_order, j_starts, joined)
