@@ -117,21 +117,48 @@ class _Resident:
     """One table's rows in its arena: ``keys[i]`` lives at arena slot ``slots[i]``.
 
     Found by ``index`` (a :class:`~hierps.tiers._slot_index.SlotIndex`) on the CPU where the compiled
-    core serves; else by ``skeys`` (sorted) and ``sslots`` (their slots), tensors on the device.
+    core serves; else by ``skeys`` (sorted) and ``sslots`` (their slots), tensors on the device. Either
+    is built when a search first needs it: a pass whose mini-batches were all translated ahead
+    searches none, and its layout (``DeviceTier.apply_relayout``, on the training thread) builds none.
     """
 
     def __init__(self, arena: _Arena, keys: np.ndarray = _EMPTY, slots: np.ndarray = _EMPTY) -> None:
         self.arena = arena
         self.n = len(keys)
         self._keys, self._slots = keys, slots  # host: the first n are the resident rows' keys and slots
-        self.index: SlotIndex | None = None
-        self.skeys = self.sslots = _EMPTY_T
-        if arena.device.type == "cpu" and hashed():
-            self.index = SlotIndex(keys, slots)
+        self._built = False
+        self._index: SlotIndex | None = None
+        self._skeys = self._sslots = _EMPTY_T
+
+    def _build(self) -> None:
+        if self.arena.device.type == "cpu" and hashed():
+            self._index = SlotIndex(self.keys, self.slots)
         else:
-            order = distinct_order(keys)
-            self.skeys = torch.from_numpy(keys[order]).to(arena.device)
-            self.sslots = torch.from_numpy(slots[order]).to(arena.device)
+            order = distinct_order(self.keys)
+            self._skeys = torch.from_numpy(self.keys[order]).to(self.arena.device)
+            self._sslots = torch.from_numpy(self.slots[order]).to(self.arena.device)
+        self._built = True
+
+    @property
+    def index(self) -> SlotIndex | None:
+        """The hash index of the resident keys, where the tier searches by one (built when first asked)."""
+        if not self._built:
+            self._build()
+        return self._index
+
+    @property
+    def skeys(self) -> torch.Tensor:
+        """The resident keys sorted, on the device, where the tier searches them so (else empty)."""
+        if not self._built:
+            self._build()
+        return self._skeys
+
+    @property
+    def sslots(self) -> torch.Tensor:
+        """The arena slots of :attr:`skeys`."""
+        if not self._built:
+            self._build()
+        return self._sslots
 
     @property
     def keys(self) -> np.ndarray:
@@ -175,8 +202,10 @@ class _Resident:
             self._slots = np.concatenate([self._slots[:n], np.empty(cap - n, np.int64)])
         self._keys[n : n + m], self._slots[n : n + m] = keys, slots
         self.n = n + m
-        if self.index is not None:
-            self.index.put(keys, slots)
+        if not self._built:  # built from keys and slots when first needed
+            return
+        if self._index is not None:
+            self._index.put(keys, slots)
             return
         # Merge the sorted new keys into the sorted resident ones: their places, then the old ones'.
         device = self.arena.device
@@ -187,8 +216,8 @@ class _Resident:
         skeys = torch.empty(self.n, dtype=torch.int64, device=device)
         sslots = torch.empty(self.n, dtype=torch.int64, device=device)
         skeys[at], sslots[at] = new_keys, torch.from_numpy(slots).to(device)
-        skeys[~is_new], sslots[~is_new] = self.skeys, self.sslots
-        self.skeys, self.sslots = skeys, sslots
+        skeys[~is_new], sslots[~is_new] = self._skeys, self._sslots
+        self._skeys, self._sslots = skeys, sslots
 
     def remove(self, gone: np.ndarray, stay: np.ndarray) -> None:
         """Let go of the resident rows of distinct keys ``gone``; ``stay`` (n,) bool: which of
@@ -196,13 +225,15 @@ class _Resident:
         (:meth:`DeviceTier.resident_keys` hands them out)."""
         keys, slots = self.keys[stay], self.slots[stay]
         self._keys, self._slots, self.n = keys, slots, len(keys)
-        if self.index is not None:
-            self.index.drop(gone)
+        if not self._built:
+            return
+        if self._index is not None:
+            self._index.drop(gone)
             return
         device = self.arena.device
-        held = torch.ones(self.skeys.numel(), dtype=torch.bool, device=device)
-        held[torch.searchsorted(self.skeys, torch.from_numpy(np.sort(gone)).to(device))] = False
-        self.skeys, self.sslots = self.skeys[held], self.sslots[held]
+        held = torch.ones(self._skeys.numel(), dtype=torch.bool, device=device)
+        held[torch.searchsorted(self._skeys, torch.from_numpy(np.sort(gone)).to(device))] = False
+        self._skeys, self._sslots = self._skeys[held], self._sslots[held]
 
     def keys_at(self, slots: torch.Tensor) -> torch.Tensor:
         """slots (U,) int64 of resident rows -> (U,) int64 their keys (on the device)."""
