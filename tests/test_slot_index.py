@@ -157,3 +157,37 @@ def test_on_demand_training_equals_the_sorted_index(tmp_path, weights_dtype):
     for table in ("a", "b"):
         np.testing.assert_array_equal(hashed[table], sorted_[table])
     assert hashed["stats"].tolist() == sorted_["stats"].tolist()
+
+
+@pytest.mark.parametrize("native", [True, False])
+@pytest.mark.parametrize("search_first", [True, False])
+def test_a_tables_index_built_late_answers_as_one_kept_up(native, search_first):
+    """A device-tier table builds its index (hash on the CPU, sorted keys without the compiled core)
+    when a search first needs it; rows added and let go before then, or after, are found as a dict
+    of the resident keys says, and a layout that is never searched builds none."""
+    from contextlib import nullcontext
+
+    from hierps.tiers._device import _Arena, _Resident
+
+    rng = np.random.default_rng(3)
+    with nullcontext() if native else _native.disabled():
+        arena = _Arena(4, torch.device("cpu"), 64)
+        keys = rng.choice(10_000, 40, replace=False).astype(np.int64)
+        table = _Resident(arena, keys, np.arange(40, dtype=np.int64))
+        held = dict(zip(keys.tolist(), range(40)))
+        assert not table._built
+        if search_first:
+            table.find(torch.from_numpy(keys[:3]))
+            assert table._built
+        new = np.setdiff1d(rng.choice(10_000, 30, replace=False), keys).astype(np.int64)
+        table.add(new, np.arange(40, 40 + len(new), dtype=np.int64))
+        held.update(zip(new.tolist(), range(40, 40 + len(new))))
+        gone = np.sort(rng.choice(table.keys, 25, replace=False))
+        table.remove(gone, ~np.isin(table.keys, gone))
+        for k in gone.tolist():
+            del held[k]
+        assert table._built == search_first
+        ask = np.concatenate([gone, np.array(sorted(held), np.int64), np.array([-5, 20_000], np.int64)])
+        found, slots = table.find(torch.from_numpy(ask))
+        assert found.tolist() == [k in held for k in ask.tolist()]
+        assert slots[found].tolist() == [held[k] for k in ask.tolist() if k in held]
