@@ -633,3 +633,28 @@ def test_match_rows_refuses_what_does_not_fit():
     assert _native.match_rows(block, 3, keys, which, found, holder, 7, rows) == 3
     assert found.all() and holder.tolist() == [7, 7, 0, 7] and rows[2].tolist() == [0, 0, 0]
     assert rows[3].tolist() == [9, 10, 11]
+
+
+def test_insert_sorted_equals_numpy():
+    """Sorted keys with sorted new ones added (the RAM tier's index): np.insert at np.searchsorted's
+    places, keys and slots alike, new keys before, between and after the held ones, either side empty."""
+    rng = np.random.default_rng(8)
+    extremes = np.array([np.iinfo(np.int64).min, -1, 0, np.iinfo(np.int64).max], np.int64)
+    for n in (0, 1, 9, 3_000, 100_000):
+        for m in (0, 1, 40, 2_000):
+            pool = np.unique(np.concatenate([rng.integers(-(10**7), 10**7, n + m), extremes]))
+            pool = rng.permutation(pool)
+            keys, new = np.sort(pool[:n]), np.sort(pool[n : n + m])
+            slots, new_slots = rng.integers(0, 10**9, len(keys)), rng.integers(0, 10**9, len(new))
+            out_keys, out_slots = (
+                np.empty(len(keys) + len(new), np.int64),
+                np.empty(len(keys) + len(new), np.int64),
+            )
+            core.insert_sorted(keys, slots, new, new_slots, out_keys, out_slots)
+            at = np.searchsorted(keys, new)
+            assert np.array_equal(out_keys, np.insert(keys, at, new))
+            assert np.array_equal(out_slots, np.insert(slots, at, new_slots))
+    with pytest.raises(ValueError, match="n \\+ m entries out"):
+        core.insert_sorted(keys, slots, new, new_slots, out_keys[:-1], out_slots)
+    with pytest.raises(TypeError, match="int64"):
+        core.insert_sorted(keys.astype(np.int32), slots, new, new_slots, out_keys, out_slots)

@@ -26,7 +26,7 @@ import numpy as np
 
 from hierps._faults import fault_point
 from hierps.rows._ids import distinct, lowest_scored
-from hierps.storage._native import find_sorted
+from hierps.storage._native import find_sorted, insert_sorted
 
 __all__ = ["MemoryTier", "RowSink", "ram_row_bytes"]
 
@@ -116,9 +116,7 @@ class _Slab:
             self.keys = np.concatenate([self.keys, keys])
             self.slots = np.concatenate([self.slots, slots])
             return
-        at = np.searchsorted(self.keys, keys)
-        self.keys = np.insert(self.keys, at, keys)
-        self.slots = np.insert(self.slots, at, slots)
+        self.keys, self.slots = insert_sorted(self.keys, self.slots, keys, slots)
 
     def remove(self, positions: np.ndarray) -> None:
         """Drop index entries at ``positions`` and free their slots."""

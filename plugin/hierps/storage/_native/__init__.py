@@ -52,6 +52,7 @@ __all__ = [
     "group_ids",
     "hardware_crc",
     "index_add_rows",
+    "insert_sorted",
     "match_rows",
     "merge_runs",
     "plan_chunks",
@@ -246,6 +247,24 @@ def find_sorted(sorted_keys: np.ndarray, keys: np.ndarray) -> tuple[np.ndarray, 
     found, at = np.empty(len(keys), bool), np.empty(len(keys), np.int64)
     _core.find_sorted(np.ascontiguousarray(sorted_keys), np.ascontiguousarray(keys), found, at)
     return found, at
+
+
+def insert_sorted(
+    keys: np.ndarray, slots: np.ndarray, new_keys: np.ndarray, new_slots: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """Sorted ``keys`` (n,) int64 and their ``slots`` (n,) int64 with sorted ``new_keys`` (m,) (none
+    among ``keys``) and ``new_slots`` (m,) added in order: (keys (n + m,), slots (n + m,)), new arrays.
+    By the compiled core where it serves, else by ``np.insert`` (the same integers)."""
+    if not _on:
+        at = np.searchsorted(keys, new_keys)
+        return np.insert(keys, at, new_keys), np.insert(slots, at, new_slots)
+    out_keys, out_slots = (
+        np.empty(len(keys) + len(new_keys), np.int64),
+        np.empty(len(keys) + len(new_keys), np.int64),
+    )
+    k, s, nk, ns = (np.ascontiguousarray(a, np.int64) for a in (keys, slots, new_keys, new_slots))
+    _core.insert_sorted(k, s, nk, ns, out_keys, out_slots)
+    return out_keys, out_slots
 
 
 def index_add_rows(dst: np.ndarray, rows: np.ndarray, src: np.ndarray) -> None:

@@ -1385,6 +1385,64 @@ static PyObject *py_set_hardware(PyObject *self, PyObject *arg) {
     return PyBool_FromLong(prev);
 }
 
+/* insert_sorted(keys, slots, new_keys, new_slots, out_keys, out_slots): the RAM tier's sorted index
+ * (hierps.tiers._memory) with keys added: keys (n,) int64 ascending and their slots (n,), new_keys (m,)
+ * int64 ascending (none among keys) and theirs (m,), into out_keys and out_slots (n + m,) each, ascending:
+ * each new key placed before the first key not below it (np.insert at np.searchsorted, side left). The
+ * keys between two new ones are copied as one run, found by galloping from the last: O(n + m log(n / m)),
+ * at memory speed where np.insert builds a mask of n + m entries and scatters through it. */
+static PyObject *py_insert_sorted(PyObject *self, PyObject *args) {
+    PyObject *o_keys, *o_slots, *o_nk, *o_ns, *o_ok, *o_os;
+    if (!PyArg_ParseTuple(args, "OOOOOO", &o_keys, &o_slots, &o_nk, &o_ns, &o_ok, &o_os)) return NULL;
+    Buf keys = {0}, slots = {0}, nk = {0}, ns = {0}, ok = {0}, os_ = {0};
+    PyObject *result = NULL;
+    if (get_words(o_keys, &keys, 0, "keys") < 0 || get_words(o_slots, &slots, 0, "slots") < 0 ||
+        get_words(o_nk, &nk, 0, "new_keys") < 0 || get_words(o_ns, &ns, 0, "new_slots") < 0 ||
+        get_words(o_ok, &ok, 1, "out_keys") < 0 || get_words(o_os, &os_, 1, "out_slots") < 0)
+        goto done;
+    Py_ssize_t n = NWORDS(keys), m = NWORDS(nk);
+    if (NWORDS(slots) != n || NWORDS(ns) != m || NWORDS(ok) != n + m || NWORDS(os_) != n + m) {
+        PyErr_SetString(PyExc_ValueError,
+                        "insert_sorted: expected a slot per key and per new key, and n + m entries out");
+        goto done;
+    }
+    const int64_t *k = WORDS(keys), *s = WORDS(slots), *a = WORDS(nk), *b = WORDS(ns);
+    int64_t *outk = ok.view.buf, *outs = os_.view.buf;
+    UNLOCK_IF(16 * (n + m)) Py_ssize_t i = 0, o = 0;
+    for (Py_ssize_t j = 0; j < m; j++) {
+        Py_ssize_t lo = i, step = 1; /* the first key at or past i not below a[j]: gallop, then halve */
+        while (lo + step <= n && k[lo + step - 1] < a[j]) {
+            lo += step;
+            step <<= 1;
+        }
+        Py_ssize_t hi = lo + step - 1 < n ? lo + step - 1 : n;
+        while (lo < hi) {
+            Py_ssize_t mid = lo + (hi - lo) / 2;
+            if (k[mid] < a[j])
+                lo = mid + 1;
+            else
+                hi = mid;
+        }
+        memcpy(outk + o, k + i, (size_t)(lo - i) * sizeof(int64_t));
+        memcpy(outs + o, s + i, (size_t)(lo - i) * sizeof(int64_t));
+        o += lo - i;
+        i = lo;
+        outk[o] = a[j];
+        outs[o++] = b[j];
+    }
+    memcpy(outk + o, k + i, (size_t)(n - i) * sizeof(int64_t));
+    memcpy(outs + o, s + i, (size_t)(n - i) * sizeof(int64_t));
+    RELOCK result = Py_NewRef(Py_None);
+done:
+    release(&keys);
+    release(&slots);
+    release(&nk);
+    release(&ns);
+    release(&ok);
+    release(&os_);
+    return result;
+}
+
 /* find_sorted(sorted_keys, keys, found, at) -> hits: where each of keys (m,) int64 stands in sorted_keys
  * (n,) int64 ascending: at[i] = the first position whose key is >= keys[i] (numpy's searchsorted, side
  * left), clamped to n - 1 (0 when n == 0), found[i] = sorted_keys[at[i]] == keys[i]. Keys in ascending
@@ -1498,6 +1556,8 @@ static PyMethodDef methods[] = {
     {"slot_drop", py_slot_drop, METH_VARARGS, "slot_drop(index, keys) -> n: remove keys; see _core.pyi."},
     {"match_rows", py_match_rows, METH_VARARGS,
      "match_rows(block, width, keys, which, found, holder, seg, rows) -> n: a segment's rows to the keys asked; see _core.pyi."},
+    {"insert_sorted", py_insert_sorted, METH_VARARGS,
+     "insert_sorted(keys, slots, new_keys, new_slots, out_keys, out_slots): sorted keys added; see _core.pyi."},
     {"find_sorted", py_find_sorted, METH_VARARGS,
      "find_sorted(sorted_keys, keys, found, at) -> hits: where keys stand in sorted keys; see _core.pyi."},
     {"unique_ids", py_unique_ids, METH_VARARGS, "unique_ids(ids, keys, inverse, counts) -> u: see _core.pyi."},

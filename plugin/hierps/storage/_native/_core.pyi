@@ -152,6 +152,14 @@ def match_rows(
     ``rows`` (n, width) float32 at that position = the block row's weights. Returns how many it found
     (as ``hierps.tiers._ssd.SsdTier._locate_slice``'s numpy code)."""
 
+def insert_sorted(
+    keys: Buffer, slots: Buffer, new_keys: Buffer, new_slots: Buffer, out_keys: Buffer, out_slots: Buffer
+) -> None:
+    """``keys`` (n,) int64 ascending with their ``slots`` (n,) int64, and ``new_keys`` (m,) int64 ascending
+    (none among ``keys``) with ``new_slots`` (m,): both into ``out_keys`` / ``out_slots`` (n + m,) int64,
+    ascending, each new key before the first key not below it (``np.insert`` at ``np.searchsorted``, as
+    ``hierps.tiers._memory._Slab.insert``'s numpy code)."""
+
 def find_sorted(sorted_keys: Buffer, keys: Buffer, found: Buffer, at: Buffer) -> int:
     """Where ``keys`` (m,) int64 stand in ``sorted_keys`` (n,) int64 ascending: ``at`` (m,) int64 the
     first position whose key is not below each (``np.searchsorted``, side left) clamped to ``n - 1``
