@@ -117,6 +117,30 @@ def test_put_replaces_a_cached_row_and_marks_it_dirty():
     assert tier.num_dirty("t") == 1 and tier.num_rows("t") == 2
 
 
+def test_put_of_rows_by_position_caches_what_put_of_those_rows_does():
+    """``put(..., at=)`` takes ``rows[at]`` (new rows, cached ones, and a surplus past the budget that
+    goes straight to the sink) as a put of those rows themselves would."""
+    results = []
+    for by_position in (False, True):
+        tier, sink = memory()
+        tier.put("t", keys_of(1, 3, 5), rows_of(keys_of(1, 3, 5)), dirty=False)
+        keys = np.arange(0, 13, dtype=np.int64)  # 13 rows into ten rows' budget: 3 cached, 10 new
+        source = rows_of(np.arange(20, dtype=np.int64)[::-1], salt=0.25)  # the rows, in another order
+        at = 19 - keys
+        if by_position:
+            tier.put("t", keys, source, dirty=True, at=at)
+        else:
+            tier.put("t", keys, source[at], dirty=True)
+        held, rows = tier.columns("t", slice(0, WIDTH))
+        results.append(
+            (held.tolist(), rows.tolist(), {k: v.tolist() for k, v in sink.taken.get("t", {}).items()})
+        )
+    assert results[0] == results[1]
+    held, rows, taken = results[1]
+    assert len(held) + len(taken) == 13 and set(held) | set(taken) == set(range(13))
+    assert rows == rows_of(np.array(held, np.int64), salt=0.25).tolist()
+
+
 def _fill_and_touch(tier: MemoryTier) -> None:
     """Keys 0..9 at pass 0; 0, 1, 2 touched five times at pass 0, then 3..9 once at pass 1."""
     keys = np.arange(10, dtype=np.int64)

@@ -439,10 +439,10 @@ class StoreCore:
                 for table, d in drained.items():
                     if not d.dirty.any():
                         continue
-                    keys, rows = d.keys[d.dirty], d.rows[d.dirty]
-                    order = _ids.distinct_order(keys)  # resident rows: one per key
-                    try:
-                        self.memory.put(table, keys[order], rows[order], dirty=True, tick=tick)
+                    at = np.flatnonzero(d.dirty)
+                    at = at[_ids.distinct_order(d.keys[at])]  # resident rows: one per key
+                    try:  # each row copied once, into the RAM tier
+                        self.memory.put(table, d.keys[at], d.rows, dirty=True, tick=tick, at=at)
                     except Exception as exc:
                         failed = failed or exc
         except OSError as exc:  # the SSD tier refused evicted rows: they are in RAM again

@@ -211,12 +211,19 @@ class MemoryTier:
 
     # -- writes -------------------------------------------------------------------------------
     def put(
-        self, table: str, keys: np.ndarray, rows: np.ndarray, dirty: bool = True, tick: int | None = None
+        self,
+        table: str,
+        keys: np.ndarray,
+        rows: np.ndarray,
+        dirty: bool = True,
+        tick: int | None = None,
+        at: np.ndarray | None = None,
     ) -> None:
         """Cache rows (newer than the sink's when ``dirty``), evicting others to stay in budget;
         ``tick`` as for :meth:`get`.
 
-        keys: (n,) int64 sorted unique; rows: (n, width) float32. When the sink refuses rows
+        keys: (n,) int64 sorted unique; rows: (n, width) float32, or with ``at`` (n,) int64
+        ``rows[at]`` (each row is then copied once, into the cache). When the sink refuses rows
         (``OSError``, e.g. a full disk), every row given stays cached and the error is raised.
         """
         slab = self._slabs[table]
@@ -224,16 +231,16 @@ class MemoryTier:
             return
         self.changes += 1
         if not len(slab) or keys[0] > slab.keys[-1]:  # none cached yet (a table copied in): no search
-            n_new, new_keys, new_rows = len(keys), keys, rows
+            n_new, new_keys, new_rows = len(keys), keys, rows if at is None else rows[at]
         else:
-            hit, at = slab.find(keys)
-            slots = slab.slots[at[hit]]
-            slab.rows[slots] = rows[hit]
+            hit, where = slab.find(keys)
+            slots = slab.slots[where[hit]]
+            slab.rows[slots] = rows[hit] if at is None else rows[at[hit]]
             slab.dirty[slots] |= dirty
             self._touch(slab, slots, tick)
             new = ~hit
             n_new = int(new.sum())
-            new_keys, new_rows = keys[new], rows[new]
+            new_keys, new_rows = keys[new], rows[new] if at is None else rows[at[new]]
         if n_new == 0:
             return
         row_bytes = self.row_bytes(table)

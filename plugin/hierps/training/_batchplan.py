@@ -838,7 +838,13 @@ def _translate_batch(
     # tables before its own, joined over the tables whose bags were announced.
     b_before = np.cumsum([0, *b_counts[:-1]]).tolist()  # each one's first bag
     if len(offsets) == len(tables):
-        lens = np.concatenate([np.diff(o, append=n) for o, n in zip(offsets.values(), lengths)] or [_NO_IDS])
+        j_offsets = np.concatenate([o + n0 for o, n0 in zip(offsets.values(), n_before)] or [_NO_IDS])
+        if all(len(o) and o[0] == 0 for o in offsets.values()):  # (hierps.Bags are checked so)
+            lens = np.diff(j_offsets, append=len(ids))  # each bag's length, tables joined
+        else:
+            lens = np.concatenate(
+                [np.diff(o, append=n) for o, n in zip(offsets.values(), lengths)] or [_NO_IDS]
+            )
         bag_of = np.repeat(np.arange(len(lens), dtype=np.int64), lens)[order]
         at_bags = [n_before[i] for i in offsets]
     else:
@@ -857,7 +863,7 @@ def _translate_batch(
     bags = None
     if tables and len(offsets) == len(tables):
         bags = JoinedBags(
-            offsets=_joined([o + n_before[i] for i, o in offsets.items()], index, device),
+            offsets=_joined([j_offsets], index, device),
             counts=b_counts,
             ids_bags=ids_bags,
         )
