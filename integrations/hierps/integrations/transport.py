@@ -2,13 +2,15 @@
 
 Both turn a failed or timed-out collective (a rank died, the network broke) into
 :class:`hierps.errors.PeerLostError`, so a surviving rank exits with a message instead of hanging.
+The store's collectives run on the job's process group, and wait for a peer that is alive but silent
+as long as its timeout says (``init_process_group(timeout=...)``, default 30 minutes, or
+``deepspeed.init_distributed(timeout=...)``, default 10, which ``hierps.deepspeed.initialize`` calls
+where no group exists): a rank that dies is seen at once, as its connections close.
 """
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
-from datetime import timedelta
 from typing import Any, TypeVar
 
 import torch
@@ -19,9 +21,6 @@ from hierps.integrations.horovod import launched_by_horovodrun
 __all__ = ["HorovodTransport", "TorchDistributedTransport", "default_transport", "launched_by_horovodrun"]
 
 T = TypeVar("T")
-
-# How long a collective may wait for a silent peer before the job is declared broken.
-DEFAULT_TIMEOUT = timedelta(seconds=float(os.environ.get("HIERPS_COLLECTIVE_TIMEOUT", "45")))
 
 
 def _guard(rank: int, what: str, fn: Callable[[], T]) -> T:
