@@ -900,7 +900,7 @@ def _batch(
     coalesced: Collection[str],
     device: torch.device,
     bags: Mapping[int, tuple[np.ndarray, int, int]],
-    ids_bags: torch.Tensor | None,
+    ids_bags: torch.Tensor,
     joined: JoinedBags | None,
 ) -> Batch:
     """The :class:`Batch` of a mini-batch's ``tables`` from its joined arrays. ``bags``: per table
@@ -916,7 +916,7 @@ def _batch(
             "starts": _Piece(j_starts, k0, u, n0),
         }
         offsets = None
-        if i in bags and ids_bags is not None:
+        if i in bags:
             t_offsets, at, b0 = bags[i]
             pieces["bags"] = _Piece(ids_bags, at, n, b0)
             offsets = torch.from_numpy(t_offsets).to(device)
