@@ -173,6 +173,44 @@ def test_a_pass_loaded_group_by_group_is_not_read_ahead_past(make_store):
         np.testing.assert_array_equal(small, whole)
 
 
+def test_the_next_pass_of_one_loaded_group_by_group_is_planned_on_the_worker(make_store, monkeypatch):
+    """While a pass is loaded group by group, the next pass (announced then) is not read ahead, but its
+    groups are planned on the worker, and its begin_pass takes that plan: each pass is planned once (on
+    the worker where it was announced during such a pass), and the training is exactly as when every
+    row fits."""
+    import threading
+
+    from hierps.training import _passes
+
+    threads: list[str] = []
+    plan_groups, planned = _passes.PassRunner._plan_groups, _passes.PassRunner._planned
+
+    def recording(self, batches):
+        threads.append(threading.current_thread().name)
+        return plan_groups(self, batches)
+
+    def waiting(self, batches):  # the worker's plan done by then, whatever the timing
+        if self._plan_ahead is not None:
+            self._plan_ahead[1].result()
+        return planned(self, batches)
+
+    monkeypatch.setattr(_passes.PassRunner, "_plan_groups", recording)
+    monkeypatch.setattr(_passes.PassRunner, "_planned", waiting)
+    batches = _bag_batches(3)
+    loss_small, rows_small = _train_bags(
+        make_store("small", memory_budget="2KiB", device_budget=2000), batches
+    )
+    monkeypatch.undo()
+    loss_whole, rows_whole = _train_bags(
+        make_store("whole", memory_budget="2KiB", device_budget="1MiB"), batches
+    )
+    passes = len(batches) // 4
+    assert len(threads) == passes and "hierps-pass_0" in threads, threads  # none planned twice
+    assert loss_small == loss_whole
+    for small, whole in zip(rows_small, rows_whole):
+        np.testing.assert_array_equal(small, whole)
+
+
 def test_the_ram_tiers_lru_clock_does_not_depend_on_when_the_worker_runs(make_store):
     """The worker's read-ahead scores the RAM tier's rows at the pass that asked for it, even when it
     gets to them after that pass ended (as when it waits for the disk): which rows the RAM tier

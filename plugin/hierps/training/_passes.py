@@ -9,6 +9,7 @@ background half.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
@@ -102,6 +103,8 @@ class PassRunner:
         self.in_pass = False
         self._announced: list[dict[str, np.ndarray]] | None = None
         self._last_plan: _LastPlan | None = None
+        # The groups of the pass announced during a pass loaded group by group, planned on the worker.
+        self._plan_ahead: tuple[list[dict[str, np.ndarray]], Future[_LastPlan | None]] | None = None
         # The batches prefetch parsed, by identity (the mappings and their id objects), and the result.
         self._parsed: (
             tuple[list[tuple[Mapping[str, Any], tuple[Any, ...]]], list[dict[str, np.ndarray]]] | None
@@ -209,7 +212,9 @@ class PassRunner:
             return  # tables filtering admission are loaded at begin_pass, when admission is known
         if len(self.plan.groups) > 1:
             # This pass is loaded group by group: rows of its later groups are not resident yet, so
-            # a read now would take their values from before this pass trains them.
+            # a read now would take their values from before this pass trains them. The next pass's
+            # groups (its ids' alone) are planned on the worker meanwhile.
+            self._plan_ahead = (raw, self._pipe.submit(partial(self._plan_or_none, raw)))
             return
         # The worker finds its working set; a pass it does not fit in the device tier is left to
         # begin_pass, which splits it into groups loaded as training reaches them.
@@ -316,13 +321,26 @@ class PassRunner:
     def _planned(
         self, batches: list[dict[str, np.ndarray]]
     ) -> tuple[list[dict[str, np.ndarray]], list[dict[str, np.ndarray]] | None]:
-        """:meth:`_plan_groups`, reusing the plan of the same batches (announced, then begun)."""
+        """:meth:`_plan_groups`, reusing the plan of the same batches (announced, then begun): made
+        here, or on the worker if it is done by now."""
+        ahead, self._plan_ahead = self._plan_ahead, None
+        if ahead is not None and ahead[1].done() and same_batches(ahead[0], batches):
+            self._last_plan = ahead[1].result() or self._last_plan
         last = self._last_plan
         if last is not None and same_batches(last[0], batches):
             return last[1], last[2]
         groups, positions = self._plan_groups(batches)
         self._last_plan = (batches, groups, positions)
         return groups, positions
+
+    def _plan_or_none(self, batches: list[dict[str, np.ndarray]]) -> _LastPlan | None:
+        """:meth:`_plan_groups` on the worker; None where it fails (a mini-batch over the device
+        budget: begin_pass plans the batches again, and raises there, changing nothing)."""
+        try:
+            groups, positions = self._plan_groups(batches)
+        except Exception:  # noqa: BLE001 - raised again where the pass begins
+            return None
+        return batches, groups, positions
 
     def _plan_groups(
         self, batches: list[dict[str, np.ndarray]]

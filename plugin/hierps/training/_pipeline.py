@@ -96,6 +96,11 @@ class PassPipeline:
         """Run ``fn`` on the worker, after everything submitted before it."""
         self._submit(fn)
 
+    def submit(self, fn: Callable[[], T]) -> Future[T]:
+        """Run ``fn`` on the worker, after everything submitted before it; its future (a failure is
+        also raised at the pipeline's next wait)."""
+        return self._submit(fn)
+
     # -- write-back ----------------------------------------------------------------------------
     def submit_writeback(self, drained: dict[str, DrainedRows]) -> None:
         if any(d.dirty.any() for d in drained.values()):
