@@ -116,49 +116,35 @@ class _Arena:
 class _Resident:
     """One table's rows in its arena: ``keys[i]`` lives at arena slot ``slots[i]``.
 
-    Found by ``index`` (a :class:`~hierps.tiers._slot_index.SlotIndex`) on the CPU where the compiled
-    core serves; else by ``skeys`` (sorted) and ``sslots`` (their slots), tensors on the device. Either
-    is built when a search first needs it: a pass whose mini-batches were all translated ahead
-    searches none, and its layout (``DeviceTier.apply_relayout``, on the training thread) builds none.
+    Found by a :class:`~hierps.tiers._slot_index.SlotIndex` on the CPU where the compiled core serves,
+    else by the keys sorted and their slots, tensors on the device. Either is built when a search first
+    needs it (:meth:`_searchable`): a pass whose mini-batches were all translated ahead searches none,
+    and its layout (``DeviceTier.apply_relayout``, on the training thread) builds none. ``keys_at`` on
+    the CPU reads the host arrays and builds nothing.
     """
 
     def __init__(self, arena: _Arena, keys: np.ndarray = _EMPTY, slots: np.ndarray = _EMPTY) -> None:
         self.arena = arena
         self.n = len(keys)
         self._keys, self._slots = keys, slots  # host: the first n are the resident rows' keys and slots
-        self._built = False
+        self._hashed = arena.device.type == "cpu" and hashed()
+        self._built = False  # the index below, from the resident keys, once a search asked for it
         self._index: SlotIndex | None = None
         self._skeys = self._sslots = _EMPTY_T
 
-    def _build(self) -> None:
-        if self.arena.device.type == "cpu" and hashed():
+    def _searchable(self) -> SlotIndex | None:
+        """The index of the resident keys, built if no search has yet: the hash index where
+        the compiled core serves on the CPU, else None (the sorted keys and slots are built)."""
+        if self._built:
+            return self._index
+        if self._hashed:
             self._index = SlotIndex(self.keys, self.slots)
         else:
             order = distinct_order(self.keys)
             self._skeys = torch.from_numpy(self.keys[order]).to(self.arena.device)
             self._sslots = torch.from_numpy(self.slots[order]).to(self.arena.device)
         self._built = True
-
-    @property
-    def index(self) -> SlotIndex | None:
-        """The hash index of the resident keys, where the tier searches by one (built when first asked)."""
-        if not self._built:
-            self._build()
         return self._index
-
-    @property
-    def skeys(self) -> torch.Tensor:
-        """The resident keys sorted, on the device, where the tier searches them so (else empty)."""
-        if not self._built:
-            self._build()
-        return self._skeys
-
-    @property
-    def sslots(self) -> torch.Tensor:
-        """The arena slots of :attr:`skeys`."""
-        if not self._built:
-            self._build()
-        return self._sslots
 
     @property
     def keys(self) -> np.ndarray:
@@ -176,19 +162,21 @@ class _Resident:
 
     def find(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """ids (n,) int64 on the device -> (found (n,) bool, slots (n,) int64; valid where found)."""
-        if self.index is not None:
-            found, slots = self.index.find(ids.numpy())
+        index = self._searchable()
+        if index is not None:
+            found, slots = index.find(ids.numpy())
             return torch.from_numpy(found), torch.from_numpy(slots)
         if self.n == 0:
             return torch.zeros_like(ids, dtype=torch.bool), torch.zeros_like(ids)
-        at = torch.searchsorted(self.skeys, ids).clamp_(max=self.n - 1)
-        return self.skeys[at] == ids, self.sslots[at]
+        at = torch.searchsorted(self._skeys, ids).clamp_(max=self.n - 1)
+        return self._skeys[at] == ids, self._sslots[at]
 
     def locate(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """ids (n,) int64 on the device -> (slots (n,) int64, valid where found; found (n,) bool, or
         None when every id is resident)."""
-        if self.index is not None:
-            at, held = self.index.locate(ids.numpy())
+        index = self._searchable()
+        if index is not None:
+            at, held = index.locate(ids.numpy())
             return torch.from_numpy(at), None if held is None else torch.from_numpy(held)
         found, slots = self.find(ids)
         return slots, None if bool(found.all()) else found
@@ -210,7 +198,7 @@ class _Resident:
         # Merge the sorted new keys into the sorted resident ones: their places, then the old ones'.
         device = self.arena.device
         new_keys = torch.from_numpy(keys).to(device)
-        at = torch.searchsorted(self.skeys, new_keys) + torch.arange(m, device=device)
+        at = torch.searchsorted(self._skeys, new_keys) + torch.arange(m, device=device)
         is_new = torch.zeros(self.n, dtype=torch.bool, device=device)
         is_new[at] = True
         skeys = torch.empty(self.n, dtype=torch.int64, device=device)
@@ -236,14 +224,16 @@ class _Resident:
         self._skeys, self._sslots = self._skeys[held], self._sslots[held]
 
     def keys_at(self, slots: torch.Tensor) -> torch.Tensor:
-        """slots (U,) int64 of resident rows -> (U,) int64 their keys (on the device)."""
-        if self.index is not None:
+        """slots (U,) int64 of resident rows -> (U,) int64 their keys (on the device). On the CPU from
+        the host arrays, with no index built for it."""
+        if self._hashed:
             order = np.argsort(self.slots)
             where = np.searchsorted(self.slots[order], slots.numpy())
             return torch.from_numpy(self.keys[order[where]])
-        by_slot = torch.argsort(self.sslots)
-        at = torch.searchsorted(self.sslots[by_slot], slots)
-        return self.skeys[by_slot[at]]
+        self._searchable()
+        by_slot = torch.argsort(self._sslots)
+        at = torch.searchsorted(self._sslots[by_slot], slots)
+        return self._skeys[by_slot[at]]
 
 
 @dataclass

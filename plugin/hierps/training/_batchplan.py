@@ -783,7 +783,7 @@ class _JoinedKeys:
     def keys(self) -> np.ndarray:
         if self._keys is None:
             parts = [np.asarray(k, np.int64) for k in self.of.values()]
-            self._keys = np.concatenate(parts) if parts else np.empty(0, np.int64)
+            self._keys = np.concatenate(parts) if parts else _NO_IDS
         return self._keys
 
     def in_order(self, tables: Sequence[str]) -> bool:

@@ -214,7 +214,7 @@ class PassRunner:
             # This pass is loaded group by group: rows of its later groups are not resident yet, so
             # a read now would take their values from before this pass trains them. The next pass's
             # groups (its ids' alone) are planned on the worker meanwhile.
-            self._plan_ahead = (raw, self._pipe.submit(partial(self._plan_or_none, raw)))
+            self._plan_ahead = (raw, self._pipe.run_in_background(partial(self._plan_or_none, raw)))
             return
         # The worker finds its working set; a pass it does not fit in the device tier is left to
         # begin_pass, which splits it into groups loaded as training reaches them.

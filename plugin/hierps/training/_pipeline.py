@@ -92,11 +92,7 @@ class PassPipeline:
                 first.add_note(f"another background task of the pass pipeline failed too: {other!r}")
             raise first
 
-    def run_in_background(self, fn: Callable[[], object]) -> None:
-        """Run ``fn`` on the worker, after everything submitted before it."""
-        self._submit(fn)
-
-    def submit(self, fn: Callable[[], T]) -> Future[T]:
+    def run_in_background(self, fn: Callable[[], T]) -> Future[T]:
         """Run ``fn`` on the worker, after everything submitted before it; its future (a failure is
         also raised at the pipeline's next wait)."""
         return self._submit(fn)

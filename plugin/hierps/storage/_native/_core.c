@@ -1385,6 +1385,26 @@ static PyObject *py_set_hardware(PyObject *self, PyObject *arg) {
     return PyBool_FromLong(prev);
 }
 
+/* The first position in sorted[from:n] whose key is not below `key` (n if none), where every key
+ * before `from` is below it: galloping from `from` by steps that double, then halving, so that keys
+ * asked in ascending order cost O(log(distance)) each. */
+static Py_ssize_t gallop_lower(const int64_t *sorted, Py_ssize_t n, Py_ssize_t from, int64_t key) {
+    Py_ssize_t lo = from, step = 1;
+    while (lo + step <= n && sorted[lo + step - 1] < key) { /* skip runs of keys < key, doubling */
+        lo += step;
+        step <<= 1;
+    }
+    Py_ssize_t hi = lo + step - 1 < n ? lo + step - 1 : n; /* the answer is in [lo, hi] */
+    while (lo < hi) {
+        Py_ssize_t mid = lo + (hi - lo) / 2;
+        if (sorted[mid] < key)
+            lo = mid + 1;
+        else
+            hi = mid;
+    }
+    return lo;
+}
+
 /* insert_sorted(keys, slots, new_keys, new_slots, out_keys, out_slots): the RAM tier's sorted index
  * (hierps.tiers._memory) with keys added: keys (n,) int64 ascending and their slots (n,), new_keys (m,)
  * int64 ascending (none among keys) and theirs (m,), into out_keys and out_slots (n + m,) each, ascending:
@@ -1410,19 +1430,7 @@ static PyObject *py_insert_sorted(PyObject *self, PyObject *args) {
     int64_t *outk = ok.view.buf, *outs = os_.view.buf;
     UNLOCK_IF(16 * (n + m)) Py_ssize_t i = 0, o = 0;
     for (Py_ssize_t j = 0; j < m; j++) {
-        Py_ssize_t lo = i, step = 1; /* the first key at or past i not below a[j]: gallop, then halve */
-        while (lo + step <= n && k[lo + step - 1] < a[j]) {
-            lo += step;
-            step <<= 1;
-        }
-        Py_ssize_t hi = lo + step - 1 < n ? lo + step - 1 : n;
-        while (lo < hi) {
-            Py_ssize_t mid = lo + (hi - lo) / 2;
-            if (k[mid] < a[j])
-                lo = mid + 1;
-            else
-                hi = mid;
-        }
+        Py_ssize_t lo = gallop_lower(k, n, i, a[j]); /* the held keys below a[j] from i: one run */
         memcpy(outk + o, k + i, (size_t)(lo - i) * sizeof(int64_t));
         memcpy(outs + o, s + i, (size_t)(lo - i) * sizeof(int64_t));
         o += lo - i;
@@ -1468,21 +1476,8 @@ static PyObject *py_find_sorted(PyObject *self, PyObject *args) {
     UNLOCK_IF(8 * m) Py_ssize_t pos = 0;
     for (Py_ssize_t i = 0; i < m; i++) {
         int64_t key = k[i];
-        Py_ssize_t lo = (i > 0 && key >= k[i - 1]) ? pos : 0, step = 1;
-        /* Every key below lo is < key. Gallop: skip runs of keys < key, doubling. */
-        while (lo + step <= n && s[lo + step - 1] < key) {
-            lo += step;
-            step <<= 1;
-        }
-        Py_ssize_t hi = lo + step - 1 < n ? lo + step - 1 : n; /* the answer is in [lo, hi] */
-        while (lo < hi) {
-            Py_ssize_t mid = lo + (hi - lo) / 2;
-            if (s[mid] < key)
-                lo = mid + 1;
-            else
-                hi = mid;
-        }
-        pos = lo;
+        /* from where the key before stopped, when it is not above this one */
+        pos = gallop_lower(s, n, (i > 0 && key >= k[i - 1]) ? pos : 0, key);
         Py_ssize_t c = n == 0 ? 0 : (pos < n ? pos : n - 1);
         a[i] = c;
         f[i] = n > 0 && s[c] == key;
