@@ -184,29 +184,37 @@ def check_reopened(path: Path, expect: str | None, reference: Reference, fast_di
     assert steps == ref_steps
 
 
-# -- a reshard: one of three ranks killed while it fills its new part -------------------------------
-# (rank killed, point, its n-th hit from the start of the open at 3 ranks)
+# -- a reshard: a rank killed while it fills its new part ------------------------------------------
+# (rank killed, point, its n-th hit from the start of the open, the world size opening): into 3
+# ranks the rows stream; into 1 (a divisor of 2) rank 0 adopts both old parts, rank 1's linked in.
 RESHARD_CASES = [
-    (1, "ssd.segment_written", 1),  # its rows written as a segment, not yet in the live set
-    (2, "checkpoint.before_manifest", 1),  # its part of the reshard's checkpoint not committed
-    (0, "sharded.before_commit", 1),  # every part durable; no commit record
+    (1, "ssd.segment_written", 1, 3),  # its rows written as a segment, not yet in the live set
+    (2, "checkpoint.before_manifest", 1, 3),  # its part of the reshard's checkpoint not committed
+    (0, "sharded.before_commit", 1, 3),  # every part durable; no commit record
+    (0, "ssd.adopted_segment", 1, 1),  # one old segment linked in, the others not yet
+    (0, "reshard.adopted", 1, 1),  # every old segment linked in; no checkpoint names them
+    (0, "checkpoint.before_manifest", 1, 1),  # the links synced; the reshard's checkpoint not committed
 ]
 
 
 @pytest.mark.distributed
 @pytest.mark.parametrize(
-    ("killed", "point", "n"), RESHARD_CASES, ids=[f"{p}:{n}@rank{r}" for r, p, n in RESHARD_CASES]
+    ("killed", "point", "n", "opening"),
+    RESHARD_CASES,
+    ids=[f"{p}:{n}@rank{r}-of{w}" for r, p, n, w in RESHARD_CASES],
 )
 def test_rank_killed_inside_a_reshard_leaves_the_saved_checkpoint_exact(
-    sharded_reference, fast_dir, killed, point, n
+    sharded_reference, fast_dir, killed, point, n, opening
 ):
-    work = fast_dir / f"reshard-{point}-{n}-{killed}"
+    work = fast_dir / f"reshard-{point}-{n}-{killed}-{opening}"
     shutil.copytree(sharded_reference / "store", work / "store")
-    codes = crash_sharded.run_ranks(crash_sharded.reopen, work / "store", work, 3, f"{point}:{n}", killed)
+    codes = crash_sharded.run_ranks(
+        crash_sharded.reopen, work / "store", work, opening, f"{point}:{n}", killed
+    )
     assert codes[killed] == -signal.SIGKILL, f"rank {killed} was not killed at {point}:{n} ({codes})"
     expected, _ = crash_sharded.rows_of(sharded_reference, "c2", 2)
-    # The saved checkpoint at 2 ranks, exactly; then the reshard into 3 ranks, done again.
-    for world in (2, 3):
+    # The saved checkpoint at 2 ranks, exactly; then the reshard, done again.
+    for world in (2, opening):
         assert crash_sharded.run_ranks(crash_sharded.reopen, work / "store", work, world) == [0] * world
         got, tags = crash_sharded.rows_of(work, "reopen", world)
         assert all(t == tags[0] for t in tags) and tags[0][-1] == "c2", tags
@@ -223,7 +231,11 @@ def test_every_fault_point_is_documented_and_tested():
     doc = (root / "docs" / "reliability.md").read_text()
     documented = set(re.findall(r"^\| `([a-z_.]+)` *\|", doc, re.M))
     assert in_code == documented
-    assert in_code == {p for p, _, _ in CASES} | {p for _, p, _, _, _ in SHARDED_CASES}
+    assert in_code == (
+        {p for p, _, _ in CASES}
+        | {p for _, p, _, _, _ in SHARDED_CASES}
+        | {p for _, p, _, _ in RESHARD_CASES}
+    )
 
 
 # -- a sharded checkpoint: one of two ranks killed at each of its steps ---------------------------

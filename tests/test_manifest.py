@@ -60,6 +60,26 @@ def test_an_entry_of_a_table_whose_counts_disagree_names_the_field(tmp_path):
         Manifest.from_json(tmp_path / "m.json", 9, body)
 
 
+def test_an_adopted_segments_origin_reads_back_and_a_bad_one_names_the_field(tmp_path):
+    """A segment adopted from another store records what its chunks are bound to; only for such
+    segments, and only in that form."""
+    with _store_with_rows(tmp_path / "s") as store:
+        ckpt = store.checkpoint()
+    body = json.loads((tmp_path / "s" / "checkpoints" / f"{ckpt:08d}.json").read_text())["body"]
+    assert "origin" not in body["tables"]["t"]  # none adopted: the field is left out
+    seg = next(iter(body["tables"]["t"]["segments"]))
+    body["tables"]["t"]["origin"] = {seg: "0f3a:segments/t:x/00000012"}
+    manifest = Manifest.from_json(tmp_path / "m.json", ckpt, body)
+    assert manifest.tables["t"].segments[int(seg)].origin == "0f3a:segments/t:x/00000012"
+    assert manifest.to_json() == body
+    for bad in ({"999": "0f3a:segments/t/00000012"}, {seg: "segments/t/00000012"}, {seg: 7}, []):
+        body["tables"]["t"]["origin"] = bad
+        with pytest.raises(
+            CorruptStoreError, match=r"field tables\.t\.origin: expected an object of segment id"
+        ):
+            Manifest.from_json(tmp_path / "m.json", ckpt, body)
+
+
 def test_a_manifest_a_reader_would_refuse_is_not_written(tmp_path):
     entry = TableEntry({"dim": 4}, rows=1, pending=0, segments={1: SegmentRef(2, 1, 0)})
     bad = Manifest(

@@ -1,12 +1,15 @@
-"""A reshard writes the rows each new owner receives once, in key order, straight to its SSD tier.
+"""A reshard writes the rows each new owner receives once, in key order, straight to its SSD tier;
+into a world size that divides the old one, each rank adopts its old parts' segments whole.
 
 Ranks are threads (:mod:`thread_world`). Rows written at 2 ranks (whole rows: weights, optimizer
-state and counters, in fp32 and in fp16 / bf16 precisions) are read back bit for bit at 3 ranks and
-at 1, each rank's part of a table one segment written once (no RAM tier, spill or compaction).
+state and counters, in fp32 and in fp16 / bf16 precisions) are read back bit for bit at 3 ranks,
+each rank's part of a table one segment written once (no RAM tier, spill or compaction), and at 1,
+the old parts' segments linked in: not a row written, and the old parts' files outlive the links.
 """
 
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 
@@ -17,6 +20,8 @@ from thread_world import ThreadTransport, run_ranks
 import hierps
 from hierps._store import store_parts
 from hierps.sharding import _commits, owner_of
+from hierps.storage._commit_log import rank_dir
+from hierps.tiers._reader import CheckpointReader
 
 DIM = 4
 ROWS = 60_000  # parts of several merge buffers each
@@ -110,6 +115,7 @@ def test_a_reshard_gives_every_row_bit_identical_each_part_one_segment_written_o
                 "tables": got,
                 "ssd_rows_written": core.ssd.rows_written,
                 "memory": core.memory.bytes_used,
+                "links": _link_counts(store.local.path / "segments"),
             }
         finally:
             store.close()
@@ -118,13 +124,85 @@ def test_a_reshard_gives_every_row_bit_identical_each_part_one_segment_written_o
         total = 0
         for name, (got, expected, segments, held, owned) in part["tables"].items():  # type: ignore[union-attr]
             np.testing.assert_array_equal(got, expected, err_msg=f"table {name}, rank {rank} of {world}")
-            assert held == owned and segments == 1, (name, rank, held, owned, segments)
+            assert held == owned and (segments == 1 or world == 1), (name, rank, held, owned, segments)
             total += owned
-        # Every row written once, as one segment per table: nothing through the RAM tier and spilled.
-        assert part["ssd_rows_written"] == total
+        if world == 1:
+            # Both old parts adopted: rank 0's own segments gone back to, rank 1's linked in (each of
+            # their files has a second name now); not a row written.
+            assert part["ssd_rows_written"] == 0
+            assert 2 in part["links"] and set(part["links"]) == {1, 2}, part["links"]  # type: ignore[operator]
+        else:
+            # Every row written once, as one segment per table: nothing through the RAM tier and spilled.
+            assert part["ssd_rows_written"] == total
     # Back at 2 ranks: the saved checkpoint, as written.
     back = run_ranks(2, lambda t: _reread(root, t, rows))
     assert all(back)
+
+
+def _link_counts(segments: Path) -> set[int]:
+    """The link counts of the files of a store's segments."""
+    return {
+        os.stat(os.path.join(d, f)).st_nlink
+        for d, _, names in os.walk(segments)
+        if "/." not in d
+        for f in names
+    }
+
+
+def test_adopted_segments_read_and_reshard_again_and_their_files_outlive_either_side(
+    written: tuple[Path, dict[str, tuple[np.ndarray, np.ndarray]]], tmp_path: Path
+) -> None:
+    """2 -> 1 adopts rank 1's segments; those links read exact at 3 ranks (streamed from them), back
+    at 1 (the resharded checkpoint), and once merged away and retired at 1 the old part's files still
+    hold checkpoint "two" exactly: a retired link is unlinked, never cut."""
+    source, rows = written
+    root = tmp_path / "s"
+    shutil.copytree(source, root)
+    settings = {**SETTINGS, "keep_checkpoints": 20}
+
+    def check(store: hierps.ShardedStore, world: int, rank: int) -> None:
+        for name, (keys, expected) in rows.items():
+            mine = owner_of(keys, world) == rank
+            np.testing.assert_array_equal(
+                _whole(store, name, keys[mine]).view(np.uint32),
+                expected[mine].view(np.uint32),
+                err_msg=f"table {name}, rank {rank} of {world}",
+            )
+
+    def at(world: int, then=None):  # type: ignore[no-untyped-def]
+        def run(transport: ThreadTransport) -> None:
+            store = hierps.ShardedStore(root, transport, **settings)
+            try:
+                check(store, world, transport.rank)
+                if then is not None:
+                    then(store)
+            finally:
+                store.close()
+
+        run_ranks(world, run)
+
+    at(1)  # adopted
+    at(3)  # streamed from the adopted segments (read through their own tags)
+
+    def merge_and_retire(store: hierps.ShardedStore) -> None:
+        core = store_parts(store.local).core
+        for name in rows:
+            core.ssd.compact(name, rewrite=[s for _, s in core.ssd.segments(name)])
+            assert len(core.ssd.segments(name)) == 1
+        check(store, 1, 0)
+        store.checkpoint("merged")
+        store.local.retire_checkpoints(keep=[core.checkpoint_id])
+        assert _link_counts(store.local.path / "segments") == {1}  # every link retired, none left
+
+    at(1, merge_and_retire)  # back to the resharded checkpoint at 1 (no reshard), then merged
+    # Rank 1's part of "two", read from its own files: every row as written.
+    two = next(s for s in _commits.snapshots(root) if s.tag == "two")
+    with CheckpointReader(rank_dir(root, 1), two.parts[1]) as reader:
+        for name, (keys, expected) in rows.items():
+            mine = owner_of(keys, 2) == 1
+            order = np.argsort(keys[mine])
+            got = np.concatenate([r for _, r in reader.iter_rows(name)])
+            np.testing.assert_array_equal(got.view(np.uint32), expected[mine][order].view(np.uint32))
 
 
 def _reread(root: Path, transport: ThreadTransport, rows: dict[str, tuple[np.ndarray, np.ndarray]]) -> bool:
@@ -164,6 +242,8 @@ def test_a_part_that_fails_to_read_fails_the_reshard_with_every_scan_ended(
                 yield keys[at : at + 100], rows[at : at + 100]
 
     monkeypatch.setattr(CheckpointReader, "iter_rows", rows_of)
+    # Parts that cannot be linked in (another file system) are streamed, at 1 rank too.
+    monkeypatch.setattr(_commits, "_can_link", lambda source, into: False)
     with pytest.raises(OSError, match="a read failed"):
         run_ranks(1, lambda t: hierps.ShardedStore(root, t, **SETTINGS).close())
     assert not [t for t in threading.enumerate() if t.name == "hierps-made-beside"]

@@ -124,3 +124,16 @@ def test_export_does_not_load_the_table(big: dict[str, Any]) -> None:
     record = _phase(big, "export")
     assert record["exported_rows"] == ROWS
     _assert_rss(record, big, "export")
+
+
+def test_a_reshard_into_a_divisor_moves_no_row_and_streamed_writes_each_once(tmp_path: Path) -> None:
+    """The bench's reshard phase: 2 -> 1 rank streamed (parts not linkable) writes every row once;
+    adopted (rank 1's segments linked in) reads and writes next to nothing; both hold every row."""
+    rows = 200_000
+    cfg = scale.ScaleConfig(sizes=(rows,), passes=1, memory_budget="32MiB", device_budget="16MiB")
+    record = scale.spawn_phase("reshard", scale.phase_config(cfg), tmp_path / "reshard", rows=rows)
+    assert "error" not in record, record["error"]
+    assert record["rows"] == rows
+    stored = rows * record["row_bytes"]
+    assert record["reshard_io"]["write_bytes"] >= 0.9 * stored
+    assert record["adopted_io"]["write_bytes"] + record["adopted_io"]["read_bytes"] < 0.02 * stored

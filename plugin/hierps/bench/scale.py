@@ -13,9 +13,12 @@ fresh process (the ``--worker`` of :mod:`hierps.bench.run`), so that each phase'
    (read from disk on demand: ``hierps bench --serving`` measures serving in detail);
 6. ``reshard``: keys 0..N-1 written into a :class:`hierps.ShardedStore` of 2 ranks (threads of
    one process: each rank writes the keys it owns) and checkpointed, in a process of its own; then
-   that checkpoint opened at 1 rank, cold, which reshards it (every row read from the 2 parts and
-   written into the new one, then committed), and opened again (a restore at the resharded
-   checkpoint, cold). Its rows/s and GB/s of rows go against the sequential read bandwidth.
+   that checkpoint opened at 1 rank, cold, which reshards it: first a copy of it whose parts cannot
+   be linked into one another (as on separate file systems: every row read from the 2 parts and
+   written into the new one, then committed), then the store itself, whose rank 1 part the one rank
+   adopts (1 divides 2: its segments hard-linked in, no row read or written); then opened again (a
+   restore at the resharded checkpoint, cold). The streamed reshard's rows/s and GB/s of rows go
+   against the sequential read bandwidth.
 
 Each phase reports its seconds, peak RSS (``VmHWM``), the ``/proc/self/io`` deltas over the phase,
 the SSD tier's key-index RAM, the files and bytes under the store directory, and whether its peak
@@ -519,30 +522,37 @@ def _shard_phase(spec: dict[str, Any]) -> dict[str, Any]:
 
 
 def _reshard_phase(spec: dict[str, Any]) -> dict[str, Any]:
-    """A checkpoint of 2 ranks (written by a ``shard`` process) opened at 1 rank, cold: the
-    reshard's seconds and I/O; then opened again at 1 rank, cold: a restore (its seconds, and the
-    bytes it reads). The sharded store is deleted after, unless kept."""
+    """A checkpoint of 2 ranks (written by a ``shard`` process) opened at 1 rank, cold, twice: a copy
+    of it with the old parts' files not linkable (as on another file system: every row read from
+    the 2 parts, sent to its owner and written into the new part, then committed), and the store
+    itself, whose rank 1 part is adopted (its segments hard-linked in); their seconds and I/O. Then
+    the store opened again at 1 rank, cold: a restore (its seconds, and the bytes it reads). The
+    sharded stores are deleted after, unless kept."""
     from hierps.bench._threads import one_rank
     from hierps.bench.machine import drop_from_page_cache
 
     conf, n, tmp = spec["config"], spec["rows"], Path(spec["tmp"])
-    sharded = tmp / "sharded"
+    sharded, streamed = tmp / "sharded", tmp / "sharded-streamed"
     setup = spawn_phase("shard", conf, tmp / "shard", rows=n, sharded=str(sharded), ranks=2)
     if "error" in setup:
         raise RuntimeError(f"writing the 2-rank store failed: {setup['error']}")
-    try:
-        drop_from_page_cache(sharded)
-        opened: list[Any] = []
-        seconds, io = _measured(
-            lambda: opened.append(_sharded_open(str(sharded), one_rank(), conf)), sync=True
-        )
+    opened: list[Any] = []
+
+    def reshard(path: Path) -> tuple[float, dict[str, int], int, int, list[dict[str, Any]]]:
+        drop_from_page_cache(path)
+        seconds, io = _measured(lambda: opened.append(_sharded_open(str(path), one_rank(), conf)), sync=True)
         store = opened.pop()
-        try:
-            rows = store.num_rows("t")["ssd"]  # every row, once the reshard's checkpoint is written
-            width = store.tables["t"].width
-            parts = store.list_checkpoints()
+        try:  # every row, once the reshard's checkpoint is written
+            return seconds, io, store.num_rows("t")["ssd"], store.tables["t"].width, store.list_checkpoints()
         finally:
             store.close()
+
+    try:
+        shutil.copytree(sharded, streamed)
+        with _links_refused():
+            stream_seconds, stream_io, stream_rows, _, _ = reshard(streamed)
+        shutil.rmtree(streamed, ignore_errors=True)
+        seconds, io, rows, width, parts = reshard(sharded)
         drop_from_page_cache(sharded)
         restore_seconds, restore_io = _measured(
             lambda: opened.append(_sharded_open(str(sharded), one_rank(), conf))
@@ -551,16 +561,34 @@ def _reshard_phase(spec: dict[str, Any]) -> dict[str, Any]:
     finally:
         if not conf["keep"]:
             shutil.rmtree(sharded, ignore_errors=True)
+        shutil.rmtree(streamed, ignore_errors=True)
+    if stream_rows != rows:
+        raise RuntimeError(f"the streamed reshard holds {stream_rows} rows, the adopting one {rows}")
     return {
-        "seconds": seconds,
+        "seconds": stream_seconds,
         "setup": setup,
         "rows": rows,
         "row_bytes": 8 + 4 * width,  # a key and its decoded row
-        "reshard_io": io,
+        "reshard_io": stream_io,
+        "adopted_seconds": seconds,
+        "adopted_io": io,
         "restore_seconds": restore_seconds,
         "restore_io": restore_io,
         "checkpoints": parts,
     }
+
+
+@contextlib.contextmanager
+def _links_refused() -> Iterator[None]:
+    """Within it, a reshard finds no old part linkable into a new one (as across file systems): it streams."""
+    from hierps.sharding import _commits
+
+    can_link = _commits._can_link
+    _commits._can_link = lambda source, into: False
+    try:
+        yield
+    finally:
+        _commits._can_link = can_link
 
 
 Runner = tuple[Callable[[dict[str, Any]], dict[str, Any]], str | None]
@@ -754,7 +782,11 @@ def check_goals(results: dict[str, Any]) -> list[dict[str, Any]]:
     values["reshard"] = (
         (
             min(_reshard_rate(r) for _, r in reshards) / seq,
-            "bytes of rows (key + decoded row) moved per s / sequential bytes/s, worst",
+            "bytes of rows (key + decoded row) moved per s / sequential bytes/s, worst, streamed; "
+            "adopted (old parts linked in): "
+            + ", ".join(
+                f"{r['rows'] * r['row_bytes'] / r['adopted_seconds'] / seq:.0f}x" for _, r in reshards
+            ),
         )
         if reshards and seq
         else (None, "reshard phase or disk probe not run")
@@ -852,12 +884,15 @@ def _reshard_line(rows: int, r: dict[str, Any], seq: float | None = None) -> str
     rate, io = _reshard_rate(r), r["reshard_io"]
     vs = f" = {rate / seq:.2f}x the sequential read" if seq else ""
     return (
-        f"reshard 2 -> 1 rank, {rows:,} rows (written at 2 ranks in {r['setup']['seconds']:.1f} s): "
+        f"reshard 2 -> 1 rank streamed, {rows:,} rows (written at 2 ranks in {r['setup']['seconds']:.1f} s): "
         f"{r['seconds']:.2f} s, {r['rows'] / r['seconds']:,.0f} rows/s, {rate / 1e9:.3f} GB/s of rows{vs}; "
         f"the device read {io['read_bytes'] / _MiB:,.0f} MiB and wrote {io['write_bytes'] / _MiB:,.0f} MiB "
         f"({io['write_bytes'] / (r['rows'] * r['row_bytes']):.2f}x the rows' bytes); peak RSS "
-        f"{_mib(r['peak_rss_bytes'])} MiB of {_mib(r['rss_limit_bytes'])} MiB; restore at the resharded "
-        f"checkpoint (cold) {r['restore_seconds']:.2f} s, reading {r['restore_io']['read_bytes'] / _MiB:.1f} MiB"
+        f"{_mib(r['peak_rss_bytes'])} MiB of {_mib(r['rss_limit_bytes'])} MiB; where rank 1's part can be "
+        f"linked in (adopted): {r['adopted_seconds']:.2f} s, the device reading "
+        f"{r['adopted_io']['read_bytes'] / _MiB:.1f} MiB and writing {r['adopted_io']['write_bytes'] / _MiB:.1f} MiB; "
+        f"restore at the resharded checkpoint (cold) {r['restore_seconds']:.2f} s, reading "
+        f"{r['restore_io']['read_bytes'] / _MiB:.1f} MiB"
     )
 
 

@@ -18,9 +18,12 @@ record names and holds its part); a part no rank reaches fails the open on every
 :class:`~hierps.errors.MissingPartsError` naming the parts and their ranks, before anything is created or deleted. Then
 each rank returns to its part of the latest checkpoint (removing parts that never committed and
 writing the record copies it missed); at another world size the checkpoint's rows are resharded
-into this one (each old part read by one rank that sees it, on its host's disk, its rows streamed
-to their new owners by all-to-all in key order, each new owner writing them straight to its SSD
-tier as one segment per table, once) and committed as a checkpoint marked ``resharded_from``, which
+into this one and committed as a checkpoint marked ``resharded_from``. Into a world size that
+divides the old one, with the parts on this rank's file system, each rank adopts whole old parts
+(its own gone back to, the others' segments hard-linked in: no row read or written); otherwise each
+old part is read by one rank that sees it, on its host's disk, its rows streamed to their new owners
+by all-to-all in key order, each new owner writing them straight to its SSD tier as one segment per
+table, once. The reshard's checkpoint
 never counts against ``keep_checkpoints`` (:func:`~hierps.storage._commit_log.retained`); a later
 open at a world size that already has a checkpoint of those rows goes back to it without resharding.
 """
@@ -28,6 +31,7 @@ open at a world size that already has a checkpoint of those rows goes back to it
 from __future__ import annotations
 
 import json
+import os
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
@@ -42,6 +46,7 @@ from hierps._store import Store, store_parts
 from hierps.errors import ConfigError, HierpsError, MissingPartsError
 from hierps.rows._pending import PENDING_ARRAYS, PendingKeys
 from hierps.sharding._local import OwnerParts
+from hierps.sharding._routes import owner_of
 from hierps.storage._checkpoint import CheckpointCatalog
 from hierps.storage._commit_log import (
     Snapshot,
@@ -63,6 +68,7 @@ from hierps.storage._commit_log import (
 )
 from hierps.storage._files import all_closed, made_beside, read_json_checked
 from hierps.storage._manifest import Manifest
+from hierps.storage._marker import MARKER
 from hierps.storage._merge import _Input, merged_sources
 from hierps.tiers._reader import CheckpointReader
 
@@ -211,6 +217,18 @@ def _readers(snap: Snapshot, seen: list[list[int]]) -> list[int]:
         ranks = [k for k, row in enumerate(seen) if row[q]]
         out.append(q if q in ranks else ranks[q % len(ranks)])
     return out
+
+
+def _can_link(source: Path, into: Path) -> bool:
+    """Whether files of the store ``source`` can be hard-linked into the store ``into`` (tried on
+    ``source``'s marker: another file system or mount cannot, nor one that does not do links)."""
+    probe = into / f".link-probe-{os.getpid()}-{id(source)}"
+    try:
+        os.link(source / MARKER, probe)
+    except OSError:
+        return False
+    os.unlink(probe)
+    return True
 
 
 @dataclass(frozen=True)
@@ -503,6 +521,8 @@ class ShardCheckpoints:
         compaction on the way. Like any write, nothing of it counts before the reshard's
         checkpoint commits: a crash before leaves the checkpoint read as the latest. The keys
         pending admission go to their owners too."""
+        if self._can_adopt(snap, seen):
+            return self._adopt(snap)
         readers = [
             CheckpointReader(rank_dir(self.root, q), snap.parts[q])
             for q, reader in enumerate(_readers(snap, seen))
@@ -514,17 +534,92 @@ class ShardCheckpoints:
             for reader in readers:
                 reader.close()
 
-    def _reshard_from(self, snap: Snapshot, readers: list[CheckpointReader]) -> int:
+    def _can_adopt(self, snap: Snapshot, seen: list[list[int]]) -> bool:
+        """Whether every rank can take its rows of ``snap`` by adopting whole old parts (collective).
+
+        With keys owned by ``splitmix64(key) mod world size``, a world size that divides the old one
+        gives each old part q whole to rank ``q mod world size``: rank r's rows are exactly those of
+        parts r, r + world size, ... So where rank r reaches those parts (its own among them), and
+        can hard-link their files into its directory (one file system, one mount: tried on a marker),
+        it adopts them, reading and writing no row (:meth:`_adopt`). Every rank must be able to, or
+        all stream (the streaming reshard is collective)."""
+        world = self.world_size
+        able = snap.world_size % world == 0 and self._owner_of is owner_of
+        own = rank_dir(self.root, self.rank)
+        for q in range(self.rank, snap.world_size, world) if able else ():
+            able = bool(seen and seen[self.rank][q]) and (
+                q == self.rank or _can_link(rank_dir(self.root, q), own)
+            )
+            if not able:
+                break
+        return all(row[0] for row in _gather_ints(self.collectives, [int(able)]))
+
+    def _adopt(self, snap: Snapshot) -> int:
+        """Take this rank's rows of ``snap`` as whole old parts (see :meth:`_can_adopt`), then commit
+        them as a checkpoint of this world size resharded from it (collective).
+
+        Its own old part it goes back to, in place; each other one's segments it links into its
+        SSD tier under new ids (:meth:`hierps.tiers.SsdTier.adopt`): not a row read or written, the
+        old part's files untouched (a retired link is unlinked, never cut: see
+        ``hierps.storage._files``). Its keys pending admission join this rank's. Like the streaming
+        reshard's, nothing of it counts before the reshard's checkpoint commits: a crash before
+        leaves the links unnamed (collected at the next open) and the saved checkpoint the latest."""
+        self._back_to(snap)
+        readers = [
+            CheckpointReader(rank_dir(self.root, q), snap.parts[q])
+            for q in range(self.rank, snap.world_size, self.world_size)
+        ]
+        try:
+            manifests = self._gathered_manifests(snap, readers)
+            core = self.parts.core
+            for name in self._tables_of(manifests):
+                held = next(m for m in manifests if name in m.tables)
+                info = held.tables[name].table_info(name, held.seed)
+                mine = self.local.table(name, info.dim, info.spec)
+                for r in readers[1:]:  # the first is this rank's own part, gone back to
+                    if name in r.meta.tables:
+                        core.ssd.adopt(name, r.path / "segments", r.marker.uid, r.entry(name).segments)
+                mine.step = info.step
+                self._take_pending(name, mine, [r.pending(name) for r in readers if name in r.meta.tables])
+            fault_point("reshard.adopted")
+            return self._commit_reshard(snap, manifests)
+        finally:
+            for reader in readers:
+                reader.close()
+
+    def _gathered_manifests(self, snap: Snapshot, readers: list[CheckpointReader]) -> list[Manifest]:
+        """The manifests of the parts every rank's ``readers`` read, rank 0's first (collective)."""
         blobs = _gather_bytes(self.collectives, json.dumps([r.manifest for r in readers]).encode())
-        manifests = [
+        return [
             Manifest.from_json(Path(f"checkpoint {snap.id}"), body["id"], body)
             for b in blobs
             for body in json.loads(b)
         ]
+
+    def _tables_of(self, manifests: list[Manifest]) -> list[str]:
+        """The tables ``manifests`` hold, sorted; this rank's other tables emptied (not in the checkpoint)."""
         names = sorted({name for m in manifests for name in m.tables})
-        for name in set(self.local.tables) - set(names):  # a table the snapshot does not have
+        for name in set(self.local.tables) - set(names):
             self.parts.rows.reset(name)
-        for name in names:
+        return names
+
+    def _take_pending(self, name: str, table: Any, pending: list[dict[str, np.ndarray]]) -> None:
+        """``name``'s keys pending admission: those of ``pending`` (each part's arrays) this rank owns."""
+        arrays = {
+            k: np.concatenate([p[k] for p in pending] or [np.empty(0, d)]) for k, d in PENDING_ARRAYS.items()
+        }
+        keys, values = self._to_owners(
+            arrays["pending_keys"].astype(np.int64), [arrays[k].astype(np.int64) for k in PENDING_ARRAYS]
+        )
+        order = np.argsort(keys, kind="stable")
+        self.parts.core.pending_keys[name] = PendingKeys.from_arrays(
+            table.admission.max_pending,
+            {k: v[order].astype(d) for (k, d), v in zip(PENDING_ARRAYS.items(), values)},
+        )
+
+    def _reshard_from(self, snap: Snapshot, readers: list[CheckpointReader]) -> int:
+        manifests = self._gathered_manifests(snap, readers)
+        for name in self._tables_of(manifests):
             held = next(m for m in manifests if name in m.tables)
             info = held.tables[name].table_info(name, held.seed)
             mine = self.local.table(name, info.dim, info.spec)
@@ -541,19 +636,11 @@ class ShardCheckpoints:
                     name, self._owned_in_order(sources, info.width), -(-rows // self.world_size)
                 )
             mine.step = info.step
-            pending = [r.pending(name) for r in readers if name in r.meta.tables]
-            arrays = {
-                k: np.concatenate([p[k] for p in pending] or [np.empty(0, d)])
-                for k, d in PENDING_ARRAYS.items()
-            }
-            keys, values = self._to_owners(
-                arrays["pending_keys"].astype(np.int64), [arrays[k].astype(np.int64) for k in PENDING_ARRAYS]
-            )
-            order = np.argsort(keys, kind="stable")
-            self.parts.core.pending_keys[name] = PendingKeys.from_arrays(
-                mine.admission.max_pending,
-                {k: v[order].astype(d) for (k, d), v in zip(PENDING_ARRAYS.items(), values)},
-            )
+            self._take_pending(name, mine, [r.pending(name) for r in readers if name in r.meta.tables])
+        return self._commit_reshard(snap, manifests)
+
+    def _commit_reshard(self, snap: Snapshot, manifests: list[Manifest]) -> int:
+        """Checkpoint the rows just resharded from ``snap`` (``manifests``: its parts', rank 0's first)."""
         self.local.passes = manifests[0].passes
         # No loader trained to these rows on this world size: the reshard's checkpoint holds no data
         # position (each old rank's position was of its own share of the data), and says so.

@@ -32,6 +32,7 @@ __all__ = [
     "disk_full_as_error",
     "fsync_dir",
     "fsync_tree",
+    "link_tree",
     "made_beside",
     "read_json_checked",
     "remove_stale_temp_dirs",
@@ -65,6 +66,25 @@ def fsync_tree(path: Path) -> None:
             finally:
                 os.close(fd)
         fsync_dir(Path(dirpath))
+
+
+def link_tree(src: Path, dst: Path) -> None:
+    """Make ``dst`` (it must not exist) a tree of the directories of ``src`` and hard links to its
+    files: no byte copied, and neither name's files change when the other goes (a tree written
+    over is cut first, and a file with another name is unlinked then: ``_cut_files``). On an error
+    (another file system: ``EXDEV``; a full disk) what was made of ``dst`` is removed and the error
+    raised; ``src`` is never touched."""
+    os.mkdir(dst)
+    try:
+        for folder, dirs, names in os.walk(src):
+            into = dst / os.path.relpath(folder, src)
+            for name in dirs:
+                os.mkdir(into / name)
+            for name in names:
+                os.link(os.path.join(folder, name), into / name)
+    except BaseException:
+        shutil.rmtree(dst, ignore_errors=True)
+        raise
 
 
 class BackgroundThread:

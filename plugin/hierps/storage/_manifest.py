@@ -9,7 +9,9 @@
                          "rows": 1000, "pending": 3,
                          "segments": {"12": 800, "31": 400},   # segment id -> rows
                          "live": {"12": 700, "31": 300},       # segment id -> live rows
-                         "check": {"12": 9134, "31": 77}}}}    # segment id -> fences check
+                         "check": {"12": 9134, "31": 77},     # segment id -> fences check
+                         "origin": {"31": "<uid>:segments/user/00000009"}}}}
+                         # (only for segments adopted from another store: what their chunks' tags name)
 
 :class:`Manifest` and :class:`TableEntry` are that file's only readers and writers: ``from_json``
 checks every field (``CorruptStoreError`` naming the file and the field, ``StoreFormatError`` for
@@ -20,6 +22,7 @@ before anything is written, whether a reader would accept what it is about to co
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -33,16 +36,23 @@ from hierps.storage._names import table_name_problem
 
 __all__ = ["Manifest", "SegmentRef", "TableEntry"]
 
+# What an adopted segment's chunks are bound to: the store that wrote it, and its name there.
+_ORIGIN = re.compile(r"[^:/]+:segments/[^/]+/[0-9]{8,}")
+
 # The table settings a manifest entry carries (TableInfo.to_json()), beside its rows and segments.
 _COUNTS = (("dim", 1), ("width", 1), ("step", 0), ("rows", 0), ("pending", 0))
 
 
 class SegmentRef(NamedTuple):
-    """One segment a checkpoint names for a table: its rows, how many are live, its content check."""
+    """One segment a checkpoint names for a table: its rows, how many are live, its content check,
+    and for a segment adopted from another store (a reshard that links an old part's segments in),
+    what its chunks' binding tags name: ``"<store id>:segments/<table>/<segment>"`` of the store that
+    wrote it (None: this store, under its own name)."""
 
     rows: int
     live: int
     check: int
+    origin: str | None = None
 
 
 @dataclass(frozen=True)
@@ -74,6 +84,11 @@ class TableEntry:
             "segments": {str(s): ref.rows for s, ref in segs},
             "live": {str(s): ref.live for s, ref in segs},
             "check": {str(s): ref.check for s, ref in segs},
+            **(
+                {"origin": {str(s): ref.origin for s, ref in segs if ref.origin is not None}}
+                if any(ref.origin is not None for _, ref in segs)
+                else {}
+            ),
         }
 
     @classmethod
@@ -111,6 +126,18 @@ class TableEntry:
                 "an object of segment id -> content check, for the same segments",
                 check,
             )
+        origin = meta.get("origin", {})
+        if (
+            not isinstance(origin, dict)
+            or not set(origin) <= set(segments)
+            or not all(isinstance(o, str) and _ORIGIN.fullmatch(o) for o in origin.values())
+        ):
+            raise _bad(
+                path,
+                f"{where}.origin",
+                "an object of segment id -> '<store id>:segments/<table>/<segment>', for some of its segments",
+                origin,
+            )
         if sum(live.values()) != meta["rows"]:
             raise _bad(
                 path,
@@ -124,9 +151,11 @@ class TableEntry:
         except ConfigError as exc:
             raise CorruptStoreError(f"{path}: table {name!r}: {exc}") from exc
         settings = {
-            k: v for k, v in meta.items() if k not in ("rows", "pending", "segments", "live", "check")
+            k: v
+            for k, v in meta.items()
+            if k not in ("rows", "pending", "segments", "live", "check", "origin")
         }
-        refs = {int(s): SegmentRef(n, live[s], check[s]) for s, n in segments.items()}
+        refs = {int(s): SegmentRef(n, live[s], check[s], origin.get(s)) for s, n in segments.items()}
         return cls(settings, meta["rows"], meta["pending"], refs)
 
 

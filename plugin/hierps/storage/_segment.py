@@ -38,6 +38,7 @@ __all__ = [
     "SEGMENT_DIRS",
     "Segment",
     "SegmentWriter",
+    "bound_name",
     "chunk_rows_for",
     "segment_name",
     "stored_row_bytes",
@@ -61,7 +62,13 @@ def segment_name(table: str, seg: int) -> str:
 def array_identity(store_id: str, name: str, array: str) -> str:
     """What array ``array`` of segment ``name`` is, for the binding tags of its chunks: a copy of
     another segment's (of this store or another) fails them."""
-    return f"{store_id}:segments/{name}/{array}"
+    return f"{bound_name(store_id, name)}/{array}"
+
+
+def bound_name(store_id: str, name: str) -> str:
+    """What the chunks of segment ``name`` of store ``store_id`` are bound to (less the array): a
+    segment another store adopts keeps it (``SegmentRef.origin``)."""
+    return f"{store_id}:segments/{name}"
 
 
 def stored_row_bytes(width: int) -> int:
@@ -237,6 +244,9 @@ class Segment:
     files: OpenFiles
     check: int  # fences_check of its content, as the manifest records it
     store_id: str  # the store's id (its marker's uid): the chunks' binding tags name it
+    # Adopted from another store: what its chunks' binding tags name (that store's id and the
+    # segment's name there, as SegmentRef.origin); None: this store's id and this name.
+    origin: str | None = None
     _rows: Array | None = field(default=None, init=False)
     _fences: np.ndarray | None = field(default=None, init=False)
     _filter: np.ndarray | None = field(default=None, init=False)
@@ -250,6 +260,14 @@ class Segment:
     @property
     def path(self) -> Path:
         return self.root / self.name
+
+    @property
+    def bound_to(self) -> str:
+        """What the binding tags of its chunks name, less the array: ``SegmentRef.origin``'s form."""
+        return self.origin if self.origin is not None else bound_name(self.store_id, self.name)
+
+    def _identity(self, array: str) -> str:
+        return f"{self.bound_to}/{array}"
 
     @property
     def ram_bytes(self) -> int:
@@ -266,7 +284,7 @@ class Segment:
                 "float32",
                 2,
                 self.files,
-                identity=array_identity(self.store_id, self.name, "rows"),
+                identity=self._identity("rows"),
             )
             if arr.shape != (self.n, self.width + KEY_COLUMNS):
                 raise CorruptStoreError(
@@ -288,7 +306,7 @@ class Segment:
                     dtype,
                     1,
                     self.files,
-                    identity=array_identity(self.store_id, self.name, name),
+                    identity=self._identity(name),
                 )
                 arrays[name] = read_array(arr, self.root, f"{self.name}/{name}", open_files=self.files)
             rows = self.rows_array

@@ -59,6 +59,7 @@ from hierps.storage._files import (
     disk_full_as_error,
     fsync_dir,
     fsync_tree,
+    link_tree,
 )
 from hierps.storage._manifest import SegmentRef
 from hierps.storage._merge import merged, run_rows, runs
@@ -67,6 +68,7 @@ from hierps.storage._segment import (
     SEGMENT_DIRS,
     Segment,
     SegmentWriter,
+    bound_name,
     segment_name,
     split_block,
     stored_row_bytes,
@@ -218,9 +220,18 @@ class SsdTier:
         """Bytes of RAM the tier holds to find keys (fences and filters of the segments loaded so far)."""
         return sum(s.ram_bytes for segs in list(self._segs.values()) for s in list(segs.values()))
 
-    def _segment(self, table: str, seg: int, n: int, check: int) -> Segment:
+    def _segment(self, table: str, seg: int, n: int, check: int, origin: str | None = None) -> Segment:
         return Segment(
-            self.root, self._zstore, table, seg, n, self.widths[table], self._files, check, self.store_id
+            self.root,
+            self._zstore,
+            table,
+            seg,
+            n,
+            self.widths[table],
+            self._files,
+            check,
+            self.store_id,
+            origin,
         )
 
     # -- lookups ------------------------------------------------------------------------------
@@ -762,7 +773,8 @@ class SsdTier:
     def live_set(self, table: str) -> dict[int, SegmentRef]:
         """What a checkpoint records of ``table``'s live set: ``{id: (rows, live rows, fences_check)}``."""
         return {
-            s: SegmentRef(seg.n, self._live[(table, s)], seg.check) for s, seg in self._segs[table].items()
+            s: SegmentRef(seg.n, self._live[(table, s)], seg.check, seg.origin)
+            for s, seg in self._segs[table].items()
         }
 
     def load_segments(self, table: str, width: int, segments: Mapping[int, SegmentRef]) -> None:
@@ -771,9 +783,33 @@ class SsdTier:
         self.add_table(table, width)
         for seg in list(self._segs[table]):
             self._drop(table, seg)
-        for seg, (n, live, check) in sorted(segments.items()):
-            self._segs[table][seg] = self._segment(table, seg, n, check)
+        for seg, (n, live, check, origin) in sorted(segments.items()):
+            self._segs[table][seg] = self._segment(table, seg, n, check, origin)
             self._set_live(table, seg, live)
+
+    def adopt(self, table: str, source: Path, source_id: str, segments: Mapping[int, SegmentRef]) -> int:
+        """Add to ``table``'s live set the ``segments`` of another store's checkpoint (its segments
+        directory ``source``, its id ``source_id``), none of whose keys this table holds: each linked
+        in under a new id, in their order (a newer segment's rows stay the newer), not a byte read or
+        written. Their chunks keep the binding tags they were written with (``SegmentRef.origin``).
+        Like a written segment, an adopted one is durable at the next :meth:`sync` and counts once a
+        checkpoint names it. Returns the rows adopted (live). ``OSError`` when a link cannot be made
+        (another file system: ``EXDEV``), with the segments linked so far in the live set."""
+        adopted = 0
+        for seg, ref in sorted(segments.items()):
+            name = segment_name(table, seg)
+            new = self.next_segment
+            self.next_segment += 1
+            os.makedirs(self.root / table, exist_ok=True)
+            link_tree(source / name, self.root / segment_name(table, new))
+            self.changes += 1
+            origin = ref.origin if ref.origin is not None else bound_name(source_id, name)
+            self._segs[table][new] = self._segment(table, new, ref.rows, ref.check, origin)
+            self._set_live(table, new, ref.live)
+            self._unsynced.append((table, new))
+            adopted += ref.live
+            fault_point("ssd.adopted_segment")
+        return adopted
 
     def _drop(self, table: str, seg: int) -> None:
         """Take a segment out of the live set (its files stay)."""
