@@ -683,8 +683,14 @@ class DeviceTier:
             fresh = relayout.new_to.get(width, _EMPTY)
             if len(fresh):
                 dst = torch.from_numpy(fresh).to(self.device)
-                loaded = np.concatenate([rows[t] for t in relayout.new_tables[width]])
-                new.rows.index_copy_(0, dst, torch.from_numpy(loaded).to(self.device))
+                parts = [rows[t] for t in relayout.new_tables[width]]
+                if self.device.type == "cpu":  # each table's rows straight into its slots: no joined copy
+                    at = 0
+                    for part in parts:
+                        new.rows.index_copy_(0, dst[at : at + len(part)], torch.from_numpy(part))
+                        at += len(part)
+                else:  # one transfer
+                    new.rows.index_copy_(0, dst, torch.from_numpy(np.concatenate(parts)).to(self.device))
                 new.dirty.index_fill_(0, dst, False)
         tables = {}
         for table, r in self._tables.items():
