@@ -246,4 +246,11 @@ def test_a_part_that_fails_to_read_fails_the_reshard_with_every_scan_ended(
     monkeypatch.setattr(_commits, "_can_link", lambda source, into: False)
     with pytest.raises(OSError, match="a read failed"):
         run_ranks(1, lambda t: hierps.ShardedStore(root, t, **SETTINGS).close())
+    monkeypatch.undo()
+    monkeypatch.setattr(CheckpointReader, "iter_rows", rows_of)
+    with (
+        hierps.sharding.streamed_reshards(),
+        pytest.raises(OSError, match="a read failed"),
+    ):  # asked to stream
+        run_ranks(1, lambda t: hierps.ShardedStore(root, t, **SETTINGS).close())
     assert not [t for t in threading.enumerate() if t.name == "hierps-made-beside"]

@@ -530,6 +530,7 @@ def _reshard_phase(spec: dict[str, Any]) -> dict[str, Any]:
     sharded stores are deleted after, unless kept."""
     from hierps.bench._threads import one_rank
     from hierps.bench.machine import drop_from_page_cache
+    from hierps.sharding import streamed_reshards
 
     conf, n, tmp = spec["config"], spec["rows"], Path(spec["tmp"])
     sharded, streamed = tmp / "sharded", tmp / "sharded-streamed"
@@ -549,7 +550,7 @@ def _reshard_phase(spec: dict[str, Any]) -> dict[str, Any]:
 
     try:
         shutil.copytree(sharded, streamed)
-        with _links_refused():
+        with streamed_reshards():
             stream_seconds, stream_io, stream_rows, _, _ = reshard(streamed)
         shutil.rmtree(streamed, ignore_errors=True)
         seconds, io, rows, width, parts = reshard(sharded)
@@ -576,19 +577,6 @@ def _reshard_phase(spec: dict[str, Any]) -> dict[str, Any]:
         "restore_io": restore_io,
         "checkpoints": parts,
     }
-
-
-@contextlib.contextmanager
-def _links_refused() -> Iterator[None]:
-    """Within it, a reshard finds no old part linkable into a new one (as across file systems): it streams."""
-    from hierps.sharding import _commits
-
-    can_link = _commits._can_link
-    _commits._can_link = lambda source, into: False
-    try:
-        yield
-    finally:
-        _commits._can_link = can_link
 
 
 Runner = tuple[Callable[[dict[str, Any]], dict[str, Any]], str | None]

@@ -5,6 +5,7 @@ on slices of a batch equal one rank on the whole of it); :class:`Transport` is w
 collective library (torch.distributed or Horovod, in :mod:`hierps.integrations.transport`).
 """
 
+from hierps.sharding._commits import streamed_reshards
 from hierps.sharding._sharded import ShardedStore, Transport, owner_of, rank_dir
 
-__all__ = ["ShardedStore", "Transport", "owner_of", "rank_dir"]
+__all__ = ["ShardedStore", "Transport", "owner_of", "rank_dir", "streamed_reshards"]

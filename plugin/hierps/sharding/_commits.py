@@ -34,6 +34,7 @@ import json
 import os
 import time
 from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Protocol
@@ -72,7 +73,15 @@ from hierps.storage._marker import MARKER
 from hierps.storage._merge import _Input, merged_sources
 from hierps.tiers._reader import CheckpointReader
 
-__all__ = ["ALONE", "Collectives", "ShardCheckpoints", "Snapshot", "rank_dir", "snapshots"]
+__all__ = [
+    "ALONE",
+    "Collectives",
+    "ShardCheckpoints",
+    "Snapshot",
+    "rank_dir",
+    "snapshots",
+    "streamed_reshards",
+]
 
 
 class Collectives(Protocol):
@@ -217,6 +226,22 @@ def _readers(snap: Snapshot, seen: list[list[int]]) -> list[int]:
         ranks = [k for k, row in enumerate(seen) if row[q]]
         out.append(q if q in ranks else ranks[q % len(ranks)])
     return out
+
+
+# Whether a reshard may adopt old parts by linking their files in (see ShardCheckpoints._can_adopt).
+_links_allowed = True
+
+
+@contextmanager
+def streamed_reshards() -> Iterator[None]:
+    """Within it, reshards in this process stream every row, even where the old parts could be
+    linked in whole (to measure or compare the streamed path, as ``hierps bench --scale`` does)."""
+    global _links_allowed
+    allowed, _links_allowed = _links_allowed, False
+    try:
+        yield
+    finally:
+        _links_allowed = allowed
 
 
 def _can_link(source: Path, into: Path) -> bool:
@@ -544,7 +569,7 @@ class ShardCheckpoints:
         it adopts them, reading and writing no row (:meth:`_adopt`). Every rank must be able to, or
         all stream (the streaming reshard is collective)."""
         world = self.world_size
-        able = snap.world_size % world == 0 and self._owner_of is owner_of
+        able = _links_allowed and snap.world_size % world == 0 and self._owner_of is owner_of
         own = rank_dir(self.root, self.rank)
         for q in range(self.rank, snap.world_size, world) if able else ():
             able = bool(seen and seen[self.rank][q]) and (
