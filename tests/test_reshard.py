@@ -46,15 +46,15 @@ def _rows(store: hierps.ShardedStore, name: str, keys: np.ndarray) -> np.ndarray
     return rows
 
 
-def _written(root: Path) -> dict[str, tuple[np.ndarray, np.ndarray]]:
-    """Rows written at 2 ranks and checkpointed -> per table, every key and its stored row (decoded:
-    rounded to the table's precisions)."""
-    keys = _keys()
+def _written(root: Path, ranks: int = 2, rows: int = ROWS) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """Rows written at ``ranks`` ranks and checkpointed -> per table, every key and its stored row
+    (decoded: rounded to the table's precisions)."""
+    keys = _keys()[:rows]
 
     def write(transport: ThreadTransport) -> dict[str, tuple[np.ndarray, np.ndarray]]:
         store = hierps.ShardedStore(root, transport, **SETTINGS)
         try:
-            mine = keys[owner_of(keys, 2) == transport.rank]
+            mine = keys[owner_of(keys, ranks) == transport.rank]
             for name, settings in TABLES.items():
                 store.table(name, DIM, **settings)
                 store.local.write_rows(name, mine, _rows(store, name, mine))
@@ -63,7 +63,7 @@ def _written(root: Path) -> dict[str, tuple[np.ndarray, np.ndarray]]:
         finally:
             store.close()
 
-    parts = run_ranks(2, write)
+    parts = run_ranks(ranks, write)
     return {
         name: (np.concatenate([p[name][0] for p in parts]), np.concatenate([p[name][1] for p in parts]))
         for name in TABLES
@@ -203,6 +203,41 @@ def test_adopted_segments_read_and_reshard_again_and_their_files_outlive_either_
             order = np.argsort(keys[mine])
             got = np.concatenate([r for _, r in reader.iter_rows(name)])
             np.testing.assert_array_equal(got.view(np.uint32), expected[mine][order].view(np.uint32))
+
+
+def test_four_ranks_reshard_into_two_by_adopting_two_parts_each(tmp_path: Path) -> None:
+    """4 -> 2: rank r goes back to its part r and links part r + 2 in; every row exact, none
+    written; back at 4 ranks the saved checkpoint as written."""
+    root = tmp_path / "s"
+    rows = _written(root, ranks=4, rows=12_000)
+
+    def reopen(transport: ThreadTransport) -> int:
+        store = hierps.ShardedStore(root, transport, **SETTINGS)
+        try:
+            for name, (keys, expected) in rows.items():
+                mine = owner_of(keys, 2) == transport.rank
+                np.testing.assert_array_equal(
+                    _whole(store, name, keys[mine]).view(np.uint32), expected[mine].view(np.uint32)
+                )
+            assert _link_counts(store.local.path / "segments") == {1, 2}
+            return store_parts(store.local).core.ssd.rows_written
+        finally:
+            store.close()
+
+    assert run_ranks(2, reopen) == [0, 0]
+
+    def back(transport: ThreadTransport) -> None:
+        store = hierps.ShardedStore(root, transport, **SETTINGS)
+        try:
+            for name, (keys, expected) in rows.items():
+                mine = owner_of(keys, 4) == transport.rank
+                np.testing.assert_array_equal(
+                    _whole(store, name, keys[mine]).view(np.uint32), expected[mine].view(np.uint32)
+                )
+        finally:
+            store.close()
+
+    run_ranks(4, back)
 
 
 def _reread(root: Path, transport: ThreadTransport, rows: dict[str, tuple[np.ndarray, np.ndarray]]) -> bool:
