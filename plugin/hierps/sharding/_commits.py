@@ -46,6 +46,7 @@ from hierps._faults import fault_point
 from hierps._store import Store, store_parts
 from hierps.errors import ConfigError, HierpsError, MissingPartsError
 from hierps.rows._pending import PENDING_ARRAYS, PendingKeys
+from hierps.rows._table import TableInfo
 from hierps.sharding._local import OwnerParts
 from hierps.sharding._routes import owner_of
 from hierps.storage._checkpoint import CheckpointCatalog
@@ -545,7 +546,8 @@ class ShardCheckpoints:
         of its SSD tier (:meth:`hierps._rows.RowAccess.ingest_sorted`): no RAM tier, spill or
         compaction on the way. Like any write, nothing of it counts before the reshard's
         checkpoint commits: a crash before leaves the checkpoint read as the latest. The keys
-        pending admission go to their owners too."""
+        pending admission go to their owners too. Into a world size that divides the old one each
+        rank adopts its old parts whole instead, where every rank can (:meth:`_can_adopt`)."""
         if self._can_adopt(snap, seen):
             return self._adopt(snap)
         readers = [
@@ -628,7 +630,7 @@ class ShardCheckpoints:
             self.parts.rows.reset(name)
         return names
 
-    def _take_pending(self, name: str, table: Any, pending: list[dict[str, np.ndarray]]) -> None:
+    def _take_pending(self, name: str, table: TableInfo, pending: list[dict[str, np.ndarray]]) -> None:
         """``name``'s keys pending admission: those of ``pending`` (each part's arrays) this rank owns."""
         arrays = {
             k: np.concatenate([p[k] for p in pending] or [np.empty(0, d)]) for k, d in PENDING_ARRAYS.items()
