@@ -248,12 +248,13 @@ def streamed_reshards() -> Iterator[None]:
 def _can_link(source: Path, into: Path) -> bool:
     """Whether files of the store ``source`` can be hard-linked into the store ``into`` (tried on
     ``source``'s marker: another file system or mount cannot, nor one that does not do links)."""
-    probe = into / f".link-probe-{os.getpid()}-{id(source)}"
+    probe = into / ".link-probe"  # one rank probes its own directory, one part at a time
     try:
+        probe.unlink(missing_ok=True)  # left by a process killed here
         os.link(source / MARKER, probe)
     except OSError:
         return False
-    os.unlink(probe)
+    probe.unlink()
     return True
 
 
