@@ -289,3 +289,22 @@ def test_a_part_that_fails_to_read_fails_the_reshard_with_every_scan_ended(
     ):  # asked to stream
         run_ranks(1, lambda t: hierps.ShardedStore(root, t, **SETTINGS).close())
     assert not [t for t in threading.enumerate() if t.name == "hierps-made-beside"]
+
+
+def test_a_probe_left_by_a_killed_process_does_not_stop_the_adoption(
+    written: tuple[Path, dict[str, tuple[np.ndarray, np.ndarray]]], tmp_path: Path
+) -> None:
+    source, rows = written
+    root = tmp_path / "s"
+    shutil.copytree(source, root)
+    (rank_dir(root, 0) / ".link-probe").write_bytes(b"left")  # as a kill between link and unlink leaves it
+
+    def reopen(transport: ThreadTransport) -> int:
+        store = hierps.ShardedStore(root, transport, **SETTINGS)
+        try:
+            return store_parts(store.local).core.ssd.rows_written
+        finally:
+            store.close()
+
+    assert run_ranks(1, reopen) == [0]  # adopted: no row written
+    assert not (rank_dir(root, 0) / ".link-probe").exists()
