@@ -139,6 +139,19 @@ def test_a_reshard_gives_every_row_bit_identical_each_part_one_segment_written_o
     assert all(back)
 
 
+def _assert_rows(
+    store: hierps.ShardedStore, rows: dict[str, tuple[np.ndarray, np.ndarray]], world: int, rank: int
+) -> None:
+    """``store`` (rank ``rank`` of ``world``) holds exactly the written rows it owns, bit for bit."""
+    for name, (keys, expected) in rows.items():
+        mine = owner_of(keys, world) == rank
+        np.testing.assert_array_equal(
+            _whole(store, name, keys[mine]).view(np.uint32),
+            expected[mine].view(np.uint32),
+            err_msg=f"table {name}, rank {rank} of {world}",
+        )
+
+
 def _link_counts(segments: Path) -> set[int]:
     """The link counts of the files of a store's segments."""
     return {
@@ -160,20 +173,11 @@ def test_adopted_segments_read_and_reshard_again_and_their_files_outlive_either_
     shutil.copytree(source, root)
     settings = {**SETTINGS, "keep_checkpoints": 20}
 
-    def check(store: hierps.ShardedStore, world: int, rank: int) -> None:
-        for name, (keys, expected) in rows.items():
-            mine = owner_of(keys, world) == rank
-            np.testing.assert_array_equal(
-                _whole(store, name, keys[mine]).view(np.uint32),
-                expected[mine].view(np.uint32),
-                err_msg=f"table {name}, rank {rank} of {world}",
-            )
-
     def at(world: int, then=None):  # type: ignore[no-untyped-def]
         def run(transport: ThreadTransport) -> None:
             store = hierps.ShardedStore(root, transport, **settings)
             try:
-                check(store, world, transport.rank)
+                _assert_rows(store, rows, world, transport.rank)
                 if then is not None:
                     then(store)
             finally:
@@ -189,7 +193,7 @@ def test_adopted_segments_read_and_reshard_again_and_their_files_outlive_either_
         for name in rows:
             core.ssd.compact(name, rewrite=[s for _, s in core.ssd.segments(name)])
             assert len(core.ssd.segments(name)) == 1
-        check(store, 1, 0)
+        _assert_rows(store, rows, 1, 0)
         store.checkpoint("merged")
         store.local.retire_checkpoints(keep=[core.checkpoint_id])
         assert _link_counts(store.local.path / "segments") == {1}  # every link retired, none left
@@ -214,11 +218,7 @@ def test_four_ranks_reshard_into_two_by_adopting_two_parts_each(tmp_path: Path) 
     def reopen(transport: ThreadTransport) -> int:
         store = hierps.ShardedStore(root, transport, **SETTINGS)
         try:
-            for name, (keys, expected) in rows.items():
-                mine = owner_of(keys, 2) == transport.rank
-                np.testing.assert_array_equal(
-                    _whole(store, name, keys[mine]).view(np.uint32), expected[mine].view(np.uint32)
-                )
+            _assert_rows(store, rows, 2, transport.rank)
             assert _link_counts(store.local.path / "segments") == {1, 2}
             return store_parts(store.local).core.ssd.rows_written
         finally:
@@ -229,11 +229,7 @@ def test_four_ranks_reshard_into_two_by_adopting_two_parts_each(tmp_path: Path) 
     def back(transport: ThreadTransport) -> None:
         store = hierps.ShardedStore(root, transport, **SETTINGS)
         try:
-            for name, (keys, expected) in rows.items():
-                mine = owner_of(keys, 4) == transport.rank
-                np.testing.assert_array_equal(
-                    _whole(store, name, keys[mine]).view(np.uint32), expected[mine].view(np.uint32)
-                )
+            _assert_rows(store, rows, 4, transport.rank)
         finally:
             store.close()
 
@@ -243,11 +239,7 @@ def test_four_ranks_reshard_into_two_by_adopting_two_parts_each(tmp_path: Path) 
 def _reread(root: Path, transport: ThreadTransport, rows: dict[str, tuple[np.ndarray, np.ndarray]]) -> bool:
     store = hierps.ShardedStore(root, transport, **SETTINGS)
     try:
-        for name, (keys, expected) in rows.items():
-            mine = owner_of(keys, 2) == transport.rank
-            np.testing.assert_array_equal(
-                _whole(store, name, keys[mine]).view(np.uint32), expected[mine].view(np.uint32)
-            )
+        _assert_rows(store, rows, 2, transport.rank)
         return [c["tag"] for c in store.list_checkpoints()][0] == "two"
     finally:
         store.close()

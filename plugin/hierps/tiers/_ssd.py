@@ -796,11 +796,11 @@ class SsdTier:
         checkpoint names it. Returns the rows adopted (live). ``OSError`` when a link cannot be made
         (another file system: ``EXDEV``), with the segments linked so far in the live set."""
         adopted = 0
+        os.makedirs(self.root / table, exist_ok=True)
         for seg, ref in sorted(segments.items()):
             name = segment_name(table, seg)
             new = self.next_segment
             self.next_segment += 1
-            os.makedirs(self.root / table, exist_ok=True)
             link_tree(source / name, self.root / segment_name(table, new))
             self.changes += 1
             origin = ref.origin if ref.origin is not None else bound_name(source_id, name)
