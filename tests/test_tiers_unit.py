@@ -19,6 +19,7 @@ import torch
 
 from hierps.errors import StoreFullError
 from hierps.tiers import DeviceTier, MemoryTier, RowSink, SsdTier
+from hierps.tiers._device import staged_rows
 from hierps.tiers._working_set import ResidentKeys
 
 WIDTH = 2
@@ -397,6 +398,40 @@ def test_rebuild_keeps_resident_rows_fetches_the_missing_and_returns_the_leaving
     dirty = tier.take_dirty()
     assert list(dirty) == ["a"]
     np.testing.assert_array_equal(dirty["a"][0], [9])
+
+
+@pytest.mark.parametrize("staged", [False, True], ids=["rows", "staged"])
+def test_a_relayout_of_arenas_staged_ahead_equals_one_of_the_rows(staged):
+    """What the pipeline's worker builds ahead (:meth:`DeviceTier.stage`, the next arenas with the
+    rows read ahead in place) gives the tier what a relayout of those rows gives: the same resident
+    rows, dirty bits and leaving rows. The leaving rows are copied when first read, after the tier
+    has moved on, and are still those that left; the rows read ahead come back out of the arenas."""
+    tier = _device()
+    tier.rebuild({"a": keys_of(1, 4, 9), "b": keys_of(2, 6)}, None, Fetches())
+    found, slots = tier.resolve("a", torch.tensor([9, 4]))
+    tier.rows("a")[slots] += torch.tensor([[1.0, 1.0], [2.0, 2.0]])  # train a:9 and a:4
+    tier.mark_dirty("a", slots)
+    relayout = tier.resident_keys().relayout_to({"a": keys_of(1, 2, 9), "b": keys_of(3, 6)})
+    read = {t: rows_of(k, salt=50.0) for t, k in relayout.missing.items()}
+    arenas = tier.stage(relayout, read) if staged else None
+    if staged:
+        assert arenas is not None
+        for t, rows in staged_rows(relayout, arenas).items():
+            np.testing.assert_array_equal(rows, read[t])
+    drained = tier.apply_relayout(relayout, read if not staged else {}, arenas)
+    keys, rows = _resident(tier, "a")
+    np.testing.assert_array_equal(keys, [1, 2, 9])
+    np.testing.assert_array_equal(rows, [[101, -101], [52, -52], [110, -108]])
+    keys, rows = _resident(tier, "b")
+    np.testing.assert_array_equal(keys, [3, 6])
+    np.testing.assert_array_equal(rows, [[53, -53], [106, -106]])
+    tier.rebuild({"a": keys_of(4), "b": keys_of(2)}, None, Fetches())  # the tier moves on
+    np.testing.assert_array_equal(drained["a"].keys, [4])
+    np.testing.assert_array_equal(drained["a"].rows, [[106, -102]])  # as it left, trained
+    np.testing.assert_array_equal(drained["a"].dirty, [True])
+    np.testing.assert_array_equal(drained["b"].keys, [2])
+    np.testing.assert_array_equal(drained["b"].rows, [[102, -102]])
+    np.testing.assert_array_equal(drained["b"].dirty, [False])
 
 
 def test_a_failed_fetch_changes_nothing_and_a_stale_relayout_is_refused():

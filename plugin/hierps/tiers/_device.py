@@ -37,7 +37,7 @@ from hierps.storage._native import find_sorted
 from hierps.tiers._slot_index import SlotIndex, distinct_ids, hashed
 from hierps.tiers._working_set import Relayout, ResidentKeys
 
-__all__ = ["DeviceTier", "DrainedRows", "Sightings"]
+__all__ = ["DeviceTier", "DrainedRows", "Sightings", "Staged", "staged_rows"]
 
 # Bytes per resident row besides its floats: sorted key (8) + slot (8) + host key (8) + dirty (1).
 ROW_OVERHEAD = 25
@@ -45,13 +45,41 @@ _EMPTY = np.empty(0, np.int64)
 _EMPTY_T = torch.empty(0, dtype=torch.int64)
 
 
-@dataclass
 class DrainedRows:
-    """Rows leaving the device tier: keys (n,) int64, rows (n, width) float32, dirty (n,) bool."""
+    """Rows leaving the device tier: keys (n,) int64, rows (n, width) float32, dirty (n,) bool.
 
-    keys: np.ndarray
-    rows: np.ndarray
-    dirty: np.ndarray
+    With ``source`` (an arena's rows the tier let go, which nothing writes any more, and the slots
+    of these rows in it) instead of ``rows``, the rows are copied out when ``rows`` is first read:
+    a relayout on the CPU leaves that copy to the write-back, on the pipeline's worker.
+    """
+
+    __slots__ = ("keys", "dirty", "_rows", "_source")
+
+    def __init__(
+        self,
+        keys: np.ndarray,
+        rows: np.ndarray | None,
+        dirty: np.ndarray,
+        source: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> None:
+        if (rows is None) == (source is None):
+            raise ValueError("DrainedRows: give either rows or their source")
+        self.keys, self.dirty = keys, dirty
+        self._rows, self._source = rows, source
+
+    @property
+    def rows(self) -> np.ndarray:
+        if self._rows is None:
+            self.copy_out(clean_too=True)
+            assert self._rows is not None
+        return self._rows
+
+    def copy_out(self, clean_too: bool = False) -> None:
+        """Copy the rows out of their source now, if any is dirty (or ``clean_too``; the write-back
+        reads dirty rows only)."""
+        if self._source is not None and (clean_too or self.dirty.any()):
+            arena_rows, slots = self._source
+            self._rows, self._source = arena_rows.index_select(0, slots).numpy(), None
 
 
 class _Arena:
@@ -111,6 +139,9 @@ class _Arena:
         start = self.n
         self.n += m
         return start
+
+
+Staged = dict[int, _Arena]  # per width, an arena built ahead (DeviceTier.stage)
 
 
 class _Resident:
@@ -660,9 +691,29 @@ class DeviceTier:
                 rows[table][at] = fetched[table]
         return self.apply_relayout(relayout, rows)
 
-    def apply_relayout(self, relayout: Relayout, rows: dict[str, np.ndarray]) -> dict[str, DrainedRows]:
+    def stage(self, relayout: Relayout, rows: dict[str, np.ndarray]) -> Staged | None:
+        """On the CPU, the arenas ``relayout`` makes, with ``rows[t]`` (the rows of
+        ``relayout.missing[t]``) in their slots already; None elsewhere.
+
+        Nothing of the tier is read or changed, so the pipeline's worker builds them while the
+        current pass trains; :meth:`apply_relayout` then only copies the rows that stay. On a GPU
+        that would hold a second working set in device memory, so the rows are copied in there.
+        """
+        if self.device.type != "cpu":
+            return None
+        out = {}
+        for width, capacity in relayout.capacity.items():
+            arena = out[width] = _Arena(width, self.device, capacity)
+            arena.n = capacity
+            _put_rows(arena, relayout, width, rows)
+        return out
+
+    def apply_relayout(
+        self, relayout: Relayout, rows: dict[str, np.ndarray], staged: Staged | None = None
+    ) -> dict[str, DrainedRows]:
         """Carry out ``relayout`` (worked out at the tier's current version) with ``rows[t]``, the rows
-        of ``relayout.missing[t]``. A few whole-arena copies; returns the rows that leave, for write-back."""
+        of ``relayout.missing[t]``, or the arenas :meth:`stage` built with them. A few whole-arena
+        copies; returns the rows that leave, for write-back (on the CPU, copied when first read)."""
         if relayout.version != self.version:
             raise RuntimeError("device tier changed since the relayout was worked out")  # callers check first
         self.flush_seen()
@@ -670,8 +721,14 @@ class DeviceTier:
         arenas = {}
         out: dict[str, DrainedRows] = {}
         for width, old in self._arenas.items():
-            arenas[width] = new = _Arena(width, self.device, relayout.capacity.get(width, 0), self.clock)
-            new.n = new.rows.shape[0]
+            new = (staged or {}).get(width)
+            if new is None:
+                new = _Arena(width, self.device, relayout.capacity.get(width, 0), self.clock)
+                new.n = new.rows.shape[0]
+                _put_rows(new, relayout, width, rows)
+            else:
+                new.used.fill_(self.clock)
+            arenas[width] = new
             out.update(self._leaving(old, relayout, width))
             stay = relayout.stay_from.get(width, _EMPTY)
             if len(stay):
@@ -680,18 +737,6 @@ class DeviceTier:
                 new.rows.index_copy_(0, dst, old.rows.index_select(0, src))
                 new.dirty.index_copy_(0, dst, old.dirty.index_select(0, src))
                 new.used.index_copy_(0, dst, old.used.index_select(0, src))
-            fresh = relayout.new_to.get(width, _EMPTY)
-            if len(fresh):
-                dst = torch.from_numpy(fresh).to(self.device)
-                parts = [rows[t] for t in relayout.new_tables[width]]
-                if self.device.type == "cpu":  # each table's rows straight into its slots: no joined copy
-                    at = 0
-                    for part in parts:
-                        new.rows.index_copy_(0, dst[at : at + len(part)], torch.from_numpy(part))
-                        at += len(part)
-                else:  # one transfer
-                    new.rows.index_copy_(0, dst, torch.from_numpy(np.concatenate(parts)).to(self.device))
-                new.dirty.index_fill_(0, dst, False)
         tables = {}
         for table, r in self._tables.items():
             want, first = relayout.keep.get(table, _EMPTY), relayout.first_slot[table]
@@ -704,15 +749,51 @@ class DeviceTier:
         return out
 
     def _leaving(self, arena: _Arena, relayout: Relayout, width: int) -> dict[str, DrainedRows]:
-        """The rows of ``arena`` that ``relayout`` lets go, per table, copied to the host."""
+        """The rows of ``arena`` that ``relayout`` lets go, per table: copied to the host, or on the
+        CPU left in ``arena`` (which the tier lets go too) for the write-back to copy."""
         leave = relayout.leave_from.get(width, _EMPTY)
         if not len(leave):
             return {}
         idx = torch.from_numpy(leave).to(self.device)
-        left = arena.rows.index_select(0, idx).cpu().numpy()
         dirty = arena.dirty.index_select(0, idx).cpu().numpy()
+        left = arena.rows.index_select(0, idx).cpu().numpy() if self.device.type != "cpu" else None
         out, at = {}, 0
         for table, keys in relayout.leave_keys[width]:
-            out[table] = DrainedRows(keys, left[at : at + len(keys)], dirty[at : at + len(keys)])
-            at += len(keys)
+            n = len(keys)
+            if left is None:
+                out[table] = DrainedRows(
+                    keys, None, dirty[at : at + n], source=(arena.rows, idx[at : at + n])
+                )
+            else:
+                out[table] = DrainedRows(keys, left[at : at + n], dirty[at : at + n])
+            at += n
         return out
+
+
+def _put_rows(arena: _Arena, relayout: Relayout, width: int, rows: dict[str, np.ndarray]) -> None:
+    """Copy ``rows[t]`` of each table of ``width`` missing from the tier into its slots of ``arena``
+    (the relayout's new arena; its dirty bits are clear)."""
+    fresh = relayout.new_to.get(width, _EMPTY)
+    if not len(fresh):
+        return
+    dst = torch.from_numpy(fresh).to(arena.device)
+    parts = [rows[t] for t in relayout.new_tables[width]]
+    if arena.device.type == "cpu":  # each table's rows straight into its slots: no joined copy
+        at = 0
+        for part in parts:
+            arena.rows.index_copy_(0, dst[at : at + len(part)], torch.from_numpy(part))
+            at += len(part)
+    else:  # one transfer
+        arena.rows.index_copy_(0, dst, torch.from_numpy(np.concatenate(parts)).to(arena.device))
+
+
+def staged_rows(relayout: Relayout, staged: Staged) -> dict[str, np.ndarray]:
+    """The rows of ``relayout.missing[t]`` back out of the arenas :meth:`DeviceTier.stage` built."""
+    out = {}
+    for width, arena in staged.items():
+        fresh, at = relayout.new_to.get(width, _EMPTY), 0
+        for table in relayout.new_tables.get(width, []):
+            n = len(relayout.missing[table])
+            out[table] = arena.rows.index_select(0, torch.from_numpy(fresh[at : at + n])).numpy()
+            at += n
+    return out

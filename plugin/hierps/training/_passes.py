@@ -157,13 +157,12 @@ class PassRunner:
                 # Nothing changed in the device tier since the pass was announced: the relayout
                 # worked out then holds, the rows read then are exactly those missing, and the
                 # mini-batches were translated for the layout it makes.
-                drained = tier.apply_relayout(ahead.relayout, ahead.rows)
+                drained = tier.apply_relayout(ahead.relayout, ahead.rows, ahead.staged)
                 plans = ahead.plans
             else:
                 # No write-back is pending now, so rows the read-ahead lacks are read fresh.
-                prepared = (
-                    {t: (k, ahead.rows[t]) for t, k in ahead.relayout.missing.items()} if ahead else None
-                )
+                got = ahead.missing_rows() if ahead else {}
+                prepared = {t: (k, got[t]) for t, k in ahead.relayout.missing.items()} if ahead else None
                 drained = tier.rebuild(groups[0], prepared, fetch)
             self._pipe.submit_writeback(drained)
             self._translated(raw, groups[0], plans, positions)

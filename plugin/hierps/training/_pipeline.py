@@ -28,7 +28,7 @@ from typing import Any, TypeVar
 import numpy as np
 
 from hierps._core import StoreCore
-from hierps.tiers._device import DrainedRows
+from hierps.tiers._device import DrainedRows, Staged, staged_rows
 from hierps.tiers._working_set import Relayout, ResidentKeys
 from hierps.training._batchplan import Batch, same_batches, translate, union_positions
 
@@ -45,8 +45,15 @@ class ReadAhead:
 
     group: dict[str, np.ndarray]  # its working set: sorted distinct keys per table
     relayout: Relayout  # of the device tier as it was when the pass was announced
-    rows: dict[str, np.ndarray]  # rows of relayout.missing, read from RAM / SSD / the initializer
+    # Rows of relayout.missing, read from RAM / SSD / the initializer: as arrays, or already in the
+    # arenas the relayout makes (``staged``, on the CPU; then ``rows`` is empty)
+    rows: dict[str, np.ndarray]
     plans: list[Batch]  # its mini-batches, translated for relayout.first_slot
+    staged: Staged | None = None
+
+    def missing_rows(self) -> dict[str, np.ndarray]:
+        """The rows of ``relayout.missing``, as arrays, wherever they are."""
+        return staged_rows(self.relayout, self.staged) if self.staged is not None else self.rows
 
 
 class PassPipeline:
@@ -105,6 +112,8 @@ class PassPipeline:
 
     def _writeback(self, drained: dict[str, DrainedRows], tick: int) -> None:
         t0 = time.perf_counter()
+        for d in drained.values():  # out of the arena the device tier let go: no lock needed
+            d.copy_out()
         with self.lock:
             self._core.put_dirty(drained, tick)
         self.writeback_seconds += time.perf_counter() - t0
@@ -145,8 +154,9 @@ class PassPipeline:
         plans = translate(
             batches, group, relayout.first_slot, self._core.device, positions, self._core.coalesced
         )
+        staged = tier.stage(relayout, rows)  # the new arenas but for the rows that stay (on the CPU)
         self.prepare_seconds += time.perf_counter() - t0
-        return ReadAhead(group, relayout, rows, plans)
+        return ReadAhead(group, relayout, rows if staged is None else {}, plans, staged)
 
     def take(self, batches: list[dict[str, np.ndarray]]) -> ReadAhead | None:
         """The read-ahead of ``batches`` if they are the ones announced, else None (and it is dropped)."""
