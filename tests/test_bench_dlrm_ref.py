@@ -49,6 +49,24 @@ def test_the_dlrm_ref_bench_reports_every_variant_at_torchs_losses(tmp_path, cap
         assert f"\n{name} " in table
 
 
+def test_the_mlp_only_ceiling_trains_the_dense_part_alone(tmp_path, capsys):
+    """``mlp-only``: the model with stand-ins for its tables (no lookup, no sparse step), the most any
+    table implementation can reach; its losses are its own, not compared with torch's."""
+    out = tmp_path / "ceiling.json"
+    argv = ["bench", "--model", "dlrm-ref", "--max-ind-range", "200", "--examples", "2048"]
+    argv += ["--variants", "torch,mlp-only", "--optimizer", "adagrad"]
+    argv += ["--batch-size", "512", "--repeats", "1", "--tmp", str(tmp_path), "--json", str(out)]
+    assert main(argv) == 0
+    variants = json.loads(out.read_text())["variants"]
+    ceiling, torch_run = variants["mlp-only"], variants["torch"]
+    assert "error" not in ceiling, ceiling.get("error")
+    assert ceiling["examples"] == 2048 and ceiling["rows"] == 0
+    assert ceiling["vs_torch"] == pytest.approx(ceiling["examples_per_s"] / torch_run["examples_per_s"])
+    assert len(ceiling["losses"]) == 8 and "max_loss_diff" not in ceiling
+    assert ceiling["losses"] != torch_run["losses"]  # the same dense layers, fed no embeddings
+    assert "\nmlp-only " in capsys.readouterr().out
+
+
 def test_without_torchrec_its_variant_is_skipped_with_the_reason(tmp_path, monkeypatch, capsys):
     from hierps.bench import dlrm_ref
 

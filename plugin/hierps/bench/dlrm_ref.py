@@ -21,6 +21,9 @@ hierps-ram         built on the meta device and handed to ``hierps.deepspeed.ini
                    ``PassLoader`` loads each pass's rows; the RAM tier holds every row it creates
 hierps-ssd         the same with a 64 MiB RAM tier: most rows live on SSD
 hierps-no-loader   as hierps-ram, the loop over the batches as they are: rows fetched on demand
+mlp-only           (asked for by ``--variants``) the model with each table a stand-in that returns the
+                   same (B, 16) leaf every batch: the MLPs and interaction alone, with the dense
+                   optimizer. No embedding work at all: the most any table implementation can reach
 torch-tables       (asked for by ``--variants``) the 26 tables alone, without the MLPs: the mean
                    square of their pooled outputs as the loss, torch's sparse SGD
 hierps-tables      the same tables in a store (RAM), announced as ``hierps.Bags`` by a PassLoader
@@ -58,6 +61,7 @@ import torch
 from torch import nn
 
 from hierps.bench._worker import median_record, one_rank_ds_config, single_rank_env, spawn
+from hierps.bench.variants import NoLookup
 from hierps.demo.models import ReferenceDLRM
 
 __all__ = [
@@ -75,6 +79,10 @@ REF_VARIANTS = ("torch", "torchrec", "hierps-ram", "hierps-no-loader", "hierps-s
 # The model's 26 tables alone (the mean square of their pooled outputs as the loss, SGD), on the same batches: the
 # part of a step hierps replaces, apart from the MLPs both run alike. Run when asked (--variants).
 TABLE_VARIANTS = ("torch-tables", "hierps-tables")
+# The model without any embedding work (its tables return a fixed leaf): the ceiling of every
+# variant above. Run when asked (--variants).
+CEILING = "mlp-only"
+_ALL = (*REF_VARIANTS, *TABLE_VARIANTS, CEILING)
 # dlrm's Kaggle rate for SGD. (The example trains at 1.0, where its AUC rises faster, but there
 # rounding differences grow step by step: by 1e-5 in about 100 steps.)
 _LR = {"sgd": 0.1, "adagrad": 0.01}
@@ -256,6 +264,27 @@ def _torch(cfg: dict[str, Any], profile: str | None) -> dict[str, Any]:
             opt.zero_grad()
         run.losses.append(loss.item())
     return run.record(batch_size=cfg["batch_size"], rows=sum(sizes))
+
+
+def _mlp_only(cfg: dict[str, Any], profile: str | None) -> dict[str, Any]:
+    """The model's MLPs and interaction with its dense optimizer, each table a :class:`NoLookup`."""
+    batches, sizes = _batches(cfg)
+    torch.manual_seed(cfg["seed"])
+    model = ReferenceDLRM([1] * len(sizes), cfg["dim"])  # the tables are replaced: never allocated whole
+    gen = torch.Generator().manual_seed(cfg["seed"])
+    stand_ins = [NoLookup(cfg["batch_size"], cfg["dim"], gen) for _ in sizes]
+    model.tables = nn.ModuleList(stand_ins)
+    opt = _optimizer(cfg, model.dense_parameters())
+    run = _Run(len(batches), profile)
+    for b in run.steps(batches + batches):
+        loss = _LOSS(model(b.dense, b.ids, b.offsets), b.labels)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        for t in stand_ins:
+            t.step()
+        run.losses.append(loss.item())
+    return run.record(batch_size=cfg["batch_size"], rows=0)
 
 
 @torch.no_grad()
@@ -506,12 +535,12 @@ def run_phase(spec: dict[str, Any]) -> dict[str, Any]:
         record = _torchrec(cfg, profile)
     elif name in TABLE_VARIANTS:
         record = _tables_only(cfg, Path(spec["tmp"]), name)
+    elif name == CEILING:
+        record = _mlp_only(cfg, profile)
     elif name in REF_VARIANTS:
         record = _hierps(cfg, Path(spec["tmp"]), name, profile)
     else:
-        raise ValueError(
-            f"dlrm-ref variant: expected one of {', '.join(REF_VARIANTS + TABLE_VARIANTS)}. Got {name!r} instead."
-        )
+        raise ValueError(f"dlrm-ref variant: expected one of {', '.join(_ALL)}. Got {name!r} instead.")
     record["peak_rss_bytes"] = peak_rss_bytes()
     record["process_seconds"] = time.perf_counter() - t0
     return record
@@ -569,10 +598,10 @@ def _write_profile(profiler: cProfile.Profile, path: str, steps: int) -> dict[st
 # -- the run ---------------------------------------------------------------------------------------------
 def run_ref_bench(cfg: dict[str, Any], tmp: str | None = None, profile: str | None = None) -> dict[str, Any]:
     """Every variant of ``cfg`` ``repeats`` times, interleaved, each in its own process; medians."""
-    unknown = sorted(set(cfg["variants"]) - set(REF_VARIANTS + TABLE_VARIANTS))
+    unknown = sorted(set(cfg["variants"]) - set(_ALL))
     if unknown or "torch" not in cfg["variants"]:
         raise ValueError(
-            f"dlrm-ref variants: expected a subset of {','.join(REF_VARIANTS + TABLE_VARIANTS)} with torch (the baseline). "
+            f"dlrm-ref variants: expected a subset of {','.join(_ALL)} with torch (the baseline). "
             f"Got {','.join(cfg['variants'])} instead."
         )
     skipped = {"torchrec": why} if "torchrec" in cfg["variants"] and (why := torchrec_missing()) else {}
@@ -641,6 +670,8 @@ def _compare(results: dict[str, Any]) -> None:
         ):
             if rate in record and rate in base:
                 record[ratio] = record[rate] / base[rate]
+        if name == CEILING:  # a model without tables: its losses are not the others'
+            continue
         a, b = np.asarray(record["losses"]), np.asarray(base["losses"])
         record["max_loss_diff"] = float(np.abs(a - b).max()) if a.shape == b.shape else float("inf")
 

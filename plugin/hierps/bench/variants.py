@@ -46,7 +46,7 @@ from hierps.integrations.rendezvous import free_port
 from hierps.rows import row_layout
 from hierps.tiers import ram_row_bytes
 
-__all__ = ["PROFILER", "VARIANTS", "Workload", "make_workload", "peak_rss_bytes", "run_variant"]
+__all__ = ["PROFILER", "VARIANTS", "NoLookup", "Workload", "make_workload", "peak_rss_bytes", "run_variant"]
 
 Batch = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 _ADAGRAD_EPS = 1e-10  # torch.optim.Adagrad's default, also the store's
@@ -168,7 +168,7 @@ def _torch_dense(work: Workload, cfg: dict[str, Any], tmp: Path, params: dict[st
 
 
 def _adam_step(
-    model: nn.Module, lr: float, then: Sequence[_MmapBag | _NoLookup] = ()
+    model: nn.Module, lr: float, then: Sequence[_MmapBag | NoLookup] = ()
 ) -> Callable[[Batch], None]:
     """One training step of ``model`` on a batch: the loss's backward, a dense Adam step, then a
     step of each of ``then`` (tables that apply their own gradients)."""
@@ -279,7 +279,7 @@ def _with_tables(work: Workload, cfg: dict[str, Any], tables: Sequence[nn.Module
 
 
 def _measure_with_tables(
-    work: Workload, cfg: dict[str, Any], tables: Sequence[_MmapBag | _NoLookup], batches: list[Batch]
+    work: Workload, cfg: dict[str, Any], tables: Sequence[_MmapBag | NoLookup], batches: list[Batch]
 ) -> dict[str, Any]:
     """An epoch of the model with ``tables`` (each stepped after the dense Adam step) over ``batches``."""
     return _measure_epoch(_adam_step(_with_tables(work, cfg, tables), cfg["lr_dense"], tables), batches)
@@ -299,7 +299,7 @@ def _mmap(work: Workload, cfg: dict[str, Any], tmp: Path, params: dict[str, Any]
 
 
 # -- mlp-only -----------------------------------------------------------------------------------
-class _NoLookup(nn.Module):
+class NoLookup(nn.Module):
     """Returns the same (B, dim) leaf for every batch: the model runs, no embedding work is done."""
 
     def __init__(self, batch: int, dim: int, gen: torch.Generator) -> None:
@@ -315,7 +315,7 @@ class _NoLookup(nn.Module):
 
 def _mlp_only(work: Workload, cfg: dict[str, Any], tmp: Path, params: dict[str, Any]) -> dict[str, Any]:
     gen = torch.Generator().manual_seed(cfg["seed"])
-    bags = [_NoLookup(cfg["batch_size"], cfg["dim"], gen) for _ in work.spec.resolved_vocab_sizes]
+    bags = [NoLookup(cfg["batch_size"], cfg["dim"], gen) for _ in work.spec.resolved_vocab_sizes]
     return _measure_with_tables(work, cfg, bags, work.batches)
 
 
