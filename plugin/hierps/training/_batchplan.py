@@ -645,7 +645,9 @@ class PassBatches:
         k = self.cursor.get(table, 0)
         batch = self.batches[k] if k < len(self.batches) else None
         plan = batch.plans.get(table) if batch is not None else None
-        if plan is None or plan.ids.numel() != ids.numel() or not torch.equal(plan.ids, ids.reshape(-1)):
+        if plan is None or plan.ids.numel() != ids.numel():
+            return None
+        if not torch.equal(plan.ids, ids if ids.dim() == 1 else ids.reshape(-1)):  # (a view costs µs)
             return None
         return k, plan
 
