@@ -161,8 +161,10 @@ class PassRunner:
                 plans = ahead.plans
             else:
                 # No write-back is pending now, so rows the read-ahead lacks are read fresh.
-                got = ahead.missing_rows() if ahead else {}
-                prepared = {t: (k, got[t]) for t, k in ahead.relayout.missing.items()} if ahead else None
+                prepared = None
+                if ahead is not None:
+                    got = ahead.missing_rows()
+                    prepared = {t: (k, got[t]) for t, k in ahead.relayout.missing.items()}
                 drained = tier.rebuild(groups[0], prepared, fetch)
             self._pipe.submit_writeback(drained)
             self._translated(raw, groups[0], plans, positions)
