@@ -249,12 +249,22 @@ def _tables_only(cfg: dict[str, Any], tmp: Path, name: str) -> dict[str, Any]:
 
 
 # -- torch -------------------------------------------------------------------------------------------
-def _torch(cfg: dict[str, Any], profile: str | None) -> dict[str, Any]:
+def _torch(cfg: dict[str, Any], profile: str | None, ceiling: bool = False) -> dict[str, Any]:
+    """The model in plain PyTorch; with ``ceiling`` (``mlp-only``) each table a :class:`NoLookup`,
+    the dense optimizer alone."""
     batches, sizes = _batches(cfg)
     torch.manual_seed(cfg["seed"])
-    model = ReferenceDLRM(sizes, cfg["dim"])
-    _start_from_initializer([cast(nn.EmbeddingBag, t).weight for t in model.tables], batches, cfg)
-    opts = [_optimizer(cfg, model.sparse_parameters()), _optimizer(cfg, model.dense_parameters())]
+    stand_ins: list[NoLookup] = []
+    if ceiling:
+        model = ReferenceDLRM([1] * len(sizes), cfg["dim"])  # its tables replaced: never allocated whole
+        gen = torch.Generator().manual_seed(cfg["seed"])
+        stand_ins = [NoLookup(cfg["batch_size"], cfg["dim"], gen) for _ in sizes]
+        model.tables = nn.ModuleList(stand_ins)
+        opts = [_optimizer(cfg, model.dense_parameters())]
+    else:
+        model = ReferenceDLRM(sizes, cfg["dim"])
+        _start_from_initializer([cast(nn.EmbeddingBag, t).weight for t in model.tables], batches, cfg)
+        opts = [_optimizer(cfg, model.sparse_parameters()), _optimizer(cfg, model.dense_parameters())]
     run = _Run(len(batches), profile)
     for b in run.steps(batches + batches):
         loss = _LOSS(model(b.dense, b.ids, b.offsets), b.labels)
@@ -262,29 +272,10 @@ def _torch(cfg: dict[str, Any], profile: str | None) -> dict[str, Any]:
         for opt in opts:
             opt.step()
             opt.zero_grad()
-        run.losses.append(loss.item())
-    return run.record(batch_size=cfg["batch_size"], rows=sum(sizes))
-
-
-def _mlp_only(cfg: dict[str, Any], profile: str | None) -> dict[str, Any]:
-    """The model's MLPs and interaction with its dense optimizer, each table a :class:`NoLookup`."""
-    batches, sizes = _batches(cfg)
-    torch.manual_seed(cfg["seed"])
-    model = ReferenceDLRM([1] * len(sizes), cfg["dim"])  # the tables are replaced: never allocated whole
-    gen = torch.Generator().manual_seed(cfg["seed"])
-    stand_ins = [NoLookup(cfg["batch_size"], cfg["dim"], gen) for _ in sizes]
-    model.tables = nn.ModuleList(stand_ins)
-    opt = _optimizer(cfg, model.dense_parameters())
-    run = _Run(len(batches), profile)
-    for b in run.steps(batches + batches):
-        loss = _LOSS(model(b.dense, b.ids, b.offsets), b.labels)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
         for t in stand_ins:
             t.step()
         run.losses.append(loss.item())
-    return run.record(batch_size=cfg["batch_size"], rows=0)
+    return run.record(batch_size=cfg["batch_size"], rows=0 if ceiling else sum(sizes))
 
 
 @torch.no_grad()
@@ -536,7 +527,7 @@ def run_phase(spec: dict[str, Any]) -> dict[str, Any]:
     elif name in TABLE_VARIANTS:
         record = _tables_only(cfg, Path(spec["tmp"]), name)
     elif name == CEILING:
-        record = _mlp_only(cfg, profile)
+        record = _torch(cfg, profile, ceiling=True)
     elif name in REF_VARIANTS:
         record = _hierps(cfg, Path(spec["tmp"]), name, profile)
     else:

@@ -69,17 +69,18 @@ class DrainedRows:
 
     @property
     def rows(self) -> np.ndarray:
-        if self._rows is None:
-            self.copy_out(clean_too=True)
-            assert self._rows is not None
-        return self._rows
+        return self._rows if self._rows is not None else self._copy()
 
-    def copy_out(self, clean_too: bool = False) -> None:
-        """Copy the rows out of their source now, if any is dirty (or ``clean_too``; the write-back
-        reads dirty rows only)."""
-        if self._source is not None and (clean_too or self.dirty.any()):
-            arena_rows, slots = self._source
-            self._rows, self._source = arena_rows.index_select(0, slots).numpy(), None
+    def copy_out(self) -> None:
+        """Copy the rows out of their source now if any is dirty (the write-back reads only those)."""
+        if self._source is not None and self.dirty.any():
+            self._copy()
+
+    def _copy(self) -> np.ndarray:
+        assert self._source is not None
+        arena_rows, slots = self._source
+        self._rows, self._source = arena_rows.index_select(0, slots).numpy(), None
+        return self._rows
 
 
 class _Arena:

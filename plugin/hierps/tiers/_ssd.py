@@ -787,15 +787,14 @@ class SsdTier:
             self._segs[table][seg] = self._segment(table, seg, n, check, origin)
             self._set_live(table, seg, live)
 
-    def adopt(self, table: str, source: Path, source_id: str, segments: Mapping[int, SegmentRef]) -> int:
+    def adopt(self, table: str, source: Path, source_id: str, segments: Mapping[int, SegmentRef]) -> None:
         """Add to ``table``'s live set the ``segments`` of another store's checkpoint (its segments
         directory ``source``, its id ``source_id``), none of whose keys this table holds: each linked
         in under a new id, in their order (a newer segment's rows stay the newer), not a byte read or
         written. Their chunks keep the binding tags they were written with (``SegmentRef.origin``).
         Like a written segment, an adopted one is durable at the next :meth:`sync` and counts once a
-        checkpoint names it. Returns the rows adopted (live). ``OSError`` when a link cannot be made
-        (another file system: ``EXDEV``), with the segments linked so far in the live set."""
-        adopted = 0
+        checkpoint names it. ``OSError`` when a link cannot be made (another file system:
+        ``EXDEV``), with the segments linked so far in the live set."""
         os.makedirs(self.root / table, exist_ok=True)
         for seg, ref in sorted(segments.items()):
             name = segment_name(table, seg)
@@ -807,9 +806,7 @@ class SsdTier:
             self._segs[table][new] = self._segment(table, new, ref.rows, ref.check, origin)
             self._set_live(table, new, ref.live)
             self._unsynced.append((table, new))
-            adopted += ref.live
             fault_point("ssd.adopted_segment")
-        return adopted
 
     def _drop(self, table: str, seg: int) -> None:
         """Take a segment out of the live set (its files stay)."""
